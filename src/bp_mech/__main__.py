@@ -1,0 +1,5 @@
+import sys
+
+from bp_mech.cli import main
+
+sys.exit(main())

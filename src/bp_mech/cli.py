@@ -1,0 +1,185 @@
+"""``bp-mech``: run experiments, check exercises, validate records, preflight a profile.
+
+Bad input (unknown ID, profile or mode, a shape the model cannot take, ``real_gpu`` without
+CUDA, a corrupt record) prints one line on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bp_mech import registry, results
+from bp_mech.environment import ProfileError, check_profile, cuda_available, preflight
+from bp_mech.workload import WorkloadError
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (src layout)
+DEFAULT_RESULTS = ROOT / "book" / "results"
+
+
+class UsageError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, status 2
+        raise UsageError(message)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+TABLE_FIELDS = ("candidate", "all_finite", "output_error", "grad_error", "peak_allocated", "step_median_s",
+                "step_p95_s", "decision", "failure")
+
+
+def print_table(records: list[results.Record], file=sys.stdout) -> None:
+    cols = [f for f in TABLE_FIELDS if any(getattr(r, f) is not None for r in records) or f == "candidate"]
+    rows = [[_fmt(getattr(r, f)) for f in cols] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=file)
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)), file=file)
+
+
+def _progress(it, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(it, file=sys.stderr, leave=False, **kw)
+
+
+def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None) -> int:
+    if mode == "real_gpu" and not cuda_available():
+        raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
+    ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress)
+    if mode == "dry_run":
+        print(json.dumps(registry.plan(ctx), indent=1, default=str))
+        return 0
+    print(f"== {ctx.experiment.semantic_id} ({ctx.experiment.page}) on {ctx.workload.workload_id}, "
+          f"mode {mode}", file=sys.stderr)
+    recs = registry.run(ctx)
+    print_table(recs)
+    if out is not None:
+        for r in recs:
+            print(f"saved {results.save_record(r, out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(a) -> int:
+    if a.suite:
+        if a.suite != "gpu":
+            raise UsageError(f"unknown suite {a.suite!r}; the only suite is 'gpu'")
+        mode = a.mode or "real_gpu"
+        failed = []
+        for e in registry.gpu_suite():
+            try:
+                run_one(e.semantic_id, mode, None, a.out, a.run_label)
+            except (UsageError, registry.RegistryError, WorkloadError):
+                raise
+            except Exception as exc:  # one experiment failing must not stop the suite
+                print(f"bp-mech: {e.semantic_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                failed.append(e.semantic_id)
+        return 1 if failed else 0
+    if not a.id:
+        raise UsageError("run needs an experiment ID or --suite gpu")
+    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label)
+
+
+def cmd_results(a) -> int:
+    d = Path(a.dir) if a.dir else DEFAULT_RESULTS
+    items = results.load_records(d)  # validates every file; raises RecordError naming it
+    if a.action == "validate":
+        groups: dict[tuple, list] = {}
+        for p, r in items:
+            groups.setdefault((r.semantic_id, r.run_label, r.workload_id), []).append((p, r))
+        for g in groups.values():
+            results.check_mergeable(g)
+        print(f"{len(items)} record(s) valid in {d}")
+        return 0
+    for p, r in items:
+        stale = results.is_stale(r, registry.get(r.semantic_id).module) if registry.get(r.semantic_id).implemented else True
+        print(f"{p.name}  {r.evidence_level}  {r.workload_id}  {r.candidate}{'  STALE' if stale else ''}")
+    return 0
+
+
+def cmd_check(a) -> int:
+    e = registry.by_number(a.chapter)
+    marker = e.number if not e.number.isdigit() else f"ch{e.number}"
+    impl = a.dir or "exercises"
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_exercises.py"), "-m", marker,
+           f"--impl={impl}", "-q", "-p", "no:cacheprovider"]
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+def cmd_conformance(a) -> int:
+    check_profile(a.profile)
+    if not a.all_part02:
+        raise UsageError("conformance needs --all-part02")
+    rows = []
+    for e in registry.EXPERIMENTS.values():
+        if e.implemented and hasattr(mod := e.load(), "conformance"):
+            rows.append(mod.conformance())
+    for r in rows:
+        print(f"{'PASS' if r.passed else 'FAIL'}  {r.page:<26} {r.semantic_id:<28} vs {r.reference}: {r.detail}")
+    failed = [r for r in rows if not r.passed]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if (a.require_passed and (failed or not rows)) else 0
+
+
+def cmd_preflight(a) -> int:
+    report = preflight(a.profile)
+    print(json.dumps(report, indent=1))
+    return 0 if report["status"] == "ok" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="bp-mech", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run one experiment (all candidates) or the GPU suite")
+    r.add_argument("id", nargs="?", help="experiment ID, e.g. TRAIN-LOCAL-BACKWARD")
+    r.add_argument("--suite", help="'gpu': every GPU experiment, numeric paths first")
+    r.add_argument("--workload", help="e.g. tiny-b2s64, qwen05-b2s512")
+    r.add_argument("--mode", choices=registry.MODES)
+    r.add_argument("--out", type=Path, help="directory to save the records in")
+    r.add_argument("--run-label", help="run label (a shrunken matrix needs its own)")
+    r.set_defaults(fn=cmd_run)
+    s = sub.add_parser("results", help="list or validate cached records")
+    s.add_argument("action", choices=("list", "validate"))
+    s.add_argument("dir", nargs="?", help="default: book/results")
+    s.set_defaults(fn=cmd_results)
+    c = sub.add_parser("check", help="check your solutions of a chapter's exercises")
+    c.add_argument("chapter", help="chapter number, e.g. 09 (or 'amp')")
+    c.add_argument("--dir", help="directory holding your exNN_*.py (default: exercises/)")
+    c.set_defaults(fn=cmd_check)
+    f = sub.add_parser("conformance", help="framework-conformance rows of Part 02")
+    f.add_argument("--all-part02", action="store_true")
+    f.add_argument("--profile", default="TRAIN-CPU")
+    f.add_argument("--require-passed", action="store_true")
+    f.set_defaults(fn=cmd_conformance)
+    q = sub.add_parser("preflight", help="check a profile's environment")
+    q.add_argument("--profile", required=True)
+    q.set_defaults(fn=cmd_preflight)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+        if getattr(a, "cmd", None) == "preflight":
+            check_profile(a.profile)
+        return a.fn(a)
+    except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError) as e:
+        print(f"bp-mech: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

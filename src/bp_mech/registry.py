@@ -1,0 +1,223 @@
+"""The experiment registry: every ID of DESIGN.md, the module that implements it, how to run it.
+
+An experiment module (``bp_mech.<name>``) implements the mechanism and exposes:
+
+* ``CANDIDATES``: the arms of its fixed comparison (tuple of str);
+* ``run(ctx: RunContext) -> list[Record]``: run every candidate, one record each;
+* optionally ``plan(ctx) -> dict`` (extra lines for ``--mode dry_run``) and
+  ``conformance() -> ConformanceRow`` (its framework-conformance check).
+
+The registry lists the IDs statically; a row whose module is not written yet is *planned*.
+The status of a row is computed from the modules, the chapter pages and the cached records,
+never typed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from bp_mech import results
+from bp_mech.environment import environment_fields
+from bp_mech.workload import Workload, parse_workload, workload_fields
+
+MODES = ("cpu", "real_gpu", "dry_run")
+
+
+class RegistryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Experiment:
+    semantic_id: str  # stable ID from the seed
+    page: str  # "Part 02 · 09"
+    number: str  # what `bp-mech check` takes: "09", "amp", ...
+    module: str  # "bp_mech.local_backward"
+    doc: str  # the chapter page, relative to the repo root
+    comparison: str  # the fixed comparison, as in the registry table
+    metrics: str  # the main metrics
+    gpu: bool  # part of the GPU suite (CPU mechanism + GPU cached)
+    cpu_workload: str = "tiny-b2s64"  # default workload of --mode cpu
+    gpu_workload: str = "qwen05-b2s512"  # default workload of --mode real_gpu
+
+    def load(self) -> ModuleType:
+        try:
+            return importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name == self.module:
+                raise RegistryError(f"{self.semantic_id} is registered but not implemented yet ({self.module})") from None
+            raise
+
+    @property
+    def implemented(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+
+def _e(*a, **kw) -> Experiment:
+    return Experiment(*a, **kw)
+
+
+# GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76.
+EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
+    _e("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.amp", "book/part02/12b-amp-backward.md",
+       "FP32 → AMP, plus overflow samples", "finiteness, loss scale, skipped steps, peak, step time", True),
+    _e("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.accumulation",
+       "book/part02/11-gradient-accumulation.md", "full batch → 2 / 4 micro-batches accumulated",
+       "param/loss difference, absolute and incremental peak, step median/P95", True),
+    _e("TRAIN-CHECKPOINT", "Part 02 · 19", "19", "bp_mech.checkpointing", "book/part02/19-checkpointing.md",
+       "plain saving → native gradient checkpointing", "loss / grad-norm equality, peak, step time, recompute count",
+       True),
+    _e("TRAIN-OFFLOAD", "Part 02 · 42", "42", "bp_mech.offload", "book/part02/42-offload.md",
+       "GPU-resident → host offload of saved activations", "loss / grad-norm equality, D2H/H2D bytes, peak, step time",
+       True),
+    _e("TRAIN-UPDATE-DYNAMICS", "Part 02 · 55", "55", "bp_mech.update_dynamics", "book/part02/55-update-dynamics.md",
+       "base LR / high LR no clip / high LR with clip",
+       "finiteness, grad norm, clip coefficient, parameter delta, peak, step median/P95", True),
+    _e("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.continual_pretrain",
+       "book/part02/56-continual-pretrain.md", "0-update baseline → fixed-step full-sequence domain training",
+       "domain / holdout token loss, finiteness, checkpoint fields, peak, step median/P95", True),
+    _e("TRAIN-MEMORY-STRATEGY", "Part 02 · 76", "76", "bp_mech.projects.memory_strategy",
+       "book/projects/76-memory-strategy.md", "single and combined strategies (checkpoint, offload, AMP)",
+       "quality–capacity–time decision", True),
+    _e("TRAIN-LOCAL-BACKWARD", "Part 02 · 09", "09", "bp_mech.local_backward", "book/part02/09-local-backward.md",
+       "hand-written local gradients → autograd", "output, input grad, parameter grads, error", False),
+    _e("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.attention_backward",
+       "book/part02/10-attention-backward.md", "hand-written attention backward → autograd",
+       "dQ/dK/dV, saved state (bytes), numeric error", False),
+    _e("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.scheduler", "book/part02/12-scheduler-clock.md",
+       "WSD clock under successful and skipped updates", "warmup/stable/decay boundaries, effective update count",
+       False),
+    _e("TRAIN-STATE-LEDGER", "Part 02 · 43", "43", "bp_mech.ledger", "book/part02/43-state-ledger.md",
+       "baseline lifecycle → lifecycle after a strategy", "residency per stage, peak objects, theoretical peak",
+       False),
+    _e("TRAIN-BASELINE", "Part 02 · 73", "73", "bp_mech.projects.baseline", "book/projects/73-baseline.md",
+       "fixed-model, fixed-data training baseline", "throughput and quality", False),
+    _e("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling_diagnosis",
+       "book/projects/74-profiling-diagnosis.md", "lifecycle ledger and trace fields",
+       "dominant state, critical path, candidate attribution", False),
+]}
+
+
+def get(semantic_id: str) -> Experiment:
+    try:
+        return EXPERIMENTS[semantic_id]
+    except KeyError:
+        raise RegistryError(f"unknown experiment ID {semantic_id!r}; known: {', '.join(EXPERIMENTS)}") from None
+
+
+def by_number(number: str) -> Experiment:
+    for e in EXPERIMENTS.values():
+        if e.number == number.lower().lstrip("0") or e.number == number.lower():
+            return e
+    raise RegistryError(f"unknown chapter {number!r}; known: {', '.join(e.number for e in EXPERIMENTS.values())}")
+
+
+def gpu_suite() -> list[Experiment]:
+    return [e for e in EXPERIMENTS.values() if e.gpu and e.implemented]
+
+
+@dataclass
+class RunContext:
+    """Everything an experiment's ``run`` needs, and the factory of its records."""
+
+    experiment: Experiment
+    workload: Workload
+    mode: str  # cpu | real_gpu | dry_run
+    profile: str  # TRAIN-CPU | TRAIN-CUDA-MECHANISM
+    run_label: str  # e.g. "cpu-default"
+    progress: Callable = field(default=lambda it, **kw: it)  # tqdm-like wrapper for long loops
+    _base: dict | None = None
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.mode == "real_gpu" else "cpu"
+
+    @property
+    def evidence_level(self) -> str:
+        return "gpu-measured" if self.mode == "real_gpu" else "cpu-mechanism"
+
+    @property
+    def memory_source(self) -> str:
+        return "cuda-allocator" if self.mode == "real_gpu" else "tracked-cpu"
+
+    def record(self, candidate: str, **fields) -> results.Record:
+        """A record with identity, workload, environment and provenance filled in."""
+        if self._base is None:
+            self._base = dict(
+                **workload_fields(self.workload),
+                **environment_fields(self.profile, self.device),
+                **results.provenance(self.experiment.module),
+            )
+        base = dict(self._base, evidence_level=self.evidence_level)
+        base.update(fields)
+        return results.Record(semantic_id=self.experiment.semantic_id, run_label=self.run_label,
+                              page=self.experiment.page, candidate=candidate, **base)
+
+
+def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload | None = None,
+                 run_label: str | None = None, progress: Callable | None = None) -> RunContext:
+    exp = get(semantic_id)
+    if mode not in MODES:
+        raise RegistryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if workload is None:
+        workload = exp.gpu_workload if mode == "real_gpu" else exp.cpu_workload
+    w = parse_workload(workload) if isinstance(workload, str) else workload
+    profile = "TRAIN-CUDA-MECHANISM" if mode == "real_gpu" else "TRAIN-CPU"
+    label = run_label or f"{'gpu' if mode == 'real_gpu' else 'cpu'}-default"
+    ctx = RunContext(exp, w, mode, profile, label)
+    if progress is not None:
+        ctx.progress = progress
+    return ctx
+
+
+def plan(ctx: RunContext) -> dict:
+    """What ``run`` would do, without touching a model."""
+    mod = ctx.experiment.load()
+    out = dict(semantic_id=ctx.experiment.semantic_id, page=ctx.experiment.page, mode=ctx.mode,
+               profile=ctx.profile, device=ctx.device, run_label=ctx.run_label,
+               workload=ctx.workload.workload_id, model_id=ctx.workload.hub_id, model_source=ctx.workload.source,
+               candidates=list(getattr(mod, "CANDIDATES", ())), evidence_level=ctx.evidence_level)
+    if hasattr(mod, "plan"):
+        out.update(mod.plan(ctx))
+    return out
+
+
+def run(ctx: RunContext) -> list[results.Record]:
+    mod = ctx.experiment.load()
+    return mod.run(ctx)
+
+
+# --- status, computed ---------------------------------------------------------------
+
+@dataclass
+class ConformanceRow:
+    page: str  # registry page
+    semantic_id: str
+    reference: str  # the framework mechanism it is checked against
+    passed: bool
+    detail: str  # the measured difference and its tolerance
+
+
+def status(e: Experiment, root: Path, results_dir: Path) -> str:
+    """Computed from the module, the chapter page and the cached records (valid, not stale)."""
+    if not e.implemented:
+        return "planned"
+    if not (root / e.doc).exists():
+        return "in progress (no chapter yet)"
+    recs = [r for _, r in results.load_records(results_dir, e.semantic_id) if r.failure is None]
+    fresh = [r for r in recs if not results.is_stale(r, e.module)]
+    cpu = any(r.evidence_level == "cpu-mechanism" for r in fresh)
+    gpu = [r for r in recs if r.evidence_level == "gpu-measured"]
+    text = "complete CPU mechanism" if cpu else "CPU mechanism (no current CPU record cached)"
+    if e.gpu:
+        if not gpu:
+            text += "; no GPU record cached yet"
+        elif any(not results.is_stale(r, e.module) for r in gpu):
+            text += " + GPU cached"
+        else:
+            text += " + GPU cached (stale: code changed since)"
+    return text

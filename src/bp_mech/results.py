@@ -1,0 +1,213 @@
+"""The result record: one candidate of one experiment run, saved as one JSON file.
+
+Every field of DESIGN.md is present in every record (``None`` where it does not apply).
+Records are written atomically (temp file + rename), validated against the JSON Schema that
+ships with the package (``schema/record.schema.json``) on save and on load, and refused in a
+comparison when their ``model_commit`` or ``workload_id`` differ. A record whose
+``code_hash`` no longer matches the experiment's source is *stale*; chapters show it so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+EVIDENCE_LEVELS = ("cpu-mechanism", "gpu-measured", "estimated", "theoretical")
+MEMORY_SOURCES = ("cuda-allocator", "tracked-cpu", "fake-tensor", "formula")
+DECISIONS = ("accept", "tune", "reject")
+
+
+class RecordError(ValueError):
+    """A record that cannot be used; the message names the file and the field."""
+
+
+@dataclass
+class Record:
+    # identity
+    semantic_id: str  # registry ID, e.g. TRAIN-LOCAL-BACKWARD
+    workload_id: str  # e.g. tiny-b2s128
+    run_label: str  # e.g. cpu-default; a shrunken matrix gets its own label
+    page: str  # e.g. "Part 02 · 09"
+    candidate: str  # which arm of the fixed comparison
+    # workload
+    model_id: str | None = None
+    model_commit: str | None = None
+    model_source: str | None = None  # config | pretrained
+    tokenizer: str | None = None
+    input_shape: list | None = None
+    effective_batch: int | None = None
+    updates: int | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    # environment
+    profile_id: str | None = None
+    python: str | None = None
+    torch: str | None = None
+    transformers: str | None = None
+    cuda: str | None = None
+    device_name: str | None = None
+    device_memory: int | None = None  # bytes
+    # correctness
+    output_error: float | None = None
+    grad_error: float | None = None
+    all_finite: bool | None = None
+    skipped_updates: int | None = None
+    update_count: int | None = None
+    # resources and performance
+    peak_allocated: int | None = None  # bytes
+    peak_reserved: int | None = None  # bytes
+    step_median_s: float | None = None
+    step_p95_s: float | None = None
+    warmup_excluded: int | None = None
+    transfer_bytes: dict | None = None  # {"d2h": int, "h2d": int}
+    recompute_count: int | None = None
+    memory_source: str | None = None
+    # conclusion
+    failure: str | None = None
+    evidence_level: str = "cpu-mechanism"
+    decision: str | None = None
+    next_step: str | None = None
+    # experiment-specific measurements (per-op errors, boundaries, traces, ...)
+    metrics: dict = field(default_factory=dict)
+    # provenance
+    created_at: str | None = None
+    bp_mech_version: str | None = None
+    code_hash: str | None = None
+    git_commit: str | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def filename(self) -> str:
+        parts = (self.semantic_id, self.workload_id, self.run_label, self.candidate)
+        return "__".join(p.replace("/", "_").replace(" ", "_") for p in parts) + ".json"
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Record))
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict:
+    return json.loads(resources.files("bp_mech").joinpath("schema/record.schema.json").read_text())
+
+
+def validate(data: Any, where: str = "<record>") -> Record:
+    """Validate a dict against the shipped schema and return the Record."""
+    import jsonschema
+
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: a record must be a JSON object, got {type(data).__name__}")
+    errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        name = ".".join(str(p) for p in e.path) or (e.message.split("'")[1] if "'" in e.message else "?")
+        raise RecordError(f"{where}: field '{name}': {e.message}")
+    return Record(**data)
+
+
+def save_record(record: Record, out_dir: str | os.PathLike) -> Path:
+    """Validate and write ``record`` atomically into ``out_dir``; return the path."""
+    data = record.to_dict()
+    validate(data, record.filename)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / record.filename
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=False, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_record(path: str | os.PathLike) -> Record:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(f"{path}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{path}: not valid JSON (truncated or corrupt?): {e.msg} at line {e.lineno}") from None
+    return validate(data, str(path))
+
+
+def load_records(directory: str | os.PathLike, semantic_id: str | None = None) -> list[tuple[Path, Record]]:
+    """Every record under ``directory`` (validated), optionally of one experiment."""
+    d = Path(directory)
+    if not d.exists():
+        return []
+    if not d.is_dir():
+        raise RecordError(f"{d}: not a directory")
+    out = []
+    for p in sorted(d.rglob("*.json")):
+        r = load_record(p)
+        if semantic_id is None or r.semantic_id == semantic_id:
+            out.append((p, r))
+    return out
+
+
+def check_mergeable(items: Iterable[tuple[Path, Record]]) -> None:
+    """Refuse to compare records of different workloads or model commits."""
+    items = list(items)
+    if not items:
+        return
+    p0, r0 = items[0]
+    for p, r in items[1:]:
+        for name in ("workload_id", "model_commit"):
+            if getattr(r, name) != getattr(r0, name):
+                raise RecordError(
+                    f"{p}: field '{name}' is {getattr(r, name)!r} but {p0.name} has {getattr(r0, name)!r}; "
+                    "records of different workloads or model commits never go into one comparison"
+                )
+
+
+# --- provenance ---------------------------------------------------------------------
+
+def code_hash(module: str) -> str:
+    """sha256 (16 hex) of an experiment module's source plus the shared measurement code."""
+    h = hashlib.sha256()
+    for name in (module, "bp_mech.measure", "bp_mech.workload"):
+        h.update(inspect.getsource(importlib.import_module(name)).encode())
+    return h.hexdigest()[:16]
+
+
+def is_stale(record: Record, module: str) -> bool:
+    return record.code_hash != code_hash(module)
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(module: str) -> dict:
+    from bp_mech import __version__
+
+    return dict(
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        bp_mech_version=__version__,
+        code_hash=code_hash(module),
+        git_commit=git_commit(),
+    )

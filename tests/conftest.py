@@ -1,0 +1,36 @@
+"""Shared test fixtures.
+
+``--impl`` picks which exercise solutions ``tests/test_exercises.py`` checks: ``answers``
+(default), ``exercises`` (the learner's stubs) or a directory holding ``exNN_*.py`` files.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", default="answers",
+                     help="answers | exercises | a directory with your exNN_<topic>.py files")
+
+
+def load_solution(directory: Path, name: str):
+    """Import ``directory/name.py`` as a fresh module (not cached across directories)."""
+    path = directory / f"{name}.py"
+    if not path.exists():
+        pytest.fail(f"{path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_solution_{directory.name}_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def impl(request):
+    """``impl("ex09_local_backward")`` -> the chosen solutions module."""
+    which = request.config.getoption("--impl")
+    directory = ROOT / which if which in ("answers", "exercises") else Path(which).resolve()
+    return lambda name: load_solution(directory, name)
