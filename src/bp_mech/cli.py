@@ -41,7 +41,8 @@ TABLE_FIELDS = ("candidate", "all_finite", "output_error", "grad_error", "peak_a
                 "step_p95_s", "decision", "failure")
 
 
-def print_table(records: list[results.Record], file=sys.stdout) -> None:
+def print_table(records: list[results.Record], file=None) -> None:
+    file = file or sys.stdout
     cols = [f for f in TABLE_FIELDS if any(getattr(r, f) is not None for r in records) or f == "candidate"]
     rows = [[_fmt(getattr(r, f)) for f in cols] for r in records]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
@@ -56,10 +57,11 @@ def _progress(it, **kw):
     return tqdm(it, file=sys.stderr, leave=False, **kw)
 
 
-def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None) -> int:
+def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None,
+            source: dict | None = None) -> int:
     if mode == "real_gpu" and not cuda_available():
         raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
-    ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress)
+    ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source)
     if mode == "dry_run":
         print(json.dumps(registry.plan(ctx), indent=1, default=str))
         return 0
@@ -73,15 +75,22 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
     return 0
 
 
+def _source(a) -> dict | None:
+    if a.model_source == "config" and not (a.model_id or a.local_files_only):
+        return None
+    return dict(source=a.model_source, model_id=a.model_id, revision=a.revision, local_files_only=a.local_files_only)
+
+
 def cmd_run(a) -> int:
     if a.suite:
-        if a.suite != "gpu":
-            raise UsageError(f"unknown suite {a.suite!r}; the only suite is 'gpu'")
-        mode = a.mode or "real_gpu"
+        if a.suite not in ("gpu", "cpu"):
+            raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
+        mode = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu")
+        exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
         failed = []
-        for e in registry.gpu_suite():
+        for e in exps:
             try:
-                run_one(e.semantic_id, mode, None, a.out, a.run_label)
+                run_one(e.semantic_id, mode, None, a.out, a.run_label, _source(a))
             except (UsageError, registry.RegistryError, WorkloadError):
                 raise
             except Exception as exc:  # one experiment failing must not stop the suite
@@ -90,12 +99,15 @@ def cmd_run(a) -> int:
         return 1 if failed else 0
     if not a.id:
         raise UsageError("run needs an experiment ID or --suite gpu")
-    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label)
+    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a))
 
 
 def cmd_results(a) -> int:
     d = Path(a.dir) if a.dir else DEFAULT_RESULTS
-    items = results.load_records(d)  # validates every file; raises RecordError naming it
+    if not d.exists():
+        raise results.RecordError(f"{d}: no such file or directory")
+    # validates every file; raises RecordError naming the first bad one
+    items = [(d, results.load_record(d))] if d.is_file() else results.load_records(d)
     if a.action == "validate":
         groups: dict[tuple, list] = {}
         for p, r in items:
@@ -145,11 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="run one experiment (all candidates) or the GPU suite")
     r.add_argument("id", nargs="?", help="experiment ID, e.g. TRAIN-LOCAL-BACKWARD")
-    r.add_argument("--suite", help="'gpu': every GPU experiment, numeric paths first")
+    r.add_argument("--suite", help="'gpu': every GPU experiment, numeric paths first; 'cpu': every implemented experiment on the CPU")
     r.add_argument("--workload", help="e.g. tiny-b2s64, qwen05-b2s512")
     r.add_argument("--mode", choices=registry.MODES)
     r.add_argument("--out", type=Path, help="directory to save the records in")
     r.add_argument("--run-label", help="run label (a shrunken matrix needs its own)")
+    r.add_argument("--model-source", choices=("config", "pretrained"), default="config",
+                   help="random init from the config (default) or downloaded weights")
+    r.add_argument("--model-id", help="hub id or local directory of a pretrained model")
+    r.add_argument("--revision", default="main", help="hub revision, resolved to a commit")
+    r.add_argument("--local-files-only", action="store_true", help="pretrained: never touch the network")
     r.set_defaults(fn=cmd_run)
     s = sub.add_parser("results", help="list or validate cached records")
     s.add_argument("action", choices=("list", "validate"))

@@ -15,6 +15,7 @@ never typed.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -54,7 +55,10 @@ class Experiment:
 
     @property
     def implemented(self) -> bool:
-        return importlib.util.find_spec(self.module) is not None
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # its parent package (e.g. bp_mech.projects) does not exist yet
+            return False
 
 
 def _e(*a, **kw) -> Experiment:
@@ -87,7 +91,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
        "hand-written local gradients → autograd", "output, input grad, parameter grads, error", False),
     _e("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.attention_backward",
        "book/part02/10-attention-backward.md", "hand-written attention backward → autograd",
-       "dQ/dK/dV, saved state (bytes), numeric error", False),
+       "dQ/dK/dV, saved state (bytes), numeric error", False, cpu_workload="tiny-b1s512"),
     _e("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.scheduler", "book/part02/12-scheduler-clock.md",
        "WSD clock under successful and skipped updates", "warmup/stable/decay boundaries, effective update count",
        False),
@@ -159,13 +163,14 @@ class RunContext:
 
 
 def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload | None = None,
-                 run_label: str | None = None, progress: Callable | None = None) -> RunContext:
+                 run_label: str | None = None, progress: Callable | None = None,
+                 source: dict | None = None) -> RunContext:
     exp = get(semantic_id)
     if mode not in MODES:
         raise RegistryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if workload is None:
         workload = exp.gpu_workload if mode == "real_gpu" else exp.cpu_workload
-    w = parse_workload(workload) if isinstance(workload, str) else workload
+    w = parse_workload(workload, **(source or {})) if isinstance(workload, str) else workload
     profile = "TRAIN-CUDA-MECHANISM" if mode == "real_gpu" else "TRAIN-CPU"
     label = run_label or f"{'gpu' if mode == 'real_gpu' else 'cpu'}-default"
     ctx = RunContext(exp, w, mode, profile, label)

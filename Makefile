@@ -1,0 +1,35 @@
+# bp-mech: `make book` builds the book, `make test` runs every test (including a strict book build).
+# Both create .venv with the TRAIN-CPU profile when it is missing or out of date.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-train-cpu
+REQS   := requirements/torch-cpu.txt requirements/training-mechanism.txt requirements/book.txt
+
+.PHONY: venv book test records clean preflight
+venv: $(STAMP)
+
+$(STAMP): $(REQS) pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(foreach r,$(REQS),-r $(r))
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip check
+	touch $@
+
+book: $(STAMP)
+	$(VENV)/bin/jupyter-book build . --builder html
+	@echo "book: $(CURDIR)/_build/html/index.html"
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+records: $(STAMP)   ## refresh the cached CPU records of every implemented CPU experiment
+	rm -f book/results/*__cpu-*.json
+	$(VENV)/bin/bp-mech run --suite cpu --out book/results
+
+preflight: $(STAMP)
+	$(VENV)/bin/bp-mech preflight --profile TRAIN-CPU
+
+clean:
+	rm -rf _build

@@ -1,0 +1,363 @@
+"""Part 02 · 11 — TRAIN-GRADIENT-ACCUMULATION: k micro-batches, one update.
+
+One update over an effective batch of E sequences can run as one forward/backward (the full
+batch) or as k forward/backward passes over micro-batches of E/k sequences whose gradients
+add up in ``.grad`` before the optimizer steps once. Gradients add; the loss normalisation
+decides whether their sum is the full-batch gradient. With S_j the summed token loss of
+micro-batch j, n_j its target tokens and N = sum_j n_j:
+
+* token-weighted: micro-batch j contributes S_j / N, and sum_j S_j / N is the full-batch
+  mean loss exactly (up to rounding), whatever the padding;
+* naive mean of means: (1/k) sum_j S_j / n_j, equal only when every n_j = N / k. With
+  padding (labels -100) a short micro-batch's tokens weigh more; Transformers fixed this
+  with ``num_items_in_batch`` (its loss divides the sum by the whole batch's count).
+
+The experiment runs the full batch, 2 and 4 micro-batches on the same padded data and the
+same initial weights at two sequence lengths, and records per candidate the loss, gradient
+and parameter differences to the full batch (both normalisations), the absolute and
+incremental peak, and the step median/P95.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bp_mech.measure import all_finite, guarded, measure_steps
+from bp_mech.workload import ARCHITECTURES, PAD_ID, Workload, build_model, make_batches
+
+IGNORE = -100  # label of a position that is not a target (padding)
+CANDIDATES = ("full", "micro2", "micro4")
+MICRO = {"full": 1, "micro2": 2, "micro4": 4}  # micro-batches per update
+
+# Decision rule (per micro-batch candidate and sequence length, against the full batch):
+#   reject  if the token-weighted parameters differ from the full batch by more than TOL_EQUIV,
+#           or the candidate failed;
+#   accept  if the absolute peak falls by at least MIN_PEAK_SAVING and the median step rises
+#           by at most MAX_TIME_COST;
+#   tune    otherwise: correct, but it saves too little memory for its time (use it only when
+#           the full batch does not fit).
+TOL_EQUIV = {"cpu": 1e-5, "cuda": 1e-4}  # float32 ||p - p_full|| / ||p_full|| after the updates
+MIN_PEAK_SAVING = 0.10
+MAX_TIME_COST = 0.50
+
+# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B; not this book's measurement).
+SEED_REFERENCE = dict(device="RTX 5070 Ti", model="Qwen2.5-0.5B", seq_long=256, peak_saving_max=0.173,
+                      median_increase=0.335, short_seq_decision="tune")
+
+
+@dataclass(frozen=True)
+class AccumConfig:
+    micro_max: int = 4  # finest split; effective batch E = workload.batch * micro_max
+    updates: int = 3  # updates of the equivalence run (same E-sequence batches for every candidate)
+    lr: float = 1e-3  # AdamW learning rate
+    steps: int = 6  # timed steps per candidate (one update each)
+    warmup: int = 1  # leading timed steps excluded from median/P95
+    max_pad_fraction: float = 0.75  # each row loses a random share in [0, this) of its tail to padding
+    short_divisor: int = 2  # the second sequence length is seq // short_divisor
+
+
+def config_for(device: str) -> AccumConfig:
+    return AccumConfig(steps=8, warmup=2) if device == "cuda" else AccumConfig()
+
+
+def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA, foreach elsewhere (shared with chapter 55)."""
+    impl = dict(fused=True) if torch.device(device).type == "cuda" else dict(foreach=True)
+    return torch.optim.AdamW(params, lr=lr, **impl, **kw)
+
+
+def param_count(arch: str) -> int:
+    """Parameters of a Qwen2 architecture (tied embeddings), from its config fields."""
+    a = ARCHITECTURES[arch]
+    C, inter, L, V = a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["vocab_size"]
+    kv = C // a["num_attention_heads"] * a["num_key_value_heads"]
+    attn = C * C + C + 2 * (C * kv + kv) + C * C  # q (+bias), k, v (+bias), o
+    return V * C + L * (attn + 3 * C * inter + 2 * C) + C
+
+
+# --- data ------------------------------------------------------------------------------
+
+def padded_batches(w: Workload, n: int, micro_max: int, max_pad: float) -> list[dict[str, torch.Tensor]]:
+    """``n`` effective batches of E = w.batch * micro_max rows, right-padded at random.
+
+    Row r keeps its first T - p_r tokens (p_r < max_pad * T); the rest become PAD_ID inputs
+    with label -100, so micro-batches hold different numbers of target tokens. Right padding
+    under a causal mask never changes a real token's logits, so no attention mask is needed.
+    """
+    E, T = w.batch * micro_max, w.seq
+    g = torch.Generator().manual_seed(w.seed + 11)
+    out = []
+    for b in make_batches(w.replace(batch=E), n):
+        pads = (torch.rand(E, generator=g) * max_pad * T).long().clamp(max=T - 2)  # (E,)
+        pad = torch.arange(T)[None, :] >= (T - pads)[:, None]  # (E, T) True on the padded tail
+        out.append({"input_ids": b["input_ids"].masked_fill(pad, PAD_ID),
+                    "labels": b["labels"].masked_fill(pad, IGNORE)})
+    return out
+
+
+def split(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
+    """k micro-batches along the batch dimension, in order. Raises ValueError if E % k."""
+    E = batch["input_ids"].shape[0]
+    if k < 1 or E % k:
+        raise ValueError(f"cannot split a batch of {E} sequences into {k} equal micro-batches")
+    return [{key: v[j * (E // k):(j + 1) * (E // k)] for key, v in batch.items()} for j in range(k)]
+
+
+# --- the loss and the accumulated update (from scratch) --------------------------------
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets that count: labels[:, 1:] != -100 (position t predicts t + 1)."""
+    return (labels[..., 1:] != IGNORE).sum()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies, float32. logits (B, T, V), labels (B, T).
+
+    Shifts the labels (pad one -100 on the right) instead of slicing the logits, so the
+    (B, T, V) logits are never copied — the same trick as Transformers' ForCausalLMLoss.
+    """
+    shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # (B, T)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int, norm: str = "token") -> torch.Tensor:
+    """Forward/backward over k micro-batches; ``.grad`` then holds the update's gradient.
+
+    norm="token": loss_j = S_j / N (N = targets of the whole batch); sum_j loss_j is the
+    full-batch mean. norm="naive": loss_j = (S_j / n_j) / k, the mean of micro-batch means.
+    Returns the accumulated loss (detached), the value a training log would show.
+    """
+    if norm not in ("token", "naive"):
+        raise ValueError(f"unknown normalisation {norm!r}")
+    n_total = count_targets(batch["labels"])
+    total = torch.zeros((), device=batch["labels"].device)
+    for mb in split(batch, k):
+        s = token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"])
+        loss = s / n_total if norm == "token" else s / count_targets(mb["labels"]) / k
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+# --- helpers: snapshots and differences ------------------------------------------------
+
+def _cpu_copy(tensors) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+def rel_diff(tensors, ref: list[torch.Tensor], base: list[torch.Tensor] | None = None) -> float:
+    """||a - r|| / ||r - base|| over all tensors (global L2, float64); base None -> ||r||."""
+    num = den = 0.0
+    for i, (a, r) in enumerate(zip(tensors, ref)):
+        r = r.to(a.device, torch.float64)
+        num += (a.detach().double() - r).pow(2).sum().item()
+        den += (r - (base[i].to(a.device, torch.float64) if base is not None else 0)).pow(2).sum().item()
+    return (num / den) ** 0.5 if den > 0 else num ** 0.5
+
+
+def train_updates(model, init: dict, batches, k: int, norm: str, cfg: AccumConfig, device) -> dict:
+    """``len(batches)`` updates from ``init``; the loss, first gradient and parameters after
+    update 1 and after the last (CPU copies)."""
+    model.load_state_dict(init)
+    opt = make_adamw(model.parameters(), cfg.lr, device)
+    losses, finite, out = [], True, {}
+    for i, b in enumerate(batches):
+        losses.append(accumulated_backward(model, b, k, norm).item())
+        finite &= all_finite(p.grad for p in model.parameters())
+        if i == 0:
+            out["grad"] = _cpu_copy(p.grad for p in model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            out["params_1"] = _cpu_copy(model.parameters())
+    out.update(losses=losses, finite=finite and all(math.isfinite(x) for x in losses))
+    return out
+
+
+def equivalence(model, init: dict, batches, cfg: AccumConfig, device) -> dict:
+    """Each candidate (token-weighted and naive) against the full batch, same data and init."""
+    ref = train_updates(model, init, batches, 1, "token", cfg, device)
+    p0 = [init[n].cpu() for n, _ in model.named_parameters()]
+    params = lambda: list(model.parameters())  # noqa: E731
+    out = {"full": dict(finite=ref["finite"], losses=ref["losses"])}
+    ref_last = _cpu_copy(params())
+    for name in CANDIDATES[1:]:
+        out[name] = {}
+        for norm in ("token", "naive"):
+            r = train_updates(model, init, batches, MICRO[name], norm, cfg, device)
+            out[name][norm] = dict(
+                finite=r["finite"], losses=r["losses"],
+                loss_rel_diff=abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0]),
+                grad_rel_diff=rel_diff(r["grad"], ref["grad"]),
+                param_rel_diff_1=rel_diff(r["params_1"], ref["params_1"]),
+                param_rel_diff=rel_diff(params(), ref_last),
+                param_diff_vs_update=rel_diff(params(), ref_last, p0),
+            )
+    return out
+
+
+# --- the measured step ---------------------------------------------------------------
+
+def measure_candidate(model, init: dict, batches, k: int, cfg: AccumConfig, device) -> dict:
+    """Peak and step time of one update (k micro-batches, token-weighted), after a warm update.
+
+    resident = bytes of the parameters and the AdamW state (exp_avg, exp_avg_sq, step) that
+    exist before the step; the warm update creates that state and its gradients are freed
+    (set_to_none). incremental peak = absolute peak - resident: what the step itself adds
+    (gradients, activations, logits, temporaries, the batch, library workspaces).
+    """
+    model.load_state_dict(init)
+    opt = make_adamw(model.parameters(), cfg.lr, device)
+
+    def step(i: int) -> None:
+        accumulated_backward(model, batches[i % len(batches)], k, "token")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)  # creates the optimizer state (lazy) before anything is measured
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    resident = sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + state)
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    st = measure_steps(step, cfg.steps, cfg.warmup, device, resident=[model.parameters(), state])
+    del opt, state
+    return dict(stats=st, resident=resident, incremental=st.peak_allocated - resident)
+
+
+def decide(equiv_diff: float | None, tol: float, peak_ratio: float | None, time_ratio: float | None):
+    """The documented rule; returns (decision, next_step)."""
+    if equiv_diff is None or equiv_diff > tol:
+        return "reject", "the token-weighted update does not match the full batch: fix the loss normalisation"
+    if peak_ratio is None or time_ratio is None:
+        return None, "no full-batch measurement to compare with (it failed); see the failure field"
+    if 1 - peak_ratio >= MIN_PEAK_SAVING and time_ratio - 1 <= MAX_TIME_COST:
+        return "accept", "use it when the full batch does not fit; it saves memory at a bounded time cost"
+    return "tune", "correct, but the saving does not pay for the time: prefer the full batch while it fits"
+
+
+def seq_lengths(w: Workload, cfg: AccumConfig) -> list[int]:
+    return sorted({max(2, w.seq // cfg.short_divisor), w.seq})
+
+
+def run(ctx) -> list:
+    cfg = config_for(ctx.device)
+    dev = ctx.device
+    model = build_model(ctx.workload, dev)
+    init = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
+    tol = TOL_EQUIV[torch.device(dev).type]
+    recs = []
+    for seq in ctx.progress(seq_lengths(ctx.workload, cfg), desc="sequence lengths"):
+        w = ctx.workload.replace(seq=seq)
+        sub = dataclasses.replace(ctx, workload=w, run_label=f"{ctx.run_label}-s{seq}", _base=None)
+        batches = padded_batches(w, max(cfg.updates, 2), cfg.micro_max, cfg.max_pad_fraction)
+        batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+        eq, eq_fail = guarded(equivalence, model, init, batches[:cfg.updates], cfg, dev)
+        meas = {}
+        for name in ctx.progress(CANDIDATES, desc=f"candidates s{seq}"):
+            meas[name] = guarded(measure_candidate, model, init, batches, MICRO[name], cfg, dev)
+        base = meas["full"][0]
+        E = w.batch * cfg.micro_max
+        for name in CANDIDATES:
+            m, fail = meas[name]
+            fail = fail or eq_fail
+            st = m["stats"] if m else None
+            e = (eq or {}).get(name, {})
+            tok = e.get("token", {}) if name != "full" else {}
+            peak_ratio = st.peak_allocated / base["stats"].peak_allocated if st and base else None
+            time_ratio = st.timing.median_s / base["stats"].timing.median_s if st and base else None
+            if name == "full":
+                decision, nxt = None, "the baseline: every other candidate is compared with it"
+            else:
+                decision, nxt = decide(tok.get("param_rel_diff"), tol, peak_ratio, time_ratio)
+            if fail:
+                decision, nxt = "reject" if name != "full" else None, f"failed: {fail}"
+            k = MICRO[name]
+            recs.append(sub.record(
+                name, input_shape=[E // k, seq], effective_batch=E, updates=cfg.updates,
+                update_count=cfg.updates if eq else None,
+                output_error=tok.get("loss_rel_diff", 0.0 if name == "full" and eq else None),
+                grad_error=tok.get("grad_rel_diff", 0.0 if name == "full" and eq else None),
+                all_finite=(e.get("finite") if name == "full" else tok.get("finite")) if eq else None,
+                peak_allocated=st.peak_allocated if st else None, peak_reserved=st.peak_reserved if st else None,
+                step_median_s=st.timing.median_s if st else None, step_p95_s=st.timing.p95_s if st else None,
+                warmup_excluded=cfg.warmup if st else None, memory_source=ctx.memory_source if st else None,
+                failure=fail, decision=decision, next_step=nxt,
+                metrics=dict(
+                    micro_batches=k, micro_batch_size=E // k, seq=seq, lr=cfg.lr, timed_steps=cfg.steps,
+                    target_tokens=[[int(count_targets(mb["labels"])) for mb in split(b, k)] for b in batches],
+                    resident_bytes=m["resident"] if m else None, incremental_peak=m["incremental"] if m else None,
+                    peak_ratio=peak_ratio, time_ratio=time_ratio, step_samples_s=st.timing.samples if st else None,
+                    token=tok or None, naive=e.get("naive") if name != "full" else None,
+                    losses=e.get("losses") if name == "full" else tok.get("losses"),
+                    rule=dict(tol_equiv=tol, min_peak_saving=MIN_PEAK_SAVING, max_time_cost=MAX_TIME_COST)),
+            ))
+    return recs
+
+
+def plan(ctx) -> dict:
+    """Candidates, steps, workloads and a rough time estimate (6 * params * tokens FLOPs)."""
+    cfg = config_for(ctx.device)
+    seqs = seq_lengths(ctx.workload, cfg)
+    E = ctx.workload.batch * cfg.micro_max
+    n = param_count(ctx.workload.arch)
+    # updates per sequence length: equivalence (1 + 2 x 2 runs) + measured (1 warm + steps) x 3;
+    # on the CPU each candidate runs one more, tracked, step (measure_steps)
+    updates = cfg.updates * 5 + (1 + cfg.steps + (ctx.device == "cpu")) * 3
+    flops = sum(6 * n * E * s * updates for s in seqs)
+    rate, overhead = (3e13, 20.0) if ctx.device == "cuda" else (1e10, 2.0)
+    return dict(
+        workloads=[ctx.workload.replace(seq=s).workload_id for s in seqs],
+        run_labels=[f"{ctx.run_label}-s{s}" for s in seqs], effective_batch=E,
+        micro_batches={c: MICRO[c] for c in CANDIDATES}, normalisations=["token-weighted", "naive mean of means"],
+        equivalence_updates=cfg.updates, timed_steps=cfg.steps, warmup_excluded=cfg.warmup, optimizer="AdamW",
+        params=n, estimated_seconds=round(overhead + flops / rate, 1),
+        estimate_assumes=f"{rate:.0e} FLOP/s sustained float32, {overhead:.0f} s to build the model",
+    )
+
+
+def conformance():
+    """The hand-written loop vs Accelerate's ``accumulate`` (+ Transformers' num_items_in_batch).
+
+    ``accelerator.backward`` divides the loss by gradient_accumulation_steps, so the
+    token-weighted micro-batch loss handed to it is k * S_j / N.
+    """
+    from accelerate import Accelerator
+
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    cfg = AccumConfig(updates=2)
+    batches = padded_batches(w, cfg.updates, cfg.micro_max, cfg.max_pad_fraction)
+    model = build_model(w)
+    init = {n: t.clone() for n, t in model.state_dict().items()}
+    worst = 0.0
+    for k in (2, 4):
+        ours = train_updates(model, init, batches, k, "token", cfg, "cpu")
+        ours_p = _cpu_copy(model.parameters())
+        model.load_state_dict(init)
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=k)
+        m, opt = acc.prepare(model, make_adamw(model.parameters(), cfg.lr, "cpu"))
+        for b in batches:
+            n = count_targets(b["labels"])
+            for mb in split(b, k):
+                with acc.accumulate(m):
+                    out = m(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=n)
+                    acc.backward(out.loss * k)
+                    opt.step()
+                    opt.zero_grad()
+        worst = max(worst, rel_diff(model.parameters(), ours_p))
+        del acc, m, opt
+    ok = worst <= TOL_EQUIV["cpu"] and ours["finite"]
+    return ConformanceRow("Part 02 · 11", "TRAIN-GRADIENT-ACCUMULATION",
+                          "Accelerate Accelerator(gradient_accumulation_steps=k).accumulate + num_items_in_batch",
+                          ok, f"parameters after {cfg.updates} updates, k = 2 and 4, padded uneven micro-batches: "
+                          f"max rel. difference {worst:.2e} (tol {TOL_EQUIV['cpu']:g}, float32)")

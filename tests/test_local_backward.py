@@ -1,0 +1,102 @@
+"""Part 02 · 09: the hand-written backwards agree with float64 autograd and with finite
+differences, and the exercise checks catch the classic mistakes."""
+
+import types
+
+import pytest
+import torch
+
+from bp_mech import local_backward as lb
+from checks import ex09
+
+pytestmark = pytest.mark.ch09
+
+
+@pytest.mark.parametrize("op", list(lb.OPS))
+def test_every_op_matches_autograd_and_finite_differences(op):
+    c = lb.compare_op(op, shape=(2, 6, 12), inter=20, vocab=30, seed=3)
+    assert c["output_error"] <= lb.TOL64
+    assert max(c["grad_errors"].values()) <= lb.TOL64
+    assert max(c["fd_errors"].values()) <= lb.TOL_FD
+    # float32 is rounding, not exactness: small but clearly above float64's errors
+    assert 1e-9 < max(c["fp32_hand"].values()) < 1e-4
+
+
+def test_block_backward_is_the_composition_of_local_backwards():
+    x, w, Wg, Wu, Wd = lb.make_inputs("mlp_block", (1, 4, 8), 16, 10)
+    dy = torch.randn_like(x, dtype=torch.float64)
+    dx, dw, *_ = lb.mlp_block_backward(x, w, Wg, Wu, Wd, dy)
+    dh, *_ = lb.swiglu_mlp_backward(lb.rmsnorm_forward(x, w), Wg, Wu, Wd, dy)
+    assert torch.allclose(dx, dy + lb.rmsnorm_backward(x, w, dh)[0], rtol=0, atol=0)
+
+
+def test_run_gives_one_accepted_record_per_op():
+    from bp_mech.registry import make_context
+
+    recs = lb.run(make_context("TRAIN-LOCAL-BACKWARD", "cpu", "tiny-b1s16"))
+    assert [r.candidate for r in recs] == list(lb.OPS)
+    assert all(r.decision == "accept" and r.grad_error <= lb.TOL64 for r in recs)
+    assert all(r.metrics["fp32_hand"] and r.metrics["fd_errors"] for r in recs)
+
+
+def test_conformance_against_transformers_modules():
+    row = lb.conformance()
+    assert row.passed, row.detail
+
+
+# --- the exercise checks catch the classic mistakes (mutants of a correct solution) ---
+
+def _solutions(**overrides):
+    names = ["linear_backward", "silu_backward", "rmsnorm_backward", "swiglu_mlp_backward", "cross_entropy_backward"]
+    m = types.SimpleNamespace(**{n: getattr(lb, n) for n in names})
+    for k, v in overrides.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_checks_pass_on_a_correct_solution():
+    for check in ex09.CHECKS:
+        check(_solutions())
+
+
+def _linear_missing_transpose(x, W, dy):
+    dx, dW, db = lb.linear_backward(x, W, dy)
+    return dy @ W.T if W.shape[0] == W.shape[1] else dx, dW.T if W.shape[0] == W.shape[1] else dW, db
+
+
+def _rmsnorm_dropped_term(x, w, dy, eps=1e-6):
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return r * dy * w, (dy * x * r).reshape(-1, x.shape[-1]).sum(0)
+
+
+def _ce_mean_over_all_rows(logits, targets, ignore_index=-100):
+    valid = targets != ignore_index
+    return lb.cross_entropy_backward(logits, targets, ignore_index) * valid.sum() / len(targets)
+
+
+def _mlp_forgets_one_branch(x, Wg, Wu, Wd, dy):
+    dx, dWg, dWu, dWd = lb.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
+    g = x @ Wg.T
+    dh = (dy @ Wd) * lb.silu_forward(g)
+    return dx - dh @ Wu, dWg, dWu, dWd  # drops the up-branch's contribution to dx
+
+
+@pytest.mark.parametrize("check, mutant", [
+    (ex09.check_linear_backward, {"linear_backward": _linear_missing_transpose}),
+    (ex09.check_rmsnorm_backward, {"rmsnorm_backward": _rmsnorm_dropped_term}),
+    (ex09.check_cross_entropy_backward, {"cross_entropy_backward": _ce_mean_over_all_rows}),
+    (ex09.check_swiglu_mlp_backward, {"swiglu_mlp_backward": _mlp_forgets_one_branch}),
+    (ex09.check_silu_backward, {"silu_backward": lambda x, dy: dy * torch.sigmoid(x)}),
+], ids=["missing-transpose", "rmsnorm-dropped-term", "ce-wrong-mean", "mlp-one-branch", "silu-no-product-rule"])
+def test_checks_catch_the_classic_mistakes(check, mutant):
+    with pytest.raises(AssertionError):
+        check(_solutions(**mutant))
+
+
+def test_checks_fail_on_the_untouched_stubs():
+    from conftest import ROOT, load_solution
+
+    stubs = load_solution(ROOT / "exercises", "ex09_local_backward")
+    for check in ex09.CHECKS:
+        with pytest.raises(NotImplementedError):
+            check(stubs)

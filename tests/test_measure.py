@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from bp_mech.measure import PeakMemory, all_finite, guarded, measure_steps, percentile, summarize, time_steps
+
+
+def test_percentile_and_warmup_exclusion():
+    samples = [10.0] + [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 100.0]
+    t = summarize(samples, warmup=1)
+    assert t.warmup_excluded == 1 and len(t.samples) == 10
+    assert t.median_s == 5.5 and t.p95_s == 100.0
+    assert percentile([3, 1, 2], 50) == 2
+    with pytest.raises(ValueError):
+        summarize([1.0], warmup=1)
+
+
+def test_time_steps_counts_every_call():
+    calls = []
+    t = time_steps(calls.append, steps=5, warmup=2)
+    assert calls == [0, 1, 2, 3, 4] and len(t.samples) == 3 and t.p95_s >= t.median_s > 0
+
+
+def test_cpu_peak_tracks_live_and_freed_tensors_exactly():
+    n = 1 << 16
+    keep = torch.zeros(n)  # resident, 256 KiB
+    with PeakMemory("cpu", resident=[[keep]]) as pm:
+        a = torch.ones(n)  # +256 KiB
+        b = a * 2  # +256 KiB -> live 768 KiB
+        pm.mark("three")
+        del a, b
+        pm.mark("one")
+        c = torch.ones(n // 2)  # +128 KiB
+        pm.mark("end")
+    assert pm.memory_source == "tracked-cpu" and pm.peak_reserved is None
+    assert pm.marks == {"three": 3 * 4 * n, "one": 4 * n, "end": 4 * n + 2 * n}
+    assert pm.peak_allocated == 3 * 4 * n
+    del c
+
+
+def test_cpu_peak_of_views_counts_the_storage_once():
+    with PeakMemory("cpu") as pm:
+        x = torch.ones(1000)
+        v1, v2 = x[:10], x.view(10, 100)  # noqa: F841 (views share x's storage)
+    assert pm.peak_allocated == 4000
+
+
+def test_cpu_peak_of_a_training_step_is_deterministic():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    peaks = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with PeakMemory("cpu", resident=[model.parameters()]) as pm:
+            model(x).square().mean().backward()
+        peaks.append(pm.peak_allocated)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert peaks[0] == peaks[1]
+    acts = 2 * 16 * 64 * 4  # the two (16, 64) hidden activations autograd saves
+    # at least parameters + all gradients; at most that plus every activation and temporary
+    assert 2 * params <= peaks[0] <= 2 * params + acts + 4 * 16 * 8 * 4 + 1024
+    assert peaks[0] > params + acts  # the saved activations coexist with the parameters
+
+
+def test_measure_steps_reports_peak_and_timing():
+    t = torch.randn(64, 64)
+    stats = measure_steps(lambda i: (t @ t).sum(), steps=4, warmup=1)
+    assert stats.memory_source == "tracked-cpu" and stats.peak_allocated >= 64 * 64 * 4
+    assert stats.timing.warmup_excluded == 1 and len(stats.timing.samples) == 3
+
+
+def test_finiteness_and_guarded_oom():
+    assert all_finite([torch.ones(3), None]) and not all_finite([torch.tensor([1.0, float("inf")])])
+
+    def boom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    res, failure = guarded(boom)
+    assert res is None and failure.startswith("out of memory")
+    assert guarded(lambda: 3) == (3, None)
