@@ -84,3 +84,28 @@ def test_record_filename_is_one_file_per_candidate_and_run():
     r = _record()
     assert r.filename == "TRAIN-LOCAL-BACKWARD__tiny-b1s8__cpu-default__linear.json"
     assert isinstance(r, Record)
+
+
+def test_every_cached_record_in_the_book_validates_and_merges():
+    from bp_mech.report import RESULTS_DIR, cached
+    from bp_mech.registry import EXPERIMENTS
+
+    items = load_records(RESULTS_DIR)  # raises RecordError naming the first invalid file
+    for sid in {r.semantic_id for _, r in items}:
+        assert sid in EXPERIMENTS
+        cached(sid)  # refuses mixed workloads / commits within a run label
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"peak_allocated": -5}, {"decision": "maybe"}, {"input_shape": [2, "x"]}, {"seed": True},
+    {"evidence_level": "gpu-measured"}, {"semantic_id": "LOCAL"}, {"transfer_bytes": {"d2h": 1}},
+    {"memory_source": "tracked-cpu", "evidence_level": "estimated"}, {"extra_field": 1}, {"run_label": ""},
+])
+def test_builtin_validator_agrees_with_jsonschema(change):
+    """The GPU machine may lack jsonschema; the fallback must accept and refuse the same records."""
+    data = dict(_record().to_dict(), **change)
+    ours = results.schema_errors(results.schema(), data)
+    theirs = list(jsonschema.Draft202012Validator(results.schema()).iter_errors(data))
+    assert bool(ours) == bool(theirs), (ours, [e.message for e in theirs])
+    data.pop("model_commit")
+    assert results.schema_errors(results.schema(), data)

@@ -104,17 +104,74 @@ def schema() -> dict:
     return json.loads(resources.files("bp_mech").joinpath("schema/record.schema.json").read_text())
 
 
+_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
+          "object": dict, "null": type(None)}
+
+
+def _type_ok(v, t: str) -> bool:
+    if t in ("integer", "number") and isinstance(v, bool):
+        return False
+    return isinstance(v, _TYPES[t])
+
+
+def schema_errors(s: dict, data: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
+    """The subset of JSON Schema the record schema uses (type, enum, const, minimum, minLength,
+    pattern, required, properties, additionalProperties, items, allOf with if/then).
+
+    Used where the ``jsonschema`` package is absent (the GPU machine runs from the source
+    tree with what it has); the tests check it agrees with ``jsonschema``.
+    """
+    import re
+
+    errs = []
+    if "type" in s:
+        types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+        if not any(_type_ok(data, t) for t in types):
+            return [(path, f"{data!r} is not of type {', '.join(map(repr, types))}")]
+    if "enum" in s and data not in s["enum"]:
+        errs.append((path, f"{data!r} is not one of {s['enum']!r}"))
+    if "const" in s and data != s["const"]:
+        errs.append((path, f"{s['const']!r} was expected"))
+    if isinstance(data, (int, float)) and not isinstance(data, bool) and data < s.get("minimum", data):
+        errs.append((path, f"{data!r} is less than the minimum of {s['minimum']!r}"))
+    if isinstance(data, str):
+        if len(data) < s.get("minLength", 0):
+            errs.append((path, f"{data!r} is too short"))
+        if "pattern" in s and not re.search(s["pattern"], data):
+            errs.append((path, f"{data!r} does not match {s['pattern']!r}"))
+    if isinstance(data, list) and "items" in s:
+        for i, v in enumerate(data):
+            errs += schema_errors(s["items"], v, path + (i,))
+    if isinstance(data, dict):
+        for k in s.get("required", []):
+            if k not in data:
+                errs.append((path, f"'{k}' is a required property"))
+        props = s.get("properties", {})
+        for k, v in data.items():
+            if k in props:
+                errs += schema_errors(props[k], v, path + (k,))
+            elif s.get("additionalProperties", True) is False:
+                errs.append((path, f"Additional properties are not allowed ('{k}' was unexpected)"))
+    for sub in s.get("allOf", []):
+        if "if" in sub and not schema_errors(sub["if"], data, path):
+            errs += schema_errors(sub.get("then", {}), data, path)
+    return errs
+
+
 def validate(data: Any, where: str = "<record>") -> Record:
     """Validate a dict against the shipped schema and return the Record."""
-    import jsonschema
-
     if not isinstance(data, dict):
         raise RecordError(f"{where}: a record must be a JSON object, got {type(data).__name__}")
-    errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(data), key=lambda e: list(e.path))
+    try:
+        import jsonschema
+    except ImportError:
+        errors = schema_errors(schema(), data)
+    else:
+        errors = [(tuple(e.path), e.message) for e in jsonschema.Draft202012Validator(schema()).iter_errors(data)]
     if errors:
-        e = errors[0]
-        name = ".".join(str(p) for p in e.path) or (e.message.split("'")[1] if "'" in e.message else "?")
-        raise RecordError(f"{where}: field '{name}': {e.message}")
+        path, message = sorted(errors, key=lambda e: [str(p) for p in e[0]])[0]
+        name = ".".join(str(p) for p in path) or (message.split("'")[1] if "'" in message else "?")
+        raise RecordError(f"{where}: field '{name}': {message}")
     return Record(**data)
 
 

@@ -1,0 +1,123 @@
+"""Exercises for Part 02 · 10 — the attention backward, by hand.
+
+Implement each function below with tensor operations only (no ``torch.autograd``, no
+``.backward()``, no ``scaled_dot_product_attention``). Shapes use T for the sequence length
+and d for the head width; "..." means any leading dimensions (batch, heads).
+
+The attention is causal: query position i sees key positions j <= i (itself included).
+Scores are scaled by ``scale = 1 / sqrt(d)``.
+
+Check your solutions with ``bp-mech check 10`` (or
+``pytest tests/test_exercises.py -m ch10 --impl exercises``). The checks compare against
+float64 autograd through PyTorch's and transformers' own functions on fresh random inputs
+(relative tolerance 1e-10), and measure the memory of your blockwise backward.
+"""
+
+import torch
+
+
+def softmax_backward(P: torch.Tensor, dP: torch.Tensor) -> torch.Tensor:
+    """Backward of the row softmax ``P = softmax(S, dim=-1)``.
+
+    Math: the Jacobian of one row is diag(p) - p p^T, so for each row
+        dS = P * (dP - rowsum(dP * P))
+    where rowsum keeps the last dimension (shape (..., 1)) so it broadcasts.
+
+    Args:
+        P: softmax probabilities, shape (..., n); every row sums to 1.
+        dP: upstream gradient with respect to P, shape (..., n).
+
+    Returns:
+        dS, the gradient with respect to the scores S, shape (..., n).
+    """
+    raise NotImplementedError("ex10: softmax_backward")
+
+
+def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor):
+    """Backward of one causal attention head, recomputing P from q and k.
+
+    Forward (what you must recompute):
+        S = scale * q k^T                      (T, T), scale = 1 / sqrt(d)
+        S[i, j] = -inf where j > i             (the causal mask; j == i stays visible)
+        P = softmax(S, dim=-1),   O = P v
+    Backward:
+        dV = P^T dO
+        dP = dO v^T
+        dS = P * (dP - rowsum(dP * P))         (the softmax backward)
+        dQ = scale * dS k,   dK = scale * dS^T q
+    The scale appears in the backward too: S depends on q and k through scale * q k^T.
+
+    Args:
+        q, k, v: query, key, value of one head, shape (T, d) each.
+        dO: upstream gradient with respect to O, shape (T, d).
+
+    Returns:
+        (dq, dk, dv), each of shape (T, d).
+    """
+    raise NotImplementedError("ex10: attention_head_backward")
+
+
+def gqa_reduce(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Backward of the grouped-query expansion of K or V (``repeat_kv`` in transformers).
+
+    In the forward, H query heads share Hkv = ``kv_heads`` KV heads: KV head g is copied to
+    the n = H / Hkv consecutive query heads g*n, g*n + 1, ..., g*n + n - 1, i.e.
+    x_full[:, h] = x[:, h // n]. A copy's backward adds the gradients of all its copies:
+        dx[:, g] = sum over r in 0..n-1 of dx_full[:, g*n + r]
+
+    Args:
+        dx: gradient with respect to the expanded tensor, shape (B, H, T, d).
+        kv_heads: Hkv, a divisor of H.
+
+    Returns:
+        the gradient with respect to the KV tensor, shape (B, Hkv, T, d).
+    """
+    raise NotImplementedError("ex10: gqa_reduce")
+
+
+def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       dO: torch.Tensor, block: int):
+    """The recompute (FlashAttention) backward of causal attention, one tile at a time.
+
+    The forward saved only O and the row log-sum-exp L[i] = logsumexp_j S[i, j] (masked
+    entries excluded), not P. So a tile of P is rebuilt from q, k and L:
+        P[i, j] = exp(scale * q_i . k_j - L[i])   for j <= i, 0 for j > i
+    and the softmax backward's row sum needs no P at all:
+        D[i] = rowsum(dP * P)[i] = rowsum(dO * O)[i]          (shape (..., T))
+    For each query tile I and key tile J (rows/columns [start, start + block), the last tile
+    may be shorter), skipping tiles entirely above the diagonal:
+        P_IJ = exp(scale * q_I k_J^T - L_I), masked causally
+        dV_J += P_IJ^T dO_I
+        dS_IJ = P_IJ * (dO_I v_J^T - D_I)
+        dQ_I += scale * dS_IJ k_J,   dK_J += scale * dS_IJ^T q_I
+    Never build a (T, T) matrix: the check measures the memory your function allocates and
+    fails when it reaches the size of one full score matrix. T need not be a multiple of block.
+
+    Args:
+        q, k, v: shape (..., T, d) each (same leading dims: K/V already expanded to all heads).
+        o: the forward's output, shape (..., T, d).
+        lse: the forward's row log-sum-exp of the scaled, masked scores, shape (..., T).
+        dO: upstream gradient with respect to o, shape (..., T, d).
+        block: tile edge, a positive int.
+
+    Returns:
+        (dq, dk, dv), each of shape (..., T, d).
+    """
+    raise NotImplementedError("ex10: blockwise_backward")
+
+
+def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Backward of the rotary position embedding as Qwen2 applies it (``apply_rotary_pos_emb``).
+
+    Forward: y = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) for the
+    halves x1, x2 of the last dimension. rotate_half is a linear map R with R^T = -R, so
+        dx = dy * cos + R^T(dy * sin) = dy * cos - rotate_half(dy * sin)
+
+    Args:
+        dy: upstream gradient, shape (..., T, d), d even.
+        cos, sin: the rotary tables, broadcastable to dy (e.g. (T, d)).
+
+    Returns:
+        dx, shape of dy.
+    """
+    raise NotImplementedError("ex10: rope_backward")
