@@ -78,3 +78,12 @@ def test_finiteness_and_guarded_oom():
     res, failure = guarded(boom)
     assert res is None and failure.startswith("out of memory")
     assert guarded(lambda: 3) == (3, None)
+
+
+def test_views_of_storages_that_existed_before_are_not_counted():
+    w = torch.ones(256, 256)  # not declared resident
+    with PeakMemory("cpu") as pm:
+        wt = w.t()  # a view: allocates nothing
+        y = wt[:1] * 2  # 1 KiB
+    assert pm.peak_allocated == 256 * 4
+    del y

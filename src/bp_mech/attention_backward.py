@@ -358,7 +358,7 @@ def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 4
 # state (recompute, sdpa); otherwise reject. autograd is the reference and gets no decision.
 TOL64, TOL32, TOL_MODULE, LINEAR_MAX = 1e-10, 1e-5, 1e-5, 1.1
 SWEEP_T = (128, 256, 512, 1024, 2048)  # sequence lengths of the saved-state sweep
-TIME_STEPS, TIME_WARMUP = 12, 2  # timed backward passes per candidate, leading ones dropped
+TIME_STEPS, TIME_WARMUP = 20, 3  # timed backward passes per candidate, leading ones dropped
 
 
 def sweep_saved_bytes(cfg: AttnConfig, Ts=SWEEP_T, names=CANDIDATES, device="cpu") -> dict:

@@ -90,7 +90,8 @@ def cmd_run(a) -> int:
         failed = []
         for e in exps:
             try:
-                run_one(e.semantic_id, mode, None, a.out, a.run_label, _source(a))
+                w = e.gpu_workload if a.suite == "gpu" else None  # dry runs of the GPU suite plan qwen05
+                run_one(e.semantic_id, mode, w, a.out, a.run_label, _source(a))
             except (UsageError, registry.RegistryError, WorkloadError):
                 raise
             except Exception as exc:  # one experiment failing must not stop the suite

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -21,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 
@@ -90,7 +91,7 @@ class _StorageTracker(TorchDispatchMode):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
             return
         st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
+        key = _key(t)
         if st.nbytes() == 0 or (key in self.live and not self.live[key][0].expired()):
             return
         self.live[key] = (StorageWeakRef(st), st.nbytes())
@@ -105,10 +106,32 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output sharing an input's storage (a view, an in-place op) allocated nothing:
+        # if that storage is untracked it existed before the block and is not counted
+        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and _key(t) in inputs and _key(t) not in self.live:
+                continue
             self.add(t)
         self.refresh()
         return out
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes())
+
+
+@contextlib.contextmanager
+def host_side():
+    """Allocations inside are not tracked: host-side copies of an offload on the CPU, which
+    the CUDA allocator would not count either."""
+    stack = _get_current_dispatch_mode_stack()
+    if stack and all(isinstance(m, _StorageTracker) for m in stack):
+        with _disable_current_modes():
+            yield
+    else:
+        yield
 
 
 class PeakMemory:

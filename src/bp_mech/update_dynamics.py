@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.accumulation import make_adamw, param_count
+from bp_mech.accumulation import json_safe, make_adamw, param_count
 from bp_mech.measure import all_finite, guarded, measure_steps
 from bp_mech.workload import build_model, make_batches
 
@@ -48,8 +48,8 @@ class DynamicsConfig:
     max_norm: float = 1.0  # global-norm clipping threshold of "high_lr_clip"
     weight_decay: float = 0.1  # on the embedding, attention and MLP matrices; 0 on norms and biases
     updates: int = 20  # updates of the traced run, per candidate
-    steps: int = 6  # timed steps per candidate (separate run, no per-update snapshots)
-    warmup: int = 1  # leading timed steps excluded from median/P95
+    steps: int = 12  # timed steps per candidate (separate run, no per-update snapshots)
+    warmup: int = 2  # leading timed steps excluded from median/P95
 
 
 def config_for(arch: str, device: str) -> DynamicsConfig:
@@ -87,8 +87,8 @@ def make_optimizer(model, lr: float, cfg: DynamicsConfig, device):
 # --- from scratch: the global norm, the clip coefficient, the update ratio -----------------
 
 def global_grad_norm(tensors) -> torch.Tensor:
-    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped), as a 0-dim float32 tensor."""
-    norms = [torch.linalg.vector_norm(g.detach().float()) for g in tensors if g is not None]
+    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped), a 0-dim tensor in their dtype."""
+    norms = [torch.linalg.vector_norm(g.detach()) for g in tensors if g is not None]  # one per tensor
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
@@ -198,6 +198,7 @@ def run(ctx) -> list:
         fail = fail or fail2
         s = summarize(rows) if rows else None
         decision, nxt = decide(s) if s else ("reject", f"failed: {fail}")
+        s, rows = json_safe(s), json_safe(rows)  # a diverged trace holds NaN/inf: null in the record
         if fail and s:
             decision, nxt = "reject", f"failed: {fail}"
         recs.append(ctx.record(
@@ -216,16 +217,20 @@ def run(ctx) -> list:
 
 
 def plan(ctx) -> dict:
-    """Candidates with their LR, updates, steps and a rough time estimate."""
-    cfg = config_for(ctx.workload.arch, ctx.device)
+    """Candidates with their LR, updates, steps and a rough time estimate, CPU and one CUDA GPU."""
     n = param_count(ctx.workload.arch)
-    updates = 3 * (cfg.updates + 1 + cfg.steps + (ctx.device == "cpu"))
-    rate, overhead = (3e13, 20.0) if ctx.device == "cuda" else (1e10, 2.0)
-    flops = 6 * n * ctx.workload.batch * ctx.workload.seq * updates
+    per_device = {}
+    for dev, rate, overhead in (("cpu", 1e10, 2.0), ("cuda", 3e13, 20.0)):
+        cfg = config_for(ctx.workload.arch, dev)
+        updates = 3 * (cfg.updates + 1 + cfg.steps + (dev == "cpu"))  # trace + warm + timed (+ tracked)
+        flops = 6 * n * ctx.workload.batch * ctx.workload.seq * updates
+        per_device[dev] = dict(timed_steps=cfg.steps, warmup_excluded=cfg.warmup, updates=updates,
+                               estimated_seconds=round(overhead + flops / rate, 1),
+                               assumes=f"{rate:.0e} FLOP/s sustained float32, {overhead:.0f} s to build the model")
+    cfg = config_for(ctx.workload.arch, ctx.device)
     return dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, max_norm=cfg.max_norm, traced_updates=cfg.updates,
-                timed_steps=cfg.steps, warmup_excluded=cfg.warmup, optimizer="AdamW", groups=list(GROUPS),
-                params=n, estimated_seconds=round(overhead + flops / rate, 1),
-                estimate_assumes=f"{rate:.0e} FLOP/s sustained float32, {overhead:.0f} s to build the model")
+                weight_decay=cfg.weight_decay, optimizer="AdamW", groups=list(GROUPS), params=n,
+                per_device=per_device)
 
 
 def conformance():

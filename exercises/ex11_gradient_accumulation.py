@@ -1,0 +1,87 @@
+"""Exercises for Part 02 · 11 — gradient accumulation.
+
+An update over an effective batch is split into k micro-batches; each runs forward and
+backward, the gradients add up in ``.grad``, and the optimizer steps once. The update equals
+the full-batch one only if every micro-batch loss is weighted by its share of the *target
+tokens of the whole effective batch* — not by 1/k.
+
+A batch is a dict ``{"input_ids": (E, T) long, "labels": (E, T) long}``. Labels equal the
+inputs except on padding, where they are -100. Position t predicts token t + 1, so the
+targets of a row are ``labels[:, 1:]`` (the model shifts; you must shift too when counting).
+
+Check your solutions with ``bp-mech check 11`` (or
+``pytest tests/test_exercises.py -m ch11 --impl exercises``). The checks compare with the
+full-batch loss and gradients of float64 autograd on padded, uneven micro-batches.
+"""
+
+import torch
+
+
+def split(batch: dict, k: int) -> list:
+    """Split a batch into k equal micro-batches along dimension 0, keeping the order.
+
+    Math: micro-batch j holds rows j*E/k ... (j+1)*E/k - 1 of every tensor in the batch.
+
+    Args:
+        batch: dict of tensors, each of shape (E, ...).
+        k: number of micro-batches, >= 1.
+
+    Returns:
+        A list of k dicts with the same keys, each tensor of shape (E/k, ...).
+
+    Raises:
+        ValueError: if k < 1 or E is not divisible by k.
+    """
+    raise NotImplementedError("ex11: split")
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Number of next-token targets that count in the loss.
+
+    Math: n = #{(b, t) : t >= 1 and labels[b, t] != -100}. The first position of a row is
+    never a target (nothing predicts it); padded positions (-100) are not targets.
+
+    Args:
+        labels: shape (B, T), long, -100 on padding.
+
+    Returns:
+        A 0-dim integer tensor.
+    """
+    raise NotImplementedError("ex11: count_targets")
+
+
+def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, n_total) -> torch.Tensor:
+    """One micro-batch's share of the token-weighted loss of the effective batch.
+
+    Math: with S_j = sum over the micro-batch's targets of -log softmax(logits[b, t-1])[labels[b, t]],
+    the share is S_j / N, where N = ``n_total`` counts the targets of the *whole effective
+    batch*. Summed over the micro-batches, the shares give the full-batch mean loss.
+
+    Args:
+        logits: shape (B, T, V), the micro-batch's logits (position t-1 predicts label t).
+        labels: shape (B, T), long, -100 on padding.
+        n_total: N, the target count of the whole effective batch (int or 0-dim tensor).
+
+    Returns:
+        A 0-dim tensor in the logits' dtype, differentiable with respect to the logits.
+    """
+    raise NotImplementedError("ex11: micro_batch_loss")
+
+
+def accumulated_backward(model, batch: dict, k: int) -> torch.Tensor:
+    """Token-weighted gradient accumulation over k micro-batches (no optimizer step).
+
+    For each micro-batch j (from ``split``): logits = model(input_ids=...).logits, loss_j =
+    micro_batch_loss(logits, labels_j, N) with N = count_targets(batch["labels"]), then
+    loss_j.backward(). Do not zero the gradients between micro-batches: they must add up.
+    Afterwards every parameter's ``.grad`` equals the gradient of the full-batch mean loss.
+
+    Args:
+        model: a callable module; ``model(input_ids=x).logits`` has shape (B, T, V).
+        batch: dict with "input_ids" and "labels", each (E, T).
+        k: number of micro-batches.
+
+    Returns:
+        The accumulated loss sum_j loss_j (detached, 0-dim), which equals the full-batch mean loss.
+    """
+    raise NotImplementedError("ex11: accumulated_backward")

@@ -1,0 +1,382 @@
+"""TRAIN-AMP-BACKWARD — mixed-precision backward: FP32 → AMP (FP16 + GradScaler, BF16), overflow samples.
+
+Mixed precision (Micikevicius et al. 2018, "Mixed Precision Training") keeps float32 master
+weights and runs the matmuls of forward and backward in 16 bits under ``torch.autocast``.
+FP16 has a 5-bit exponent: its largest value is 65504 and gradients below ~6e-8 flush to
+zero. Dynamic loss scaling multiplies the loss by S before ``backward()`` (so small
+gradients survive), divides the gradients by S before the update (``unscale_``), and
+
+* skips ``optimizer.step()`` when any unscaled gradient is inf/NaN, and backs off S *= 0.5;
+* after ``growth_interval`` consecutive finite steps grows S *= 2 (if the result is finite).
+
+``DynamicLossScaler`` is that rule in plain Python; the overflow sample checks it against
+``torch.amp.GradScaler``'s trace. Clipping comes *after* ``unscale_``: the threshold is in
+the units of the true gradient (``unscale_and_clip_``). BF16 has float32's 8-bit exponent,
+so it needs no scaler; it rounds harder (8-bit significand). A skipped step changes no
+parameter and must not advance the LR clock (Part 02 · 12, ``UpdateClock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bp_mech.environment import bf16_supported
+from bp_mech.measure import guarded, measure_steps
+from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
+from bp_mech.workload import ARCHITECTURES, build_model, make_batches
+
+
+class DynamicLossScaler:
+    """``torch.amp.GradScaler``'s update rule (``_amp_update_scale_``) in plain Python.
+
+    Same constructor arguments as GradScaler. State: ``scale`` (S, the loss is multiplied
+    by it before backward) and ``growth_tracker`` (finite steps since the last overflow or
+    growth).
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor  # S *= growth_factor after growth_interval finite steps
+        self.backoff_factor = backoff_factor  # S *= backoff_factor on a step with inf/NaN gradients
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0
+
+    def update(self, found_inf: bool) -> bool:
+        """Advance one step; returns True when ``optimizer.step()`` must be skipped."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return True
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            grown = self.scale * self.growth_factor
+            if math.isfinite(grown):
+                self.scale = grown
+            self.growth_tracker = 0
+        return False
+
+
+def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
+    """In place: g <- g / S, then clip by the *unscaled* total norm (as clip_grad_norm_).
+
+    Returns ``(total_norm, clip_coef, found_inf)`` with total_norm = ||(g_1/S, ..., g_n/S)||_2
+    and clip_coef = min(1, max_norm / (total_norm + eps)). Nothing is clipped when a gradient
+    is inf/NaN: that step is skipped anyway.
+    """
+    for g in grads:
+        g.mul_(1.0 / scale)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    found_inf = not math.isfinite(total)
+    coef = 1.0 if found_inf else min(1.0, max_norm / (total + eps))
+    if not found_inf:
+        for g in grads:
+            g.mul_(coef)
+    return total, coef, found_inf
+
+
+# --- the experiment -----------------------------------------------------------------
+
+CANDIDATES = ("fp32", "fp16-amp", "bf16-amp", "fp16-overflow")
+LOW = {"fp32": None, "fp16-amp": torch.float16, "bf16-amp": torch.bfloat16, "fp16-overflow": torch.float16}
+DTYPE_LABEL = {None: "float32", torch.float16: "float16-autocast", torch.bfloat16: "bfloat16-autocast"}
+
+# Decision rule for an AMP candidate, from ratios to the FP32 run of the same workload:
+#   reject  if a step applied non-finite gradients, the skipped fraction exceeds
+#           MAX_SKIPPED_FRACTION, or |eval loss - FP32's| / FP32's exceeds LOSS_REL_TOL;
+#   accept  if peak <= (1 - MIN_PEAK_SAVING) x FP32's and median step <= (1 + MAX_TIME_COST) x FP32's;
+#   tune    otherwise (numerically fine, but no memory win or too slow here).
+LOSS_REL_TOL = 0.02
+MIN_PEAK_SAVING = 0.05
+MAX_TIME_COST = 0.10
+MAX_SKIPPED_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    steps: int = 8  # timed steps per candidate (the CPU adds one tracked, untimed update first)
+    warmup: int = 2  # leading timed steps excluded from median/P95
+    max_norm: float = 1.0  # clip threshold on the unscaled gradient norm
+    schedule: WSDConfig = WSDConfig(base_lr=1e-3, warmup=2, stable=100, decay=10)  # the LR clock
+    init_scale: float = 2.0**16  # GradScaler's initial loss scale (torch's default)
+    growth_interval: int = 2000  # regular fp16 candidate: torch's default
+    overflow_calls: tuple[int, ...] = (2, 3, 8)  # overflow sample: calls with an injected overflow
+    overflow_factor: float = 2.0**24  # loss multiplier: finite in fp32, beyond 65504 in fp16 grads
+    overflow_growth_interval: int = 3  # short, so that growth shows within the sample
+    overflow_n: int = 12  # optimizer calls in the overflow sample
+
+
+CPU_CONFIG = AmpConfig()
+GPU_CONFIG = AmpConfig(steps=20, warmup=3)
+# Planning guesses for --mode dry_run (sustained FLOP/s; a plan, not a measurement).
+ASSUMED_FLOPS = {"cuda": {"float32": 25e12, "low": 150e12}, "cpu": {"float32": 5e9, "low": 2.5e9}}
+SETUP_S = {"cuda": 5.0, "cpu": 0.5}  # per candidate: copy the model over, first-call overheads
+BUILD_S = {"cuda": 20.0, "cpu": 1.0}  # once: random init (or load) of the base model on the host
+
+
+def config_for(ctx) -> AmpConfig:
+    """GPU_CONFIG for real_gpu (and for the dry-run plan of a non-tiny workload), else CPU_CONFIG."""
+    gpu = ctx.mode == "real_gpu" or (ctx.mode == "dry_run" and ctx.workload.arch != "tiny")
+    return GPU_CONFIG if gpu else CPU_CONFIG
+
+
+def available(candidate: str, device: str) -> bool:
+    """BF16 only where the device and PyTorch report support; the others always."""
+    return LOW[candidate] is not torch.bfloat16 or bf16_supported(torch.device(device).type)
+
+
+def autocast(device_type: str, low: torch.dtype | None):
+    """``torch.autocast`` to ``low``, or ``nullcontext()`` for plain FP32."""
+    return contextlib.nullcontext() if low is None else torch.autocast(device_type, dtype=low)
+
+
+class AmpTrainer:
+    """One model + AdamW + GradScaler + WSD update clock; ``step`` is one optimizer call."""
+
+    def __init__(self, model, candidate: str, cfg: AmpConfig, device: str, growth_interval: int) -> None:
+        self.model, self.cfg, self.low = model, cfg, LOW[candidate]
+        self.device_type = torch.device(device).type
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.schedule.base_lr)
+        self.clock = UpdateClock(cfg.schedule, self.opt)
+        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=cfg.init_scale,
+                                           growth_interval=growth_interval, enabled=self.low is torch.float16)
+        self.trace = {k: [] for k in ("loss", "scale", "finite", "applied", "grad_norm", "clip_coef", "lr")}
+
+    def step(self, batch: dict, inject: float = 1.0) -> bool:
+        """Forward under autocast, scaled backward, unscale, clip, scaler step, clock."""
+        self.opt.zero_grad(set_to_none=True)
+        with autocast(self.device_type, self.low):
+            loss = self.model(**batch).loss  # float32: transformers upcasts the logits
+        self.scaler.scale(loss if inject == 1.0 else loss * inject).backward()
+        self.scaler.unscale_(self.opt)  # BEFORE clipping: max_norm is in true-gradient units
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_norm))
+        lr = self.clock.lr
+        applied = scaler_step(self.scaler, self.opt)
+        self.clock.step(applied)
+        t = self.trace
+        t["loss"].append(loss.item())
+        t["scale"].append(self.scaler.get_scale() if self.scaler.is_enabled() else None)
+        t["finite"].append(math.isfinite(norm))  # the fp32 norm is finite iff every gradient is
+        t["applied"].append(applied)
+        t["grad_norm"].append(norm if math.isfinite(norm) else None)
+        t["clip_coef"].append(min(1.0, self.cfg.max_norm / (norm + 1e-6)) if math.isfinite(norm) else None)
+        t["lr"].append(lr)
+        return applied
+
+
+def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | None) -> dict[str, str]:
+    """Output dtype per module type in one forward under ``autocast`` (what runs in 16 bits)."""
+    seen: dict[str, set] = {}
+
+    def hook(mod, args, out):
+        out = out[0] if isinstance(out, tuple) else out
+        if torch.is_tensor(out):
+            seen.setdefault(type(mod).__name__, set()).add(str(out.dtype).removeprefix("torch."))
+
+    hooks = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        with torch.no_grad(), autocast(device_type, low):
+            out = model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    seen["(logits)"], seen["(loss)"] = {str(out.logits.dtype)[6:]}, {str(out.loss.dtype)[6:]}
+    return {k: "/".join(sorted(v)) for k, v in seen.items()}
+
+
+@torch.no_grad()
+def eval_loss(model, batch: dict) -> float:
+    """Float32 loss on a held-out batch (no autocast), the yardstick across candidates."""
+    return model(**batch).loss.item()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def train_candidate(base, candidate: str, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
+    """``cfg.steps`` (+1 tracked on CPU) updates with peak and median/P95; then the eval loss."""
+    model = copy.deepcopy(base).to(device)
+    tr = AmpTrainer(model, candidate, cfg, device, cfg.growth_interval)
+    stats = measure_steps(lambda i: tr.step(batches[i + 1]), cfg.steps, cfg.warmup, device,
+                          resident=[model.parameters()])
+    finite_params = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out = dict(stats=stats, trace=tr.trace, updates=tr.clock.updates, skipped=tr.clock.skipped,
+               eval_loss=eval_loss(model, batches[-1]), finite_params=finite_params)
+    del model, tr
+    _free(device)
+    return out
+
+
+def injection_finite_in_fp32(model, batch: dict, factor: float) -> bool:
+    """The overflow sample's injected loss (x factor x init scale) backpropagated in plain fp32."""
+    model.zero_grad(set_to_none=True)
+    (model(**batch).loss * factor).backward()
+    ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    return ok
+
+
+def overflow_sample(base, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
+    """FP16 + GradScaler with overflows injected at ``cfg.overflow_calls``; no timing."""
+    model = copy.deepcopy(base).to(device)
+    fp32_ok = injection_finite_in_fp32(model, batches[0], cfg.overflow_factor * cfg.init_scale)
+    tr = AmpTrainer(model, "fp16-overflow", cfg, device, cfg.overflow_growth_interval)
+    ref = DynamicLossScaler(cfg.init_scale, growth_interval=cfg.overflow_growth_interval)
+    predicted, unchanged, held = [], [], []
+    for c in range(cfg.overflow_n):
+        before = [p.detach().clone() for p in model.parameters()]
+        updates, lr = tr.clock.updates, tr.clock.lr
+        applied = tr.step(batches[c % (len(batches) - 1)], cfg.overflow_factor if c in cfg.overflow_calls else 1.0)
+        ref.update(found_inf=not tr.trace["finite"][-1])
+        predicted.append(ref.scale)
+        if not applied:
+            unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+            held.append(tr.clock.updates == updates and tr.clock.lr == lr)
+        del before
+    s = tr.trace["scale"]
+    prev = [cfg.init_scale] + s[:-1]
+    out = dict(trace=tr.trace, predicted_scale=predicted, scaler_matches_reference=predicted == s,
+               params_unchanged_on_skip=all(unchanged), clock_held_on_skip=all(held),
+               fp32_finite_under_same_injection=fp32_ok, updates=tr.clock.updates, skipped=tr.clock.skipped,
+               backoff_calls=[c for c in range(len(s)) if s[c] < prev[c]],
+               growth_calls=[c for c in range(len(s)) if s[c] > prev[c]])
+    del model, tr
+    _free(device)
+    return out
+
+
+def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_ratio: float, time_ratio: float):
+    """(decision, next_step) by the rule stated above the constants."""
+    if not finite or skipped_fraction > MAX_SKIPPED_FRACTION or not loss_rel_diff <= LOSS_REL_TOL:
+        return "reject", "non-finite, too many skipped steps, or loss off FP32 beyond tolerance"
+    if peak_ratio <= 1 - MIN_PEAK_SAVING and time_ratio <= 1 + MAX_TIME_COST:
+        return "accept", None
+    return "tune", "numerically fine; no memory saving or too slow on this device: measure on the target GPU"
+
+
+def run(ctx) -> list:
+    cfg, device = config_for(ctx), ctx.device
+    base = build_model(ctx.workload, "cpu")  # one init, copied to the device per candidate
+    batches = make_batches(ctx.workload, cfg.steps + 2, device=device)  # the last one is held out
+    recs, fp32 = [], None
+    for name in ctx.progress([c for c in CANDIDATES if available(c, device)], desc="candidates"):
+        dtype = DTYPE_LABEL[LOW[name]]
+        if name == "fp16-overflow":
+            o, failure = guarded(overflow_sample, base, cfg, device, batches)
+            if failure:
+                _free(device)  # the failed candidate's tensors died with its traceback
+                recs.append(ctx.record(name, dtype=dtype, failure=failure))
+                continue
+            t = o["trace"]
+            ok = o["scaler_matches_reference"] and o["params_unchanged_on_skip"] and o["clock_held_on_skip"]
+            recs.append(ctx.record(
+                name, dtype=dtype, updates=len(t["applied"]), update_count=o["updates"], skipped_updates=o["skipped"],
+                all_finite=all(t["finite"]), next_step=None if ok else "scaler semantics differ from the reference",
+                metrics=dict({k: o[k] for k in o if k != "trace"}, semantics_ok=ok,
+                             injected_calls=list(cfg.overflow_calls),
+                             overflow_factor=cfg.overflow_factor, growth_interval=cfg.overflow_growth_interval,
+                             loss_scale_trace=t["scale"], finite_per_step=t["finite"], applied_per_step=t["applied"],
+                             lr_per_call=t["lr"], skipped_calls=[c for c, a in enumerate(t["applied"]) if not a])))
+            continue
+        r, failure = guarded(train_candidate, base, name, cfg, device, batches)
+        if failure:
+            _free(device)
+            recs.append(ctx.record(name, dtype=dtype, failure=failure))
+            continue
+        st, t = r["stats"], r["trace"]
+        finite = r["finite_params"] and math.isfinite(r["eval_loss"]) and all(
+            f for f, a in zip(t["finite"], t["applied"]) if a)
+        metrics = dict(eval_loss=r["eval_loss"], loss_scale_trace=t["scale"], finite_per_step=t["finite"],
+                       loss_per_step=t["loss"], grad_norm_per_step=t["grad_norm"], clip_coef_per_step=t["clip_coef"],
+                       scaler=LOW[name] is torch.float16, autocast_dtype=dtype,
+                       step_samples_s=st.timing.samples)
+        fields = dict(dtype=dtype, updates=len(t["applied"]), update_count=r["updates"], skipped_updates=r["skipped"],
+                      all_finite=finite, peak_allocated=st.peak_allocated, peak_reserved=st.peak_reserved,
+                      step_median_s=st.timing.median_s, step_p95_s=st.timing.p95_s,
+                      warmup_excluded=st.timing.warmup_excluded, memory_source=st.memory_source)
+        if name == "fp32":
+            fp32 = dict(fields, eval_loss=r["eval_loss"])
+            metrics["role"] = "baseline"
+        elif fp32 is not None:
+            ratios = dict(peak_ratio=st.peak_allocated / fp32["peak_allocated"],
+                          time_ratio=st.timing.median_s / fp32["step_median_s"],
+                          loss_diff=r["eval_loss"] - fp32["eval_loss"],
+                          loss_rel_diff=abs(r["eval_loss"] - fp32["eval_loss"]) / abs(fp32["eval_loss"]))
+            metrics.update(ratios)
+            fields["decision"], fields["next_step"] = decide(finite, r["skipped"] / len(t["applied"]),
+                                                             ratios["loss_rel_diff"], ratios["peak_ratio"],
+                                                             ratios["time_ratio"])
+        recs.append(ctx.record(name, metrics=metrics, **fields))
+    return recs
+
+
+def param_count(arch: str) -> int:
+    """Parameters of a Qwen2 architecture (q/k/v biases, tied embeddings), from its config."""
+    a = ARCHITECTURES[arch]
+    h, inter, hd = a["hidden_size"], a["intermediate_size"], a["hidden_size"] // a["num_attention_heads"]
+    kv = a["num_key_value_heads"] * hd
+    layer = 2 * h * h + h + 2 * (h * kv + kv) + 3 * h * inter + 2 * h
+    return a["vocab_size"] * h * (1 if a["tie_word_embeddings"] else 2) + a["num_hidden_layers"] * layer + h
+
+
+def plan(ctx) -> dict:
+    cfg = config_for(ctx)
+    w = ctx.workload
+    target = "cuda" if cfg is GPU_CONFIG else "cpu"
+    flops = 6 * param_count(w.arch) * w.batch * w.seq  # forward + backward per update
+    calls = cfg.steps + (1 if target == "cpu" else 0)
+    est = {}
+    for c in CANDIDATES:
+        n = cfg.overflow_n if c == "fp16-overflow" else calls
+        rate = ASSUMED_FLOPS[target]["float32" if LOW[c] is None else "low"]
+        est[c] = round(SETUP_S[target] + n * flops / rate, 1)
+    est["build base model"] = BUILD_S[target]
+    return dict(target_device=target, config=asdict(cfg), updates_per_candidate=calls,
+                timed_steps=cfg.steps, warmup_excluded=cfg.warmup, parameters=param_count(w.arch),
+                flops_per_update=flops,
+                bf16="included where torch reports support (CPU autocast; CUDA: torch.cuda.is_bf16_supported())",
+                estimated_s=est, estimated_total_s=round(sum(est.values()), 1),
+                estimate_basis=f"6*N*tokens FLOPs at assumed {ASSUMED_FLOPS[target]} FLOP/s + setup "
+                               f"{SETUP_S[target]} s per candidate + build {BUILD_S[target]} s (a plan, not measured)",
+                decision_rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING,
+                                   MAX_TIME_COST=MAX_TIME_COST, MAX_SKIPPED_FRACTION=MAX_SKIPPED_FRACTION))
+
+
+def conformance():
+    """DynamicLossScaler vs torch.amp.GradScaler (scale and skips over an overflow pattern), and
+    unscale_and_clip_ vs GradScaler.unscale_ + clip_grad_norm_ (float32, CPU)."""
+    from bp_mech.registry import ConformanceRow
+
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler, ours, same = torch.amp.GradScaler("cpu", growth_interval=3), DynamicLossScaler(growth_interval=3), True
+    for found_inf in (False, False, True, False, False, False, True, True, False, False, False, False):
+        opt.zero_grad()
+        scaler.scale(p.sum() * (math.inf if found_inf else 1.0)).backward()
+        before = p.detach().clone()
+        skipped = not scaler_step(scaler, opt)
+        same &= ours.update(found_inf) == skipped == torch.equal(before, p.detach())
+        same &= ours.scale == scaler.get_scale()
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Linear(16, 8)
+    ref_opt, ref_scaler = torch.optim.SGD(w.parameters(), lr=0.0), torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ref_scaler.scale(w(torch.randn(4, 16, generator=g)).pow(2).sum()).backward()
+    mine = [q.grad.clone() for q in w.parameters()]  # scaled by 2^16
+    norm, _, _ = unscale_and_clip_(mine, 2.0**16, 0.5)
+    ref_scaler.unscale_(ref_opt)
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.5))
+    err = max([abs(norm - ref_norm) / ref_norm] + [((a - q.grad).abs().max() / q.grad.abs().max()).item()
+                                                   for a, q in zip(mine, w.parameters())])
+    return ConformanceRow("Mixed-precision backward", "TRAIN-AMP-BACKWARD",
+                          "torch.amp.GradScaler + clip_grad_norm_", same and err <= 1e-6,
+                          f"scaler model equals GradScaler's scale and skips over 12 steps: {same}; "
+                          f"unscale+clip max rel. error {err:.1e} (tol 1e-6, float32)")

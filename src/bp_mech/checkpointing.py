@@ -1,0 +1,440 @@
+"""Part 02 · 19 — TRAIN-CHECKPOINT: activation (gradient) checkpointing.
+
+Between forward and backward a training step keeps every tensor autograd saved for backward.
+Checkpointing keeps only a block's inputs and runs the block's forward a second time in
+backward to rebuild the rest (Griewank & Walther 2000; Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"): the saved activations of a block shrink to its input, the step
+pays one extra forward of every checkpointed block.
+
+* From scratch: ``CheckpointFunction`` / ``CheckpointedBlock`` (the reentrant design: forward
+  under ``no_grad`` saving only the input, recompute and backpropagate inside ``backward``).
+* With the framework: Transformers' ``gradient_checkpointing_enable`` (every layer, or every
+  n-th layer), which calls ``torch.utils.checkpoint`` non-reentrant; ``checkpoint_mlp``, a
+  selective variant that wraps only each layer's MLP in ``torch.utils.checkpoint``.
+* Measured, not assumed: ``ForwardCounter`` counts forward calls per layer and sublayer with
+  module pre-hooks (they fire on the recompute too); ``SavedBytesCounter`` counts what autograd
+  saves with a counting-only ``saved_tensors_hooks`` pass.
+
+A step here is ``zero_grad`` + forward + backward, with no optimizer update: every candidate sees
+the same weights, so the loss and every gradient can be compared with the plain run exactly.
+``train_step``, ``probe``, ``compare``, ``decide`` and ``make_records`` are shared with Part 02 · 42.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bp_mech.measure import PeakMemory, all_finite, guarded, measure_steps
+from bp_mech.workload import build_model, make_batches
+
+# --- from scratch ---------------------------------------------------------------------
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """``y = fn(x)`` keeping only ``x``; backward runs ``fn(x)`` again, with grad, and differentiates it.
+
+    ``params`` (those ``fn`` uses) are passed as inputs so that autograd asks for their gradients
+    even when ``x`` needs none; they are not activations, keeping a reference to them costs nothing.
+    (No RNG stashing, unlike ``torch.utils.checkpoint``: Qwen2 has no dropout.)
+    """
+
+    @staticmethod
+    def forward(ctx, fn, x, *params):  # x (..., C)
+        ctx.fn, ctx.params = fn, params
+        ctx.save_for_backward(x)  # the only activation kept between forward and backward
+        with torch.no_grad():  # no graph: fn's intermediates are freed as soon as they are used
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.fn(x)  # the recompute: a second forward of the block, now building a graph
+        grads = torch.autograd.grad(y, [x, *ctx.params], dy, allow_unused=True)
+        return None, *grads
+
+
+class CheckpointedBlock(nn.Module):
+    """A block whose forward keeps only its input; ``calls`` counts real executions of the block."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.calls = 0  # forward executions, the recompute in backward included
+
+    def _run(self, x):
+        self.calls += 1  # counted where the block runs, so a recompute cannot be missed or faked
+        return self.block(x)
+
+    def forward(self, x):
+        params = [p for p in self.block.parameters() if p.requires_grad]
+        if not torch.is_grad_enabled() or not (x.requires_grad or params):
+            return self._run(x)  # nothing to differentiate: a plain forward
+        return CheckpointFunction.apply(self._run, x, *params)
+
+
+# --- measuring: forward calls and saved tensors ----------------------------------------
+
+
+class ForwardCounter:
+    """Forward calls of each decoder layer and of its attention and MLP, via module pre-hooks.
+
+    Module hooks fire on every ``__call__``, including the recompute ``torch.utils.checkpoint``
+    runs in backward, so ``calls`` and ``recomputes`` are measured, not assumed.
+    """
+
+    def __init__(self, model):
+        layers = model.model.layers
+        unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731  (checkpoint_mlp's wrapper)
+        self.modules = {"layer": list(layers), "attn": [l.self_attn for l in layers],
+                        "mlp": [unwrap(l.mlp) for l in layers]}
+        self.calls = {part: [0] * len(layers) for part in self.modules}  # part -> calls per layer
+        self._handles = []
+
+    def __enter__(self):
+        for part, mods in self.modules.items():
+            for i, m in enumerate(mods):
+                self._handles.append(m.register_forward_pre_hook(self._hook(part, i)))
+        return self
+
+    def _hook(self, part, i):
+        def hook(module, args):
+            self.calls[part][i] += 1
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def recomputes(self) -> int:
+        """Sublayer (attention, MLP) forward executions beyond the first one."""
+        return sum(c - 1 for part in ("attn", "mlp") for c in self.calls[part] if c > 0)
+
+
+class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
+    """Counting-only saved-tensor hooks: what autograd keeps for backward; nothing is moved.
+
+    ``storages`` maps each distinct non-parameter storage to its bytes (views of one storage count
+    once: that is the memory they hold); ``tensor_bytes`` is the per-tensor sum a naive copier
+    moves (views and parameters included); ``param_saves`` counts saves of parameters (or views).
+    Nested hooks do not stack: inside a checkpointed region ``torch.utils.checkpoint``'s own hooks
+    win, so under checkpointing this counts what stays saved *outside* the recomputed regions.
+    """
+
+    def __init__(self, params=()):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}  # storage data_ptr -> nbytes
+        self.tensors = self.tensor_bytes = self.param_saves = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.tensors += 1
+        self.tensor_bytes += t.numel() * t.element_size()
+        if t.layout == torch.strided:
+            st = t.untyped_storage()  # pack returns t, so no counted storage dies and reuses its address
+            if st.data_ptr() in self._param_ptrs:
+                self.param_saves += 1
+            elif st.nbytes():
+                self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def bytes_at_least(self, n: int) -> int:
+        """Bytes of the saved storages of at least ``n`` bytes (what an offloader skipping tiny ones moves)."""
+        return sum(b for b in self.storages.values() if b >= n)
+
+
+# --- the candidates ---------------------------------------------------------------------
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``inner`` under ``torch.utils.checkpoint`` (non-reentrant) while training."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+@contextlib.contextmanager
+def checkpoint_mlp(model):
+    """Selective checkpointing: only each decoder layer's MLP is recomputed in backward."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.mlp = _Checkpointed(layer.mlp)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.mlp = layer.mlp.inner
+
+
+def enable_native(model, every_n_layers: int = 1) -> None:
+    """Transformers' checkpointing: ``torch.utils.checkpoint`` (non-reentrant) on every n-th layer."""
+    kw = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    native_n = "every_n_layers" in inspect.signature(model.gradient_checkpointing_enable).parameters
+    if native_n:
+        kw["every_n_layers"] = every_n_layers
+    model.gradient_checkpointing_enable(**kw)
+    if not native_n:  # older Transformers: the same per-layer flags, set by hand
+        for i, layer in enumerate(model.model.layers):
+            layer.gradient_checkpointing = i % every_n_layers == 0
+
+
+CANDIDATES = ("plain", "checkpoint-all", "checkpoint-every2", "checkpoint-mlp")
+
+
+@contextlib.contextmanager
+def configure(model, candidate: str):
+    """Apply a candidate's checkpointing to ``model`` inside the block, and undo it after."""
+    if candidate == "checkpoint-mlp":
+        with checkpoint_mlp(model):
+            yield model
+        return
+    n = {"plain": 0, "checkpoint-all": 1, "checkpoint-every2": 2}[candidate]
+    if n:
+        enable_native(model, n)
+    try:
+        yield model
+    finally:
+        if n:
+            model.gradient_checkpointing_disable()
+            model.disable_input_require_grads()  # enable added a hook on the embeddings
+
+
+# --- one step, equality -----------------------------------------------------------------
+
+
+def train_step(model, batch, saving=None) -> torch.Tensor:
+    """``zero_grad``, forward (under ``saving``: saved-tensor hooks, or none), backward. No update."""
+    model.zero_grad(set_to_none=True)
+    with saving if saving is not None else contextlib.nullcontext():
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def probe(model, batch, device, saving=None) -> dict:
+    """One step on ``batch`` for what the timed steps do not show.
+
+    Returns the loss, the gradients (copied to the CPU) and their total norm, forward calls per
+    layer, recomputes, and ``held_after_forward``: live bytes (allocator on CUDA, tracked storages
+    on the CPU) added between the start and the end of forward, i.e. what waits for backward.
+    """
+    model.zero_grad(set_to_none=True)
+    with ForwardCounter(model) as fc, PeakMemory(device, resident=[model.parameters()]) as pm:
+        pm.mark("start")
+        with saving if saving is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+        pm.mark("after_forward")
+        loss.backward()
+    grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads if g is not None))
+    return dict(loss=loss.item(), grads=grads, grad_norm=norm, calls=fc.calls, recomputes=fc.recomputes,
+                held_after_forward=pm.marks["after_forward"] - pm.marks["start"],
+                finite=all_finite([loss, *grads]))
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """Loss error (relative), gradient error (max over parameters of max|diff| / max|ref|), bitwise."""
+    bitwise = got["loss"] == ref["loss"]
+    grad_err = 0.0
+    for a, b in zip(got["grads"], ref["grads"]):
+        if a is None or b is None:
+            grad_err, bitwise = (grad_err, bitwise) if a is b else (math.inf, False)
+            continue
+        bitwise = bitwise and torch.equal(a, b)
+        grad_err = max(grad_err, (a - b).abs().max().item() / (b.abs().max().item() or 1.0))
+    return dict(loss_error=abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30), grad_error=grad_err,
+                grad_norm_error=abs(got["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30),
+                bitwise=bitwise)
+
+
+# Equality with the plain run: (loss, gradient) relative tolerances by device type.
+TOL = {"cpu": (0.0, 0.0),  # CPU kernels are deterministic here: bitwise equality is required
+       "cuda": (1e-6, 1e-4)}  # fp32 CUDA: a recompute may pick other kernels, backward may reassociate
+
+# Decision rule, from ratios against the plain (resident) run of the same invocation:
+#   reject  if loss or gradients differ beyond TOL, or the peak drops by less than MIN_USEFUL_CUT;
+#   accept  if the peak drops by at least MIN_PEAK_CUT at a median step time of at most MAX_TIME_RATIO x;
+#   tune    otherwise: it saves memory, but too little or at too high a time cost.
+MIN_PEAK_CUT = 0.20
+MAX_TIME_RATIO = 1.50
+MIN_USEFUL_CUT = 0.05
+
+# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
+SEED_REFERENCE = dict(run_label="b2s512_default2", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
+                      peak_cut=0.337, median_ratio=1.192, decision="accept")
+
+
+def decide(equal: bool, peak_cut: float, time_ratio: float) -> tuple[str, str | None]:
+    """(decision, next step) by the rule above."""
+    if not equal:
+        return "reject", "loss or gradients differ from the plain run: find the non-deterministic or wrong op"
+    if peak_cut < MIN_USEFUL_CUT:
+        return "reject", "the peak barely moves: the memory is not in the saved activations"
+    if peak_cut >= MIN_PEAK_CUT and time_ratio <= MAX_TIME_RATIO:
+        return "accept", None
+    if peak_cut < MIN_PEAK_CUT:
+        return "tune", "saves too little: cover more of the saved activations"
+    return "tune", "saves memory but costs too much time: recompute or move less"
+
+
+# --- the experiment ---------------------------------------------------------------------
+
+# Planning estimates for --mode dry_run (rough constants, not measurements), by (architecture,
+# device type): seconds to build the model, per plain step, per candidate for gradient copies/checks.
+ESTIMATES = {("tiny", "cpu"): (3.0, 0.01, 0.5), ("tiny", "cuda"): (3.0, 0.005, 0.3),
+             ("qwen05", "cuda"): (30.0, 0.3, 4.0)}
+TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "checkpoint-mlp": 1.2}
+
+
+def schedule(device) -> tuple[int, int]:
+    """(timed steps, leading warm-up steps excluded from median/P95)."""
+    return (8, 2) if torch.device(device).type == "cuda" else (10, 2)
+
+
+def estimate_seconds(arch: str, factors, device) -> float | None:
+    """A planning estimate from ``ESTIMATES`` (None where the configuration is not planned)."""
+    dev = torch.device(device).type
+    if (arch, dev) not in ESTIMATES:
+        return None
+    build, step, per = ESTIMATES[arch, dev]
+    n = schedule(dev)[0] + 2  # timed steps + the probe + the tracked/extra pass
+    return round(build + sum(f * n * step + per for f in factors), 1)
+
+
+def plan_modes(arch: str, factors, **per_device) -> dict:
+    """Steps and estimated seconds of ``--mode cpu`` and ``--mode real_gpu`` for this workload."""
+    out = {}
+    for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda")):
+        steps, warmup = schedule(dev)
+        out[mode] = dict(steps=steps, warmup_excluded=warmup, estimated_seconds=estimate_seconds(arch, factors, dev),
+                         **{k: v(dev) for k, v in per_device.items()})
+    return out
+
+
+def plan(ctx) -> dict:
+    return dict(step="zero_grad + forward + backward (no optimizer update)",
+                probe="1 untimed step on batch 0: loss, gradients, forward calls, saved bytes",
+                modes=plan_modes(ctx.workload.arch, TIME_FACTOR.values()),
+                rule=dict(MIN_PEAK_CUT=MIN_PEAK_CUT, MAX_TIME_RATIO=MAX_TIME_RATIO, MIN_USEFUL_CUT=MIN_USEFUL_CUT))
+
+
+def release(model, device) -> None:
+    """Drop gradients and cached blocks so each candidate's reserved peak is its own."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_candidate(model, batches, device, setup=contextlib.nullcontext, saving=None) -> dict:
+    """Probe, then time ``schedule(device)`` steps, under ``setup()`` and the hooks ``saving``."""
+    release(model, device)
+    steps, warmup = schedule(device)
+    with setup():
+        counter = SavedBytesCounter(model.parameters()) if saving is None else None
+        out = probe(model, batches[0], device, counter or saving)
+        out["stats"] = measure_steps(lambda i: train_step(model, batches[i % len(batches)], saving), steps,
+                                     warmup, device, resident=[model.parameters()])
+    if counter is not None:
+        out.update(saved_activation_bytes=counter.bytes, saved_tensors=counter.tensors)
+    release(model, device)
+    return out
+
+
+def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {})) -> list:
+    """One record per candidate from ``{name: (measurement, failure)}``; ratios against ``baseline``.
+
+    ``extra(name, r)`` returns (record fields, metrics) that an experiment adds.
+    """
+    base = results[baseline][0]
+    tol = TOL[torch.device(ctx.device).type]
+    recs = []
+    for name, (r, failure) in results.items():
+        if failure is not None:
+            recs.append(ctx.record(name, failure=failure, memory_source=ctx.memory_source,
+                                   next_step="does not fit: see the failure"))
+            continue
+        st = r["stats"]
+        fields, metrics = extra(name, r)
+        metrics = dict(loss=r["loss"], grad_norm=r["grad_norm"], forward_calls=r["calls"],
+                       held_after_forward_bytes=r["held_after_forward"], step_samples_s=st.timing.samples,
+                       tolerances=dict(loss=tol[0], grad=tol[1]), **metrics)
+        for k in ("saved_activation_bytes", "saved_tensors"):
+            if k in r:
+                metrics[k] = r[k]
+        cmp = decision = next_step = None
+        if name != baseline and base is not None:
+            cmp = compare(base, r)
+            equal = cmp["loss_error"] <= tol[0] and cmp["grad_error"] <= tol[1]
+            bst = base["stats"]
+            peak_cut = 1 - st.peak_allocated / bst.peak_allocated
+            ratio = st.timing.median_s / bst.timing.median_s
+            decision, next_step = decide(equal, peak_cut, ratio)
+            metrics.update(bitwise_equal=cmp["bitwise"], grad_norm_error=cmp["grad_norm_error"],
+                           peak_cut=peak_cut, time_ratio=ratio, p95_ratio=st.timing.p95_s / bst.timing.p95_s)
+        recs.append(ctx.record(
+            name, output_error=cmp and cmp["loss_error"], grad_error=cmp and cmp["grad_error"],
+            all_finite=r["finite"], peak_allocated=st.peak_allocated, peak_reserved=st.peak_reserved,
+            step_median_s=st.timing.median_s, step_p95_s=st.timing.p95_s, warmup_excluded=st.timing.warmup_excluded,
+            recompute_count=r["recomputes"], memory_source=st.memory_source, decision=decision,
+            next_step=next_step, metrics=metrics, **fields))
+    return recs
+
+
+def run(ctx) -> list:
+    model = build_model(ctx.workload, ctx.device)
+    batches = make_batches(ctx.workload, 4, device=ctx.device)
+    results = {}
+    for name in ctx.progress(CANDIDATES, desc="candidates"):
+        results[name] = guarded(measure_candidate, model, batches, ctx.device, lambda: configure(model, name))
+    return make_records(ctx, results, "plain")
+
+
+def conformance():
+    """Our checkpointing vs Transformers' ``gradient_checkpointing_enable`` and ``torch.utils.checkpoint``."""
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    model = build_model(w)
+    batch = make_batches(w, 1)[0]
+    runs = {}
+    for name in CANDIDATES:
+        with configure(model, name):
+            runs[name] = probe(model, batch, "cpu")
+    errs = [compare(runs["plain"], runs[n]) for n in CANDIDATES[1:]]
+    worst = max(max(e["loss_error"], e["grad_error"]) for e in errs)
+    L = len(model.model.layers)
+    calls_ok = runs["checkpoint-all"]["calls"]["layer"] == [2] * L and runs["plain"]["recomputes"] == 0
+    torch.manual_seed(0)  # from scratch vs torch.utils.checkpoint on one MLP, float64
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    ours = torch.autograd.grad(CheckpointedBlock(mlp)(x).sum(), [x, *mlp.parameters()])
+    ref = torch.autograd.grad(checkpoint(mlp, x, use_reentrant=False).sum(), [x, *mlp.parameters()])
+    scratch = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    ok = worst <= TOL["cpu"][1] and calls_ok and scratch <= 1e-12
+    return ConformanceRow("Part 02 · 19", "TRAIN-CHECKPOINT",
+                          "transformers gradient_checkpointing_enable + torch.utils.checkpoint (non-reentrant)", ok,
+                          f"max loss/grad rel. error {worst:.1e} over {len(errs)} candidates (tol 0, float32 CPU); "
+                          f"layer forward calls under checkpointing {runs['checkpoint-all']['calls']['layer']}; "
+                          f"from-scratch vs torch.utils.checkpoint {scratch:.1e} (tol 1e-12, float64)")

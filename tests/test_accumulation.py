@@ -1,0 +1,210 @@
+"""Part 02 · 11: token-weighted accumulation equals the full batch; the naive one does not;
+the measurement, the decision rule, the records and the exercise checks (mutants)."""
+
+import types
+
+import pytest
+import torch
+
+from bp_mech import accumulation as A
+from bp_mech import registry, report, results
+from bp_mech.workload import PAD_ID, build_model, parse_workload
+from checks import ex11
+
+W = parse_workload("tiny-b2s16")
+CFG = A.AccumConfig(updates=2, steps=3, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = build_model(W)
+    init = {n: t.clone() for n, t in model.state_dict().items()}
+    return model, init, A.padded_batches(W, CFG.updates, CFG.micro_max, CFG.max_pad_fraction)
+
+
+def test_padded_batches_are_uneven(setup):
+    _, _, batches = setup
+    for b in batches:
+        assert b["input_ids"].shape == (W.batch * CFG.micro_max, W.seq)
+        assert torch.equal(b["input_ids"] == PAD_ID, b["labels"] == A.IGNORE)
+        for k in (2, 4):
+            counts = [int(A.count_targets(mb["labels"])) for mb in A.split(b, k)]
+            assert len(set(counts)) > 1, f"micro-batches of k={k} must hold different target counts: {counts}"
+
+
+def test_right_padding_leaves_real_logits_unchanged(setup):
+    model, init, batches = setup
+    model.load_state_dict(init)
+    b = batches[0]
+    real = b["labels"] != A.IGNORE
+    from bp_mech.workload import make_batches
+    plain = make_batches(W.replace(batch=W.batch * CFG.micro_max), 1)[0]["input_ids"]
+    assert torch.equal(plain[real], b["input_ids"][real])
+    with torch.no_grad():
+        a, p = model(input_ids=b["input_ids"]).logits, model(input_ids=plain).logits
+    assert (a[real] - p[real]).abs().max().item() < 1e-5
+
+
+def test_token_weighted_equals_full_batch_naive_does_not(setup):
+    model, init, batches = setup
+    eq = A.equivalence(model, init, batches, CFG, "cpu")
+    for name in ("micro2", "micro4"):
+        tok, naive = eq[name]["token"], eq[name]["naive"]
+        assert tok["finite"] and naive["finite"]
+        assert tok["loss_rel_diff"] <= 1e-6 and tok["grad_rel_diff"] <= 1e-5
+        assert tok["param_rel_diff_1"] <= 1e-5 and tok["param_rel_diff"] <= A.TOL_EQUIV["cpu"]
+        assert naive["grad_rel_diff"] > 1e-3 > 100 * tok["grad_rel_diff"]  # the naive error is real, not rounding
+        assert naive["param_rel_diff"] > 100 * tok["param_rel_diff"]
+
+
+def test_accumulated_loss_is_the_full_batch_loss(setup):
+    model, init, batches = setup
+    model.load_state_dict(init)
+    b = batches[0]
+    want = torch.nn.functional.cross_entropy(
+        model(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 384), b["labels"][:, 1:].reshape(-1))
+    model.zero_grad(set_to_none=True)
+    got = A.accumulated_backward(model, b, 4, "token")
+    naive = A.accumulated_backward(model, b, 4, "naive")
+    assert abs(got.item() - want.item()) <= 1e-6 * want.item()
+    assert abs(naive.item() - want.item()) > 1e-7 * want.item()
+    with pytest.raises(ValueError):
+        A.accumulated_backward(model, b, 4, "mean")
+
+
+def test_split_refuses_uneven():
+    b = {"input_ids": torch.zeros(6, 4, dtype=torch.long)}
+    assert len(A.split(b, 3)) == 3
+    for k in (0, 4):
+        with pytest.raises(ValueError):
+            A.split(b, k)
+
+
+def test_measure_resident_and_incremental_peak(setup):
+    model, init, batches = setup
+    full = A.measure_candidate(model, init, batches, 1, CFG, "cpu")
+    four = A.measure_candidate(model, init, batches, 4, CFG, "cpu")
+    n_params = sum(p.numel() for p in model.parameters())
+    # float32 params + exp_avg + exp_avg_sq, plus one float32 `step` per parameter tensor
+    assert full["resident"] == 3 * 4 * n_params + 4 * len(list(model.parameters()))
+    for m in (full, four):
+        assert m["incremental"] == m["stats"].peak_allocated - m["resident"] > 4 * n_params  # grads at least
+        assert m["stats"].memory_source == "tracked-cpu" and m["stats"].timing.warmup_excluded == 1
+    assert four["stats"].peak_allocated < full["stats"].peak_allocated  # activations of 1/4 of the batch
+
+
+@pytest.mark.parametrize("diff,peak,time,want", [
+    (1e-3, 0.5, 1.0, "reject"), (None, 0.5, 1.0, "reject"), (1e-7, 0.85, 1.3, "accept"),
+    (1e-7, 0.95, 1.1, "tune"), (1e-7, 0.5, 1.6, "tune"), (1e-7, None, None, None)])
+def test_decision_rule(diff, peak, time, want):
+    assert A.decide(diff, 1e-5, peak, time)[0] == want
+
+
+def test_param_count_matches_model():
+    for arch in ("tiny",):
+        assert A.param_count(arch) == sum(p.numel() for p in build_model(parse_workload(f"{arch}-b1s8")).parameters())
+    assert A.param_count("qwen05") == 494_032_768  # Qwen2.5-0.5B
+
+
+def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
+    monkeypatch.setattr(A, "config_for", lambda device: CFG)
+    ctx = registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "cpu", "tiny-b2s16")
+    recs = A.run(ctx)
+    assert [(r.workload_id, r.run_label, r.candidate) for r in recs] == [
+        (f"tiny-b2s{s}", f"cpu-default-s{s}", c) for s in (8, 16) for c in A.CANDIDATES]
+    for r in recs:
+        results.save_record(r, tmp_path)
+        assert r.failure is None and r.all_finite and r.peak_allocated > 0 and r.effective_batch == 8
+        if r.candidate != "full":
+            assert r.grad_error <= 1e-5 and r.metrics["naive"]["grad_rel_diff"] > 1e-3
+            assert r.decision in ("accept", "tune")
+    c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
+    assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
+    plan = registry.plan(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
+    assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and plan["per_device"]["cuda"]["estimated_seconds"] < 60
+
+
+def test_accelerate_divides_by_k_so_the_loss_is_scaled(setup):
+    """accelerator.backward(loss) divides by gradient_accumulation_steps: without * k the
+    gradient is 1/k of the full batch's (the conformance row passes only with the scaling)."""
+    from accelerate import Accelerator
+
+    model, init, batches = setup
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
+    A.accumulated_backward(model, batches[0], 2)
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    n = A.count_targets(batches[0]["labels"])
+    for mb in A.split(batches[0], 2):
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=n).loss)
+    assert abs(A.rel_diff([p.grad for p in model.parameters()], want) - 0.5) < 1e-5
+    row = A.conformance()
+    assert row.passed, row.detail
+
+
+# --- mutants: the checks catch the classic mistakes --------------------------------------
+
+def _solution(**over):
+    from pathlib import Path
+
+    from conftest import load_solution
+    base = load_solution(Path(__file__).resolve().parents[1] / "answers", "ex11_gradient_accumulation")
+    m = types.SimpleNamespace(**{k: getattr(base, k) for k in
+                                 ("split", "count_targets", "micro_batch_loss", "accumulated_backward")})
+    for k, v in over.items():
+        setattr(m, k, v)
+    return m
+
+
+def _naive_backward(model, batch, k):  # mean of micro-batch means
+    total = 0.0
+    for mb in A.split(batch, k):
+        loss = A.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / A.count_targets(mb["labels"]) / k
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _zeroing_backward(model, batch, k):  # zero_grad inside the loop: only the last micro-batch survives
+    n = A.count_targets(batch["labels"])
+    total = 0.0
+    for mb in A.split(batch, k):
+        model.zero_grad()
+        loss = A.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _unscaled_backward(model, batch, k):  # plain micro-batch means, no 1/k at all
+    total = 0.0
+    for mb in A.split(batch, k):
+        loss = A.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / A.count_targets(mb["labels"])
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def test_answers_pass_all_checks():
+    m = _solution()
+    for check in ex11.CHECKS:
+        check(m)
+
+
+@pytest.mark.parametrize("check,over", [
+    (ex11.check_accumulated_backward, dict(accumulated_backward=_naive_backward)),
+    (ex11.check_accumulated_backward, dict(accumulated_backward=_zeroing_backward)),
+    (ex11.check_accumulated_backward, dict(accumulated_backward=_unscaled_backward)),
+    (ex11.check_micro_batch_loss,
+     dict(micro_batch_loss=lambda z, y, n: A.token_loss_sum(z, y) / A.count_targets(y) / 2)),  # mean of means (k=2)
+    (ex11.check_count_targets, dict(count_targets=lambda y: (y != -100).sum())),  # forgot the shift
+    (ex11.check_split, dict(split=lambda b, k: [{key: v for key, v in b.items()}] * k)),
+    (ex11.check_split, dict(split=lambda b, k: [dict(zip(b, vs)) for vs in zip(*(v.chunk(k) for v in b.values()))])),
+], ids=["naive-mean-of-means", "zero-grad-per-micro", "no-scaling", "loss-mean-of-means", "count-no-shift",
+        "split-copies", "split-no-valueerror"])
+def test_checks_catch_mistakes(check, over):
+    with pytest.raises(AssertionError):
+        check(_solution(**over))

@@ -1,0 +1,246 @@
+"""TRAIN-AMP-BACKWARD: the scaler model vs GradScaler, clipping after unscale, the run on the
+CPU (overflow sample semantics, decisions), the GPU plan, and mutants for the exercise checks."""
+
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from bp_mech import amp, registry, results
+from bp_mech.amp import DynamicLossScaler, decide, param_count, unscale_and_clip_
+from bp_mech.workload import build_model, parse_workload
+from checks import ex_amp
+from conftest import load_solution
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scaler_model_matches_gradscaler():
+    pattern = [False, False, True, False, False, False, True, True, False, False, False, False]
+    ref = ex_amp.GradScalerReference(init_scale=2.0**16, growth_interval=3)
+    ours = DynamicLossScaler(2.0**16, growth_interval=3)
+    trace = []
+    for f in pattern:
+        skipped, scale = ref.step(f)
+        assert ours.update(f) == skipped and ours.scale == scale
+        trace.append(scale)
+    assert trace[:6] == [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16]  # backoff, then growth after 3
+
+
+def test_unscale_then_clip_equals_torch():
+    g = torch.Generator().manual_seed(0)
+    true = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g)]
+    params = [torch.zeros_like(t, requires_grad=True) for t in true]
+    for p, t in zip(params, true):
+        p.grad = t.clone()
+    norm_ref = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
+    grads = [t * 1024.0 for t in true]
+    norm, coef, found_inf = unscale_and_clip_(grads, 1024.0, 0.5)
+    assert not found_inf and norm == pytest.approx(norm_ref, rel=1e-6) and coef < 1
+    for a, p in zip(grads, params):
+        torch.testing.assert_close(a, p.grad, rtol=1e-6, atol=0)
+
+
+def test_param_count():
+    assert param_count("qwen05") == 494_032_768  # Qwen2.5-0.5B
+    assert param_count("tiny") == sum(p.numel() for p in build_model(parse_workload("tiny-b1s8")).parameters())
+
+
+def test_decision_rule():
+    assert decide(True, 0.0, 0.001, 0.89, 1.02)[0] == "accept"
+    assert decide(True, 0.0, 0.001, 0.97, 1.00)[0] == "tune"  # saving below MIN_PEAK_SAVING
+    assert decide(True, 0.0, 0.001, 0.80, 1.50)[0] == "tune"  # too slow
+    assert decide(False, 0.0, 0.001, 0.80, 1.00)[0] == "reject"
+    assert decide(True, 0.5, 0.001, 0.80, 1.00)[0] == "reject"  # too many skipped steps
+    assert decide(True, 0.0, 0.05, 0.80, 1.00)[0] == "reject"  # loss off FP32
+    assert decide(True, 0.0, math.nan, 0.80, 1.00)[0] == "reject"
+
+
+@pytest.fixture(scope="module")
+def cpu_records():
+    ctx = registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s32")
+    return {r.candidate: r for r in registry.run(ctx)}
+
+
+def r_peak(recs, name):
+    return recs[name].peak_allocated / recs["fp32"].peak_allocated
+
+
+def test_cpu_run_records(cpu_records, tmp_path):
+    assert set(cpu_records) == set(amp.CANDIDATES)  # CPU autocast supports bf16
+    for r in cpu_records.values():
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.failure is None and r.evidence_level == "cpu-mechanism"
+    cfg = amp.CPU_CONFIG
+    for name in ("fp32", "fp16-amp", "bf16-amp"):
+        r = cpu_records[name]
+        assert r.all_finite and r.updates == cfg.steps + 1 and r.warmup_excluded == cfg.warmup
+        assert r.peak_allocated > 0 and r.memory_source == "tracked-cpu" and r.step_p95_s >= r.step_median_s
+    assert cpu_records["fp32"].decision is None
+    for name in ("fp16-amp", "bf16-amp"):
+        m = cpu_records[name].metrics
+        assert m["loss_rel_diff"] <= amp.LOSS_REL_TOL and cpu_records[name].decision in ("accept", "tune")
+        assert m["peak_ratio"] == r_peak(cpu_records, name) and m["time_ratio"] > 0
+    assert cpu_records["fp16-amp"].metrics["loss_scale_trace"][0] == cfg.init_scale
+    assert cpu_records["bf16-amp"].metrics["scaler"] is False
+
+
+def test_overflow_sample_semantics(cpu_records):
+    r, cfg = cpu_records["fp16-overflow"], amp.CPU_CONFIG
+    m = r.metrics
+    assert m["skipped_calls"] == list(cfg.overflow_calls) and r.skipped_updates == len(cfg.overflow_calls)
+    assert r.update_count == cfg.overflow_n - len(cfg.overflow_calls)
+    assert m["scaler_matches_reference"] and m["params_unchanged_on_skip"] and m["clock_held_on_skip"]
+    assert m["fp32_finite_under_same_injection"]  # the injected overflow is an FP16 overflow
+    assert m["backoff_calls"] == [2, 3, 8] and m["growth_calls"] == [6, 11]
+    s = m["loss_scale_trace"]
+    assert s[3] == cfg.init_scale / 4 and s[6] == cfg.init_scale / 2
+    lr = m["lr_per_call"]
+    assert lr[3] == lr[2] and lr[4] == lr[2]  # two skipped calls: the next update reads the same LR
+
+
+def test_gpu_plan_fits_budget():
+    p = registry.plan(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
+    assert p["target_device"] == "cuda" and p["parameters"] == 494_032_768
+    assert p["timed_steps"] == amp.GPU_CONFIG.steps and p["estimated_total_s"] <= 60
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_gpu_tiny(tmp_path):
+    recs = registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "real_gpu", "tiny-b2s64"))
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.evidence_level == "gpu-measured" and r.failure is None
+    assert all(r.memory_source == "cuda-allocator" for r in recs if r.candidate != "fp16-overflow")
+    assert next(r for r in recs if r.candidate == "fp16-overflow").metrics["semantics_ok"]
+
+
+# --- the exercise checks catch the classic mistakes ------------------------------------
+
+class GrowsOnOverflowStep(DynamicLossScaler):
+    """Counts the step and grows before looking at found_inf."""
+
+    def update(self, found_inf):
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        return bool(found_inf)
+
+
+class KeepsTrackerOnOverflow(DynamicLossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+            return True
+        return super().update(False)
+
+
+class NeverSkips(DynamicLossScaler):
+    def update(self, found_inf):
+        super().update(found_inf)
+        return False
+
+
+class GrowsOneLate(DynamicLossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            return super().update(True)
+        self.growth_tracker += 1
+        if self.growth_tracker > self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+        return False
+
+
+class NoBackoff(DynamicLossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.growth_tracker = 0
+            return True
+        return super().update(False)
+
+
+SCALER_MUTANTS = [GrowsOnOverflowStep, KeepsTrackerOnOverflow, NeverSkips, GrowsOneLate, NoBackoff]
+
+
+@pytest.mark.parametrize("cls", SCALER_MUTANTS, ids=lambda c: c.__name__)
+def test_scaler_check_catches(cls):
+    with pytest.raises(AssertionError):
+        ex_amp.check_scaler_patterns(types.SimpleNamespace(DynamicLossScaler=cls))
+
+
+def clip_scaled_then_unscale(grads, scale, max_norm, eps=1e-6):
+    """The classic bug: clip the scaled gradients, unscale afterwards."""
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    coef = min(1.0, max_norm / (total + eps))
+    for g in grads:
+        g.mul_(coef / scale)
+    return total, coef, not math.isfinite(total)
+
+
+def clip_before_unscale_reporting_true_norm(grads, scale, max_norm, eps=1e-6):
+    """Subtler: reports the unscaled norm but clips with the scaled one."""
+    total, coef, found = clip_scaled_then_unscale(grads, scale, max_norm, eps)
+    return total / scale, coef, found
+
+
+def clips_on_overflow(grads, scale, max_norm, eps=1e-6):
+    for g in grads:
+        g.mul_(1.0 / scale)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    coef = max_norm / (total + eps)
+    for g in grads:
+        g.mul_(min(1.0, coef))
+    return total, min(1.0, coef), not math.isfinite(total)
+
+
+@pytest.mark.parametrize("fn", [clip_scaled_then_unscale, clip_before_unscale_reporting_true_norm, clips_on_overflow],
+                         ids=lambda f: f.__name__)
+def test_clip_checks_catch(fn):
+    m = types.SimpleNamespace(unscale_and_clip_=fn)
+    caught = 0
+    for check in (ex_amp.check_unscale_and_clip, ex_amp.check_unscale_and_clip_overflow):
+        try:
+            check(m)
+        except AssertionError:
+            caught += 1
+    assert caught >= 1
+
+
+@pytest.mark.parametrize("check", ex_amp.CHECKS, ids=lambda c: c.__name__)
+def test_stubs_fail(check):
+    with pytest.raises(NotImplementedError):
+        check(load_solution(ROOT / "exercises", "ex_amp_backward"))
+
+
+@pytest.mark.parametrize("check", ex_amp.CHECKS, ids=lambda c: c.__name__)
+def test_answers_pass(check):
+    check(load_solution(ROOT / "answers", "ex_amp_backward"))
+
+
+def test_conformance_passes():
+    row = amp.conformance()
+    assert row.passed, row.detail
+
+
+def test_oom_in_one_candidate_is_its_failure(monkeypatch):
+    real = amp.train_candidate
+
+    def flaky(base, name, *a, **kw):
+        if name == "fp16-amp":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(base, name, *a, **kw)
+
+    monkeypatch.setattr(amp, "train_candidate", flaky)
+    monkeypatch.setattr(amp, "CPU_CONFIG", amp.AmpConfig(steps=2, warmup=1, overflow_n=4, overflow_calls=(1,)))
+    recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
+    assert recs["fp16-amp"].failure.startswith("out of memory") and recs["fp16-amp"].peak_allocated is None
+    assert recs["bf16-amp"].failure is None and recs["bf16-amp"].decision is not None  # the run went on
+    assert recs["fp16-overflow"].skipped_updates == 1

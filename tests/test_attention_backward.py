@@ -1,0 +1,248 @@
+"""Tests of bp_mech.attention_backward: values against autograd, finite differences and
+transformers; saved bytes against the formula; the experiment contract; and mutants that the
+exercise checks (tests/checks/ex10.py) must catch."""
+
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bp_mech import attention_backward as ab
+from bp_mech import registry, results
+from bp_mech.measure import PeakMemory
+from checks import ex10
+
+CFG = ab.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
+
+
+def test_both_strategies_match_autograd_float64_and_sdpa_float32():
+    errs = ab.errors(CFG, 21)  # 21: the last tile is short
+    for name in ab.STRATEGIES:
+        assert max(errs[name]["float64_vs_autograd"].values()) <= ab.TOL64, errs[name]
+        assert max(errs[name]["float32_vs_sdpa"].values()) <= ab.TOL32, errs[name]
+        assert errs[name]["finite"]
+
+
+@pytest.mark.parametrize("strategy", list(ab.STRATEGIES))
+def test_hand_attention_gradcheck(strategy):
+    """Finite differences, independent of any autograd formula (RoPE, GQA, mask, scale)."""
+    cfg = ab.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
+    (q, k, v, cos, sin), _ = ab.make_inputs(cfg, 5, torch.float64, seed=3)
+    fn = ab.attention_fn(strategy, cfg.block)
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, cos, sin),
+                                    [t.requires_grad_() for t in (q, k, v)])
+
+
+def test_rope_tables_match_transformers():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from bp_mech.workload import qwen2_config
+
+    cfg = qwen2_config("tiny")
+    d, T = cfg.hidden_size // cfg.num_attention_heads, 64
+    x = torch.zeros(1, T, cfg.hidden_size)
+    cos_ref, sin_ref = Qwen2RotaryEmbedding(cfg)(x, torch.arange(T)[None])
+    cos, sin = ab.rope_cos_sin(T, d, cfg.rope_parameters["rope_theta"])
+    torch.testing.assert_close(cos, cos_ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin, sin_ref[0], atol=1e-5, rtol=0)
+
+
+def test_saved_bytes_match_formula_and_grow_as_claimed():
+    cfg = ab.AttnConfig.from_arch("tiny", 1)
+    Ts = (64, 128, 256)
+    swept = ab.sweep_saved_bytes(cfg, Ts)
+    for s in ab.STRATEGIES:
+        assert [swept[s][T] for T in Ts] == [ab.saved_bytes_formula(cfg, T, s) for T in Ts]
+    rec, probs = swept["recompute"], swept["saved_probs"]
+    assert rec[128] == 2 * rec[64] and rec[256] == 2 * rec[128]  # linear in T
+    quad = cfg.batch * cfg.heads * 4  # bytes per T^2 of P (float32)
+    assert probs[128] - 2 * probs[64] == quad * (128**2 - 2 * 64**2)  # exactly one T^2 term
+    assert swept["autograd"][256] > probs[256] > rec[256]
+    assert ab.growth_exponent(rec) == pytest.approx(1.0)
+
+
+def test_saved_bytes_counts_each_storage_once():
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x, x[1:], x)  # one storage, three saved tensors
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.zeros(10)
+    assert ab.saved_bytes(lambda q, k, v: Twice.apply(q), (x, x, x)) == 40
+
+
+def test_recompute_never_holds_a_full_score_matrix():
+    cfg = ab.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
+    T = 512  # long enough that one (H, T, T) matrix outweighs all the (H, T, d) tensors
+    inputs, dO = ab.make_inputs(cfg, T, torch.float32)
+    full = cfg.batch * cfg.heads * T * T * 4
+    peaks = {}
+    for s in ab.STRATEGIES:
+        with PeakMemory("cpu") as pm:
+            ab.grads(ab.attention_fn(s, cfg.block), inputs, dO)
+        peaks[s] = pm.peak_allocated
+    assert peaks["recompute"] < full / 4 < full <= peaks["saved_probs"], peaks
+
+
+@pytest.mark.parametrize("strategy", list(ab.STRATEGIES))
+def test_whole_qwen2_attention_layer(strategy):
+    assert ab.qwen2_module_error(strategy, T=40, block=16) <= ab.TOL_MODULE
+
+
+def test_eager_qwen2_attention_with_explicit_mask():
+    """transformers' eager path with an explicit additive causal mask (no is_causal flag)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
+
+    from bp_mech.workload import qwen2_config
+
+    cfg = qwen2_config("tiny", attn_implementation="eager")
+    torch.manual_seed(1)
+    attn, B, T = Qwen2Attention(cfg, layer_idx=0), 1, 19
+    x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
+    cos, sin = Qwen2RotaryEmbedding(cfg)(x, torch.arange(T)[None])
+    mask = torch.zeros(1, 1, T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y_ref, _ = attn(x, (cos, sin), mask)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    with torch.no_grad():
+        y, dx, g = ab.qwen2_attention_backward(x, attn, cos, sin, dy, "recompute", block=4)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, x.grad, atol=1e-5, rtol=1e-5)
+    for n, p in attn.named_parameters():
+        torch.testing.assert_close(g[n], p.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_run_writes_valid_records(monkeypatch, tmp_path):
+    monkeypatch.setattr(ab, "SWEEP_T", (32, 64))
+    monkeypatch.setattr(ab, "TIME_STEPS", 3)
+    monkeypatch.setattr(ab, "TIME_WARMUP", 1)
+    ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "cpu", "tiny-b1s48")
+    recs = ab.run(ctx)
+    assert [r.candidate for r in recs] == list(ab.CANDIDATES)
+    by = {r.candidate: r for r in recs}
+    for r in recs:
+        results.validate(results.load_record(results.save_record(r, tmp_path)).to_dict())
+        assert r.step_median_s > 0 and r.warmup_excluded == 1 and r.memory_source == "tracked-cpu"
+    for n in ("saved_probs", "recompute", "sdpa"):
+        assert by[n].decision == "accept" and by[n].grad_error <= ab.TOL64
+    assert by["autograd"].decision is None and by["autograd"].grad_error is None
+    assert by["recompute"].recompute_count == ab.n_recomputed_tiles(48, 64) == 1
+    assert by["saved_probs"].metrics["saved_ratio_vs_recompute"]["64"] > 1
+    assert by["recompute"].metrics["saved_bytes"] == by["recompute"].metrics["saved_bytes_formula"]
+    assert by["autograd"].metrics["backward_time_ratio_vs_autograd"] == 1.0
+
+
+def test_plan_for_qwen05():
+    ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "dry_run", "qwen05-b2s512")
+    p = registry.plan(ctx)
+    assert (p["attention"]["heads"], p["attention"]["kv_heads"], p["attention"]["head_dim"]) == (14, 2, 64)
+    assert p["saved_bytes_formula_float32"]["saved_probs"] > p["saved_bytes_formula_float32"]["recompute"]
+
+
+def test_conformance_row_passes():
+    row = ab.conformance()
+    assert row.passed, row.detail
+    assert row.semantic_id == "TRAIN-ATTENTION-BACKWARD"
+
+
+# --- the exercise checks catch the classic mistakes ------------------------------------
+
+ANSWERS = types.SimpleNamespace(
+    softmax_backward=ab.softmax_backward, gqa_reduce=ab.gqa_reduce, blockwise_backward=ab.blockwise_backward,
+    rope_backward=ab.rope_backward,
+    attention_head_backward=lambda q, k, v, dO: ab.attention_backward(q, k, v, ab.attention_forward(q, k, v)[1], dO))
+
+
+def mutant(**overrides):
+    return types.SimpleNamespace(**{**vars(ANSWERS), **overrides})
+
+
+def _head_with_mask(mask_fn):
+    def head(q, k, v, dO):
+        T, scale = q.shape[0], q.shape[-1] ** -0.5
+        s = (q @ k.T * scale).masked_fill(~mask_fn(T), float("-inf"))
+        P = torch.softmax(s, -1)
+        return ab.attention_backward(q, k, v, P, dO)
+    return head
+
+
+def _no_scale(fn):
+    def wrong(q, k, v, *rest):  # dS not multiplied by 1/sqrt(d): dq, dk come out sqrt(d) times too big
+        dq, dk, dv = fn(q, k, v, *rest)
+        return dq * math.sqrt(q.shape[-1]), dk * math.sqrt(q.shape[-1]), dv
+    return wrong
+
+
+def _blockwise_with_mask(mask):
+    def wrong(*args):
+        orig = ab.causal_mask
+        ab.causal_mask = mask
+        try:
+            return ab.blockwise_backward(*args)
+        finally:
+            ab.causal_mask = orig
+    return wrong
+
+
+def _full_matrix_backward(q, k, v, o, lse, dO, block):  # right values, but a (T, T) matrix
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    T = q.shape[-2]
+    P = torch.exp(s - lse[..., None]).masked_fill(~ab.causal_mask(T, T), 0.0)
+    return ab.attention_backward(q, k, v, P, dO)
+
+
+def _arange_mask(offset):
+    return lambda nq, nk, q0=0, k0=0, device="cpu": (
+        torch.arange(k0, k0 + nk)[None, :] <= torch.arange(q0, q0 + nq)[:, None] + offset)
+
+
+MUTANTS = {
+    "softmax without the rowsum term": (ex10.check_softmax_backward, mutant(softmax_backward=lambda P, dP: P * dP)),
+    "head: missing 1/sqrt(d) in backward": (ex10.check_attention_head_backward,
+                                            mutant(attention_head_backward=_no_scale(ANSWERS.attention_head_backward))),
+    "head: mask hides the diagonal": (ex10.check_attention_head_backward, mutant(
+        attention_head_backward=_head_with_mask(lambda T: torch.ones(T, T, dtype=torch.bool).tril(-1)))),
+    "head: mask shows one future key": (ex10.check_attention_head_backward, mutant(
+        attention_head_backward=_head_with_mask(lambda T: torch.ones(T, T, dtype=torch.bool).tril(1)))),
+    "gqa: mean instead of sum": (ex10.check_gqa_reduce, mutant(
+        gqa_reduce=lambda dx, h: dx.unflatten(1, (h, -1)).mean(2))),
+    "gqa: interleaved groups": (ex10.check_gqa_reduce, mutant(
+        gqa_reduce=lambda dx, h: dx.unflatten(1, (-1, h)).sum(1))),
+    "gqa: summed over all heads": (ex10.check_gqa_reduce, mutant(
+        gqa_reduce=lambda dx, h: dx.sum(1, keepdim=True).expand(-1, h, -1, -1))),
+    "gqa: first head of each group only": (ex10.check_gqa_reduce, mutant(
+        gqa_reduce=lambda dx, h: dx[:, :: dx.shape[1] // h])),
+    "blockwise: missing 1/sqrt(d)": (ex10.check_blockwise_backward,
+                                     mutant(blockwise_backward=_no_scale(ab.blockwise_backward))),
+    "blockwise: mask hides the diagonal": (ex10.check_blockwise_backward,
+                                           mutant(blockwise_backward=_blockwise_with_mask(_arange_mask(-1)))),
+    "blockwise: mask shows one future key": (ex10.check_blockwise_backward,
+                                             mutant(blockwise_backward=_blockwise_with_mask(_arange_mask(1)))),
+    "blockwise: builds the full T x T matrix": (ex10.check_blockwise_memory,
+                                                mutant(blockwise_backward=_full_matrix_backward)),
+    "rope: R^T taken as +R": (ex10.check_rope_backward,
+                              mutant(rope_backward=lambda dy, c, s: dy * c + ab.rotate_half(dy * s))),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_checks_catch_mistake(name):
+    check, m = MUTANTS[name]
+    with pytest.raises(AssertionError):
+        check(m)
+
+
+@pytest.mark.parametrize("check", ex10.CHECKS, ids=lambda c: c.__name__)
+def test_checks_pass_on_the_package_and_fail_on_stubs(check):
+    from conftest import ROOT, load_solution
+
+    check(ANSWERS)
+    with pytest.raises(NotImplementedError):
+        check(load_solution(ROOT / "exercises", "ex10_attention_backward"))
