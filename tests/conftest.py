@@ -34,3 +34,14 @@ def impl(request):
     which = request.config.getoption("--impl")
     directory = ROOT / which if which in ("answers", "exercises") else Path(which).resolve()
     return lambda name: load_solution(directory, name)
+
+
+def mutant(name: str, **overrides):
+    """The answers of exercise file ``name`` with some functions replaced: a wrong solution
+    that a check must reject."""
+    import types
+
+    base = load_solution(ROOT / "answers", name)
+    m = types.SimpleNamespace(**{k: v for k, v in vars(base).items() if not k.startswith("_")})
+    m.__dict__.update(overrides)
+    return m

@@ -3,18 +3,14 @@ CPU (overflow sample semantics, decisions), the GPU plan, and mutants for the ex
 
 import math
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from bp_mech import amp, registry, results
-from bp_mech.amp import DynamicLossScaler, decide, param_count, unscale_and_clip_
-from bp_mech.workload import build_model, parse_workload
+from bp_mech.amp import DynamicLossScaler, decide, unscale_and_clip_
 from checks import ex_amp
-from conftest import load_solution
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_scaler_model_matches_gradscaler():
@@ -41,11 +37,6 @@ def test_unscale_then_clip_equals_torch():
     assert not found_inf and norm == pytest.approx(norm_ref, rel=1e-6) and coef < 1
     for a, p in zip(grads, params):
         torch.testing.assert_close(a, p.grad, rtol=1e-6, atol=0)
-
-
-def test_param_count():
-    assert param_count("qwen05") == 494_032_768  # Qwen2.5-0.5B
-    assert param_count("tiny") == sum(p.numel() for p in build_model(parse_workload("tiny-b1s8")).parameters())
 
 
 def test_decision_rule():
@@ -212,17 +203,6 @@ def test_clip_checks_catch(fn):
         except AssertionError:
             caught += 1
     assert caught >= 1
-
-
-@pytest.mark.parametrize("check", ex_amp.CHECKS, ids=lambda c: c.__name__)
-def test_stubs_fail(check):
-    with pytest.raises(NotImplementedError):
-        check(load_solution(ROOT / "exercises", "ex_amp_backward"))
-
-
-@pytest.mark.parametrize("check", ex_amp.CHECKS, ids=lambda c: c.__name__)
-def test_answers_pass(check):
-    check(load_solution(ROOT / "answers", "ex_amp_backward"))
 
 
 def test_conformance_passes():

@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bp_mech import attention_backward as ab
 from bp_mech import registry, results
@@ -240,9 +239,5 @@ def test_checks_catch_mistake(name):
 
 
 @pytest.mark.parametrize("check", ex10.CHECKS, ids=lambda c: c.__name__)
-def test_checks_pass_on_the_package_and_fail_on_stubs(check):
-    from conftest import ROOT, load_solution
-
+def test_checks_pass_on_the_package(check):
     check(ANSWERS)
-    with pytest.raises(NotImplementedError):
-        check(load_solution(ROOT / "exercises", "ex10_attention_backward"))

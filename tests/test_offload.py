@@ -198,16 +198,3 @@ class _KeepsTheOriginal(_Base):  # counts and copies, but the packed object hold
 def test_ex42_checks_catch_offload_mistakes(cls, check):
     with pytest.raises(AssertionError):
         check(type("Sol", (), {"CountingOffload": cls}))
-
-
-def test_ex42_checks_fail_on_the_stubs():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "exercises" / "ex42_offload.py"
-    spec = importlib.util.spec_from_file_location("_stub42", path)
-    stub = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stub)
-    for check in ex42.CHECKS:
-        with pytest.raises((AssertionError, NotImplementedError)):
-            check(stub)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from bp_mech.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit,
+from bp_mech.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit, param_count,
                               parse_workload, resolve_pretrained, tokenize, workload_fields)
 
 
@@ -98,3 +98,15 @@ def test_pretrained_hub_id_resolves_to_the_snapshot_commit_offline(tmp_path, mon
     assert model_commit(w) == commit
     assert json.loads((snap / "config.json").read_text())["hidden_size"] == 64
     assert build_model(w).config.hidden_size == 64
+
+
+def test_param_count_matches_the_model():
+    for arch in ("tiny", "qwen05"):
+        from transformers import Qwen2ForCausalLM
+
+        from bp_mech.workload import qwen2_config
+
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Qwen2ForCausalLM(qwen2_config(arch)).parameters())
+        assert param_count(arch) == n
+    assert param_count("qwen05") == 494_032_768  # Qwen2.5-0.5B

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech.measure import all_finite, guarded, measure_steps
-from bp_mech.workload import ARCHITECTURES, PAD_ID, Workload, build_model, make_batches
+from bp_mech.results import json_safe
+from bp_mech.workload import PAD_ID, Workload, build_model, make_adamw, make_batches, param_count
 
 IGNORE = -100  # label of a position that is not a target (padding)
 CANDIDATES = ("full", "micro2", "micro4")
@@ -64,33 +65,6 @@ class AccumConfig:
 
 def config_for(device: str) -> AccumConfig:
     return AccumConfig(steps=8, warmup=2) if device == "cuda" else AccumConfig()  # ~1 min on one H200
-
-
-def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA, foreach elsewhere (shared with chapter 55)."""
-    impl = dict(fused=True) if torch.device(device).type == "cuda" else dict(foreach=True)
-    return torch.optim.AdamW(params, lr=lr, **impl, **kw)
-
-
-def json_safe(x):
-    """Non-finite floats -> None, recursively (records are strict JSON; a diverged run must
-    still save). Finiteness itself is recorded separately."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
-
-
-def param_count(arch: str) -> int:
-    """Parameters of a Qwen2 architecture (tied embeddings), from its config fields."""
-    a = ARCHITECTURES[arch]
-    C, inter, L, V = a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["vocab_size"]
-    kv = C // a["num_attention_heads"] * a["num_key_value_heads"]
-    attn = C * C + C + 2 * (C * kv + kv) + C * C  # q (+bias), k, v (+bias), o
-    return V * C + L * (attn + 3 * C * inter + 2 * C) + C
 
 
 # --- data ------------------------------------------------------------------------------

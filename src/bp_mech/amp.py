@@ -29,7 +29,7 @@ import torch
 from bp_mech.environment import bf16_supported
 from bp_mech.measure import guarded, measure_steps
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.workload import ARCHITECTURES, build_model, make_batches
+from bp_mech.workload import build_model, make_batches, param_count
 
 
 class DynamicLossScaler:
@@ -317,15 +317,6 @@ def run(ctx) -> list:
                                                              ratios["time_ratio"])
         recs.append(ctx.record(name, metrics=metrics, **fields))
     return recs
-
-
-def param_count(arch: str) -> int:
-    """Parameters of a Qwen2 architecture (q/k/v biases, tied embeddings), from its config."""
-    a = ARCHITECTURES[arch]
-    h, inter, hd = a["hidden_size"], a["intermediate_size"], a["hidden_size"] // a["num_attention_heads"]
-    kv = a["num_key_value_heads"] * hd
-    layer = 2 * h * h + h + 2 * (h * kv + kv) + 3 * h * inter + 2 * h
-    return a["vocab_size"] * h * (1 if a["tie_word_embeddings"] else 2) + a["num_hidden_layers"] * layer + h
 
 
 def plan(ctx) -> dict:

@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -233,6 +234,18 @@ def check_mergeable(items: Iterable[tuple[Path, Record]]) -> None:
                     f"{p}: field '{name}' is {getattr(r, name)!r} but {p0.name} has {getattr(r0, name)!r}; "
                     "records of different workloads or model commits never go into one comparison"
                 )
+
+
+def json_safe(x):
+    """Non-finite floats -> None, recursively (records are strict JSON; a diverged run must
+    still save). Finiteness itself is recorded separately."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 # --- provenance ---------------------------------------------------------------------

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.accumulation import json_safe, make_adamw, param_count
 from bp_mech.measure import all_finite, guarded, measure_steps
-from bp_mech.workload import build_model, make_batches
+from bp_mech.results import json_safe
+from bp_mech.workload import build_model, make_adamw, make_batches, param_count
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
 EPS = 1e-6  # the eps of clip_grad_norm_'s coefficient

@@ -182,6 +182,21 @@ def build_model(w: Workload, device: str | torch.device = "cpu", **config_overri
     return model
 
 
+def param_count(arch: str) -> int:
+    """Parameters of a Qwen2 architecture (q/k/v biases, tied embeddings), from its config fields."""
+    a = ARCHITECTURES[arch]
+    C, inter, L, V = a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["vocab_size"]
+    kv = C // a["num_attention_heads"] * a["num_key_value_heads"]
+    attn = C * C + C + 2 * (C * kv + kv) + C * C  # q (+bias), k, v (+bias), o
+    return V * C + L * (attn + 3 * C * inter + 2 * C) + C
+
+
+def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA, foreach elsewhere."""
+    impl = dict(fused=True) if torch.device(device).type == "cuda" else dict(foreach=True)
+    return torch.optim.AdamW(params, lr=lr, **impl, **kw)
+
+
 # --- text and batches ---------------------------------------------------------------
 
 def load_text(name: str = "general") -> str:
