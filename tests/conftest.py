@@ -5,9 +5,11 @@
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +47,16 @@ def mutant(name: str, **overrides):
     m = types.SimpleNamespace(**{k: v for k, v in vars(base).items() if not k.startswith("_")})
     m.__dict__.update(overrides)
     return m
+
+
+CUDA_CALLS = ("synchronize", "Stream", "current_stream", "stream", "Event", "empty_cache", "reset_peak_memory_stats",
+              "max_memory_allocated", "max_memory_reserved", "memory_allocated", "get_device_properties")
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """The CPU path must not touch ``torch.cuda`` (beyond ``is_available``), and its records must
+    validate without ``jsonschema``, as on the GPU machine."""
+    for name in CUDA_CALLS:
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: pytest.fail(f"torch.cuda.{_n} on the CPU"))
+    monkeypatch.setitem(sys.modules, "jsonschema", None)

@@ -114,7 +114,8 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
     c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
     assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
     plan = registry.plan(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
-    assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and plan["per_device"]["cuda"]["estimated_seconds"] < 60
+    assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and plan["modes"]["real_gpu"]["estimated_seconds"] < 60
+    assert plan["modes"]["real_gpu"]["timed_steps"] == A.config_for("cuda").steps and "H200" in plan["estimate_basis"]
 
 
 def test_accelerate_divides_by_k_so_the_loss_is_scaled(setup):
@@ -195,3 +196,53 @@ def test_answers_pass_all_checks():
 def test_checks_catch_mistakes(check, over):
     with pytest.raises(AssertionError):
         check(_solution(**over))
+
+
+def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
+    """A candidate that fails mid-backward (CUDA OOM) leaves .grad behind on the shared model;
+    the next one must start from zero, not accumulate into it."""
+    model, init, batches = setup
+    clean = A.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    again = A.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
+    assert A.rel_diff(again["grad"], clean["grad"]) == 0.0 and again["losses"] == clean["losses"]
+
+
+def test_oom_in_one_candidate_is_its_failure(monkeypatch):
+    real = A.measure_candidate
+
+    def flaky(model, init, batches, k, cfg, device):
+        if k == 2:
+            A.accumulated_backward(model, batches[0], k)  # leaves gradients behind, as a real OOM would
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, init, batches, k, cfg, device)
+
+    monkeypatch.setattr(A, "config_for", lambda device: CFG)
+    monkeypatch.setattr(A, "measure_candidate", flaky)
+    recs = {(r.metrics["seq"], r.candidate): r
+            for r in A.run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "cpu", "tiny-b2s16"))}
+    for s in (8, 16):
+        bad, ok = recs[s, "micro2"], recs[s, "micro4"]
+        assert bad.failure.startswith("out of memory") and bad.decision == "reject" and bad.peak_allocated is None
+        assert bad.grad_error <= A.TOL_EQUIV["cpu"]  # its equivalence run still counts
+        assert ok.failure is None and ok.decision in ("accept", "tune") and ok.peak_allocated > 0
+
+
+def test_the_decision_gates_on_the_gradient():
+    assert A.decide(5e-5, A.TOL_EQUIV["cuda"], 0.5, 1.0)[0] == "accept"
+    assert A.decide(5e-4, A.TOL_EQUIV["cuda"], 0.5, 1.0)[0] == "reject"
+    assert A.config_for("cuda").steps < A.config_for("cpu").steps  # the GPU budget
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_gpu_tiny(tmp_path):
+    recs = registry.run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "real_gpu", "tiny-b2s64"))
+    assert len(recs) == 2 * len(A.CANDIDATES)
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.evidence_level == "gpu-measured" and r.memory_source == "cuda-allocator" and r.failure is None
+        assert r.peak_reserved >= r.peak_allocated > r.metrics["resident_bytes"] > 0
+        if r.candidate != "full":
+            assert r.grad_error <= A.TOL_EQUIV["cuda"] and r.decision in ("accept", "tune")

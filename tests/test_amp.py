@@ -94,8 +94,26 @@ def test_overflow_sample_semantics(cpu_records):
 
 def test_gpu_plan_fits_budget():
     p = registry.plan(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
-    assert p["target_device"] == "cuda" and p["parameters"] == 494_032_768
-    assert p["timed_steps"] == amp.GPU_CONFIG.steps and p["estimated_total_s"] <= 60
+    gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
+    assert gpu["config"]["steps"] == amp.GPU_CONFIG.steps and cpu["config"]["steps"] == amp.CPU_CONFIG.steps
+    assert gpu["config"]["schedule"]["base_lr"] == 1e-4 and gpu["updates_per_candidate"] == amp.GPU_CONFIG.steps
+    assert 20 <= gpu["estimated_seconds"] <= 60 and set(gpu["estimated_s"]) == set(amp.CANDIDATES)
+    assert "H200" in p["estimate_basis"]
+
+
+def test_first_three_gpu_experiments_fit_the_budget():
+    """The suite starts with AMP, 11 and 55 on qwen05: together about 3 minutes on one H200."""
+    total = 0.0
+    for sid in ("TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-UPDATE-DYNAMICS"):
+        ctx = registry.make_context(sid, "dry_run", registry.get(sid).gpu_workload)
+        assert ctx.workload.arch == "qwen05"
+        total += registry.plan(ctx)["modes"]["real_gpu"]["estimated_seconds"]
+    assert total <= 170, total
+
+
+def test_config_follows_the_device():
+    assert amp.config_for("cuda") is amp.GPU_CONFIG and amp.config_for(torch.device("cuda", 0)) is amp.GPU_CONFIG
+    assert amp.config_for("cpu") is amp.CPU_CONFIG
 
 
 @pytest.mark.gpu
@@ -224,3 +242,50 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch):
     assert recs["fp16-amp"].failure.startswith("out of memory") and recs["fp16-amp"].peak_allocated is None
     assert recs["bf16-amp"].failure is None and recs["bf16-amp"].decision is not None  # the run went on
     assert recs["fp16-overflow"].skipped_updates == 1
+
+
+def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
+    """On CUDA ``make_adamw`` is fused: GradScaler then hands ``found_inf`` to the optimizer,
+    which runs and skips inside its kernel. CPU fused AdamW takes the same GradScaler branch."""
+    made = []
+
+    def fused(params, lr, device, **kw):
+        made.append(torch.optim.AdamW(params, lr=lr, fused=True, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(amp, "make_adamw", fused)
+    from bp_mech.workload import build_model, make_batches, parse_workload
+
+    w = parse_workload("tiny-b1s16")
+    cfg = amp.AmpConfig(steps=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))
+    o = amp.overflow_sample(build_model(w), "fp16-overflow", cfg, "cpu", make_batches(w, 4))
+    assert made[-1]._step_supports_amp_scaling
+    assert o["params_unchanged_on_skip"] and o["clock_held_on_skip"] and o["scaler_matches_reference"]
+    assert o["skipped"] == 2 and o["updates"] == 4 and o["backoff_calls"] == [1, 2]
+    step = {float(s["step"]) for s in made[-1].state.values()}
+    assert step == {4.0}  # the skipped calls did not count as AdamW steps either
+
+
+def test_a_diverged_candidate_still_saves_without_jsonschema(monkeypatch, tmp_path):
+    """NaN/inf in a trace become null (records are strict JSON) and the decision is reject; the
+    GPU machine has no jsonschema, so the built-in validator checks the record."""
+    import sys
+
+    real = amp.train_candidate
+
+    def diverged(base, name, *a, **kw):
+        out = real(base, name, *a, **kw)
+        if name == "bf16-amp":
+            out["eval_loss"] = math.nan
+            out["trace"]["loss"][-1] = math.inf
+        return out
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
+    monkeypatch.setattr(amp, "train_candidate", diverged)
+    monkeypatch.setattr(amp, "CPU_CONFIG", amp.AmpConfig(steps=2, warmup=1, overflow_n=4, overflow_calls=(1,)))
+    recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
+    r = recs["bf16-amp"]
+    assert r.decision == "reject" and r.all_finite is False
+    assert r.metrics["eval_loss"] is None and r.metrics["loss_per_step"][-1] is None
+    for rec in recs.values():
+        results.load_record(results.save_record(rec, tmp_path))

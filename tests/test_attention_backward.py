@@ -122,6 +122,8 @@ def test_run_writes_valid_records(monkeypatch, tmp_path):
     monkeypatch.setattr(ab, "SWEEP_T", (32, 64))
     monkeypatch.setattr(ab, "TIME_STEPS", 3)
     monkeypatch.setattr(ab, "TIME_WARMUP", 1)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: pytest.fail(f"torch.cuda.{_n} on a CPU run"))
     ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "cpu", "tiny-b1s48")
     recs = ab.run(ctx)
     assert [r.candidate for r in recs] == list(ab.CANDIDATES)

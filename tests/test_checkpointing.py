@@ -10,8 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from bp_mech import checkpointing as ck
 from bp_mech import registry
+from bp_mech.measure import StepStats, Timing
 from bp_mech.results import load_record, save_record
-from bp_mech.workload import build_model, make_batches, parse_workload
+from bp_mech.workload import PLAN_BUILD_S, build_model, make_batches, parse_workload
 from checks import ex19
 
 
@@ -113,7 +114,7 @@ def test_decide_rule_and_the_seed_reference():
     assert ck.decide(True, 0.40, 3.0)[0] == "tune"
 
 
-def test_run_writes_valid_records(tmp_path):
+def test_run_writes_valid_records(tmp_path, cpu_only):
     ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
     recs = ck.run(ctx)
     assert [r.candidate for r in recs] == list(ck.CANDIDATES)
@@ -123,12 +124,57 @@ def test_run_writes_valid_records(tmp_path):
     assert by["checkpoint-all"].recompute_count == 2 * L
     for name in ck.CANDIDATES[1:]:
         r = by[name]
-        assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"]
-        assert r.memory_source == "tracked-cpu" and r.evidence_level == "cpu-mechanism"
+        assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"] and r.metrics["equal"]
+        assert r.memory_source == "tracked-cpu" and r.evidence_level == "cpu-mechanism" and r.all_finite
         assert r.peak_allocated < by["plain"].peak_allocated  # tracked storages: deterministic
         assert r.metrics["saved_activation_bytes"] < by["plain"].metrics["saved_activation_bytes"]
         assert r.decision in ("accept", "tune", "reject")
         assert r.warmup_excluded == ck.schedule("cpu")[1]
+
+
+def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path, cpu_only, monkeypatch):
+    calls, measure = [], ck.measure_candidate
+
+    def oom_on_second(model, *a, **k):
+        calls.append(model)
+        if len(calls) == 2:
+            with k.get("setup", a[2] if len(a) > 2 else None)():  # fails inside the candidate's configuration
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return measure(model, *a, **k)
+
+    monkeypatch.setattr(ck, "measure_candidate", oom_on_second)
+    recs = ck.run(registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32"))
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
+    failed = by[ck.CANDIDATES[1]]
+    assert failed.failure.startswith("out of memory") and failed.peak_allocated is None and failed.decision is None
+    assert all(by[n].failure is None and by[n].metrics["bitwise_equal"] for n in ck.CANDIDATES[2:])
+    assert not any(l.gradient_checkpointing for l in calls[0].model.layers)  # the configuration was undone
+
+
+def _fake(loss, grads, finite=True, peak=100, median=1.0):
+    return dict(loss=loss, grads=grads, grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)),
+                calls={}, recomputes=0, held_after_forward=0, finite=finite,
+                stats=StepStats(Timing(median, median, 2, [median] * 4), peak, peak + 10, "tracked-cpu"))
+
+
+def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_only):
+    """A race that leaves a gradient NaN must be rejected (``max(0.0, nan)`` is 0.0 in Python, so a
+    naive running max passes it), and NaN must not make the record unsavable (strict JSON)."""
+    g = [torch.ones(3), torch.ones(2)]
+    bad = [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    c = ck.compare(_fake(1.0, g), _fake(1.0, bad, finite=False))
+    assert c["grad_error"] == math.inf and not c["bitwise"] and c["loss_error"] == 0.0
+    assert ck.compare(_fake(1.0, g), _fake(float("nan"), g, finite=False))["loss_error"] == math.inf
+    ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
+    results = {"plain": (_fake(1.0, g), None), "checkpoint-all": (_fake(1.0, bad, finite=False, peak=50), None),
+               "checkpoint-every2": (_fake(1.0, [x * (1 + 1e-3) for x in g], peak=50), None),
+               "checkpoint-mlp": (None, "out of memory: CUDA out of memory")}
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in ck.make_records(ctx, results, "plain")}
+    nan = by["checkpoint-all"]
+    assert nan.decision == "reject" and not nan.all_finite and nan.grad_error is None and not nan.metrics["equal"]
+    assert nan.metrics["grad_norm"] is None  # stored as null, not NaN
+    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > ck.TOL["cpu"][1]
+    assert by["checkpoint-mlp"].failure and by["plain"].decision is None
 
 
 def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
@@ -138,7 +184,15 @@ def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
         gpu = plan["modes"]["real_gpu"]
         assert gpu["steps"] > gpu["warmup_excluded"] >= 1
         total += gpu["estimated_seconds"]
-    assert total <= 180
+    assert 60 <= total <= 180
+
+
+def test_the_estimate_scales_with_the_workload():
+    w = parse_workload("qwen05-b2s512")
+    one = ck.estimate_seconds(w, [1.0], "cuda")
+    assert ck.estimate_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
+    assert ck.estimate_seconds(w, [1.0, 2.0], "cuda") > 2 * one - PLAN_BUILD_S["cuda"]
+    assert ck.estimate_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: planned, and slow
 
 
 def test_conformance_passes():

@@ -86,3 +86,14 @@ def test_entry_point_error_has_no_traceback():
     p = subprocess.run([sys.executable, "-m", "bp_mech", "results", "validate", "/nonexistent/dir/x.json"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
+    out = tmp_path / "rec"
+    assert main(["run", "TRAIN-LOCAL-BACKWARD", "--workload", "tiny-b1s8", "--out", str(out)]) == 0
+    f = sorted(out.glob("*.json"))[0]
+    f.write_text(f.read_text().replace('"evidence_level": "cpu-mechanism"', '"evidence_level": "rumour"'))
+    capsys.readouterr()
+    assert main(["results", "validate", str(out)]) == 2
+    line = _err_line(capsys)
+    assert f.name in line and "evidence_level" in line

@@ -1,7 +1,9 @@
 """TRAIN-STATE-LEDGER (Part 02 · 43): the three sources agree, the classes mean what they say,
 the strategies train the same, and the exercise checks catch the classic mistakes."""
 
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -97,10 +99,12 @@ def test_conformance_against_memtracker():
     assert row.passed, row.detail
 
 
-def test_run_gives_three_valid_records_per_strategy():
+def test_run_gives_three_valid_records_per_strategy(monkeypatch):
     from bp_mech import results
     from bp_mech.registry import make_context
 
+    for name in CUDA_CALLS + ("empty_cache",):  # a CPU run never touches torch.cuda
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: pytest.fail(f"torch.cuda.{_n} on a CPU run"))
     recs = L.run(make_context("TRAIN-STATE-LEDGER", mode="cpu"))
     assert len(recs) == 3 * len(L.CANDIDATES)
     for r in recs:
@@ -111,6 +115,9 @@ def test_run_gives_three_valid_records_per_strategy():
     assert levels["plain-estimated"] == ("estimated", "fake-tensor")
     assert levels["plain-formula"] == ("theoretical", "formula")
     assert all(r.decision == "accept" for r in recs if not r.candidate.endswith("-formula"))
+    by = {r.candidate: r for r in recs}
+    assert (by["amp"].update_count, by["amp"].skipped_updates) == (2, 0)
+    assert (by["plain"].update_count, by["plain"].skipped_updates) == (2, None)
 
 
 def test_formula_exposes_the_gpt_constant_gap():
@@ -122,6 +129,120 @@ def test_formula_exposes_the_gpt_constant_gap():
     assert L.block_saved_bytes(cfg, B, T) == measured
     s, b, h, a = T, B, cfg.hidden_size, cfg.num_attention_heads
     assert abs(s * b * h * (34 + 5 * a * s / h) - measured) / measured > 0.05
+
+
+# --- the CUDA paths, exercised on the CPU ---------------------------------------------
+
+CUDA_CALLS = ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated",
+              "max_memory_reserved")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's allocator calls replaced by a log of their names; each returns the log's length."""
+    log = []
+    for name in CUDA_CALLS + ("empty_cache",):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: log.append(_n) or len(log))
+    return log
+
+
+def test_tracker_reads_the_allocator_around_every_phase(fake_cuda):
+    """On CUDA a phase's start resets the allocator's peak and the next start reads it (after a
+    synchronize); a stage mark reads the allocated bytes. The device decides; tensors stay on the CPU."""
+    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tr = L._Tracker("cuda")
+    L.train_step(model, opt, batch, L.LedgerConfig(), tr)
+    mark = ["synchronize", "memory_allocated"]
+    read = ["synchronize", "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"]
+    # start forward, mark forward, start backward, mark backward, start optimizer, start zero_grad, mark, idle
+    assert fake_cuda == ["reset_peak_memory_stats"] + mark + read + mark + read + read + mark + read
+    phases = ("forward", "backward", "optimizer", "zero_grad")
+    assert set(tr.allocator) == {"forward", "backward", "zero_grad"} | {f"{p}_{k}" for p in phases
+                                                                       for k in ("peak", "reserved")}
+
+
+def test_the_tracker_lets_the_model_go_after_a_step():
+    """The allocator counts every live tensor: a tracker (kept alive by its own weakref callbacks
+    until the cycle collector runs) must not hold the autograd graph, which holds every parameter."""
+    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tr = L._Tracker("cpu")
+    with tr:
+        L.train_step(model, opt, batch, L.LedgerConfig(), tr)
+    param = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
+    del model, opt
+    gc.collect()
+    assert param() is None and not tr.loss_nodes
+
+
+def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_cuda):
+    """run() on its CUDA branch (the measured step replaced by a CPU one with allocator readings):
+    gpu-measured records with the allocator's peaks, memory freed before each strategy, estimates
+    with the foreach AdamW, and an out-of-memory strategy recorded as its failure."""
+    from bp_mech import registry, results
+
+    real_env, real_track, calls = registry.environment_fields, L.track, []
+    monkeypatch.setattr(registry, "environment_fields", lambda profile, device="cpu": dict(
+        real_env(profile, "cpu"), cuda="13.0", device_name="NVIDIA H200", device_memory=150_000_000_000))
+
+    def track(w, cfg=L.LedgerConfig(), device="cpu", fake=False):
+        calls.append((cfg.strategy, cfg.foreach, str(device), fake))
+        if fake:
+            return real_track(w, cfg, fake=True)
+        if cfg.strategy == "offload":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        led = real_track(w, cfg)
+        led.allocator = dict(forward=1, forward_peak=10, backward_peak=30, forward_reserved=40, backward_reserved=20)
+        return led
+
+    monkeypatch.setattr(L, "track", track)
+    monkeypatch.setattr(L, "CANDIDATES", ("plain", "offload"))
+    recs = {r.candidate: r for r in L.run(registry.make_context("TRAIN-STATE-LEDGER", "real_gpu", "tiny-b2s64"))}
+    plain = recs["plain"]
+    assert (plain.evidence_level, plain.memory_source) == ("gpu-measured", "cuda-allocator")
+    assert (plain.peak_allocated, plain.peak_reserved) == (30, 40)
+    assert recs["offload"].failure.startswith("out of memory") and recs["offload-formula"].peak_allocated > 0
+    assert (recs["plain-estimated"].evidence_level, recs["plain-estimated"].memory_source) == ("estimated",
+                                                                                              "fake-tensor")
+    assert {foreach for _, foreach, _, fake in calls if fake} == {True}  # AdamW's CUDA default
+    assert [dev for *_, dev, fake in calls if not fake] == ["cuda"] * len(L.CANDIDATES)
+    assert fake_cuda.count("empty_cache") == len(L.CANDIDATES)
+    for r in recs.values():
+        results.validate(r.to_dict())
+
+
+def test_a_skipped_warm_up_step_is_retried_and_counted(monkeypatch):
+    """AMP: a step the GradScaler skips (inf/NaN) allocates no AdamW state. track() warms up again,
+    so the measured step is still steady-state, and the skip is counted."""
+    class SkipOnce(torch.amp.GradScaler):  # an infinite first scale: the first step overflows
+        def __init__(self, device):
+            super().__init__(device, init_scale=float("inf"))
+
+        def update(self, new_scale=None):
+            super().update(2.0**16 if self.get_scale() == float("inf") else new_scale)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", SkipOnce)
+    led = L.track(TINY, L.LedgerConfig(strategy="amp"))
+    assert (led.updates, led.skipped, led.finite) == (3, 1, True)
+    formula = L.theoretical(ARCHITECTURES["tiny"], TINY.batch, TINY.seq, L.LedgerConfig(strategy="amp"))
+    assert max(abs(e) for e in L.stage_errors(formula, led).values()) <= L.TOL
+
+
+def test_formula_on_cuda_keeps_step_counters_on_the_host_and_uses_foreach():
+    a = ARCHITECTURES["qwen05"]
+    cpu, cuda = (L.theoretical(a, 2, 512, L.LedgerConfig(foreach=True), dev) for dev in ("cpu", "cuda"))
+    n_tensors = 2 + a["num_hidden_layers"] * 12  # embedding (tied), final norm, 12 per layer
+    assert cpu.total("zero_grad") - cuda.total("zero_grad") == 4 * n_tensors
+    assert L.theoretical(a, 2, 512, L.LedgerConfig(), "cuda").stages == cuda.stages  # foreach by default
+
+
+def test_dry_run_plan_for_qwen05():
+    from bp_mech import registry
+
+    p = registry.plan(registry.make_context("TRAIN-STATE-LEDGER", "dry_run", "qwen05-b2s512"))
+    assert p["candidates"] == list(L.CANDIDATES) and p["tolerance"] == L.TOL
+    assert 8e9 < p["formula_peak_bytes_cuda"]["checkpoint"] < p["formula_peak_bytes_cuda"]["plain"] < 12e9
 
 
 # --- the exercise checks catch the classic mistakes -----------------------------------

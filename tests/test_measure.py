@@ -80,6 +80,24 @@ def test_finiteness_and_guarded_oom():
     assert guarded(lambda: 3) == (3, None)
 
 
+def test_guarded_frees_after_the_failed_call_let_go(monkeypatch):
+    """empty_cache inside the except block would run while the traceback still holds the
+    failed candidate's tensors; ``free`` must run after they are gone."""
+    import weakref
+
+    from bp_mech import measure
+
+    ref, seen = {}, []
+
+    def oom():
+        t = torch.empty(1000)
+        ref["t"] = weakref.ref(t)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(measure, "free", lambda device: seen.append(ref["t"]() is None))
+    assert guarded(oom)[1].startswith("out of memory") and seen == [True]
+
+
 def test_views_of_storages_that_existed_before_are_not_counted():
     w = torch.ones(256, 256)  # not declared resident
     with PeakMemory("cpu") as pm:

@@ -91,7 +91,8 @@ def test_run_records(tmp_path, monkeypatch):
         assert len(r.metrics["trace"]) == 6 and r.decision in ("accept", "tune", "reject")
     assert recs[2].metrics["summary"]["clipped_updates"] >= 1 and recs[1].metrics["summary"]["clipped_updates"] == 0
     plan = registry.plan(registry.make_context("TRAIN-UPDATE-DYNAMICS", "dry_run", "qwen05-b2s512"))
-    assert plan["lrs"]["high_lr"] == 100 * plan["lrs"]["base_lr"] and plan["per_device"]["cuda"]["estimated_seconds"] < 60
+    gpu = plan["modes"]["real_gpu"]
+    assert gpu["lrs"]["high_lr"] == 100 * gpu["lrs"]["base_lr"] and gpu["estimated_seconds"] < 60
 
 
 # --- mutants: the checks catch the classic mistakes --------------------------------------
@@ -165,3 +166,46 @@ def test_a_diverged_trace_still_saves(tmp_path, monkeypatch):
         assert r.decision == "reject" and r.all_finite is False
         assert r.metrics["trace"][1]["loss"] is None and r.metrics["summary"]["first_nonfinite"] == 1
         results.load_record(results.save_record(r, tmp_path))
+
+
+def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
+    """After a candidate fails mid-step (CUDA OOM), .grad may remain on the shared model."""
+    model, init, batches = setup
+    clean = U.trace(model, init, batches[:2], "high_lr_clip", CFG, "cpu")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    assert U.trace(model, init, batches[:2], "high_lr_clip", CFG, "cpu") == clean
+
+
+def test_oom_in_one_candidate_is_its_failure(monkeypatch):
+    real = U.measure_candidate
+
+    def flaky(model, init, batches, name, cfg, device):
+        if name == "high_lr":
+            model(**batches[0]).loss.backward()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, init, batches, name, cfg, device)
+
+    monkeypatch.setattr(U, "config_for", lambda arch, device: CFG)
+    monkeypatch.setattr(U, "measure_candidate", flaky)
+    recs = {r.candidate: r for r in U.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))}
+    bad = recs["high_lr"]
+    assert bad.failure.startswith("out of memory") and bad.decision == "reject" and bad.peak_allocated is None
+    assert len(bad.metrics["trace"]) == CFG.updates  # the trace ran; only the measurement failed
+    assert recs["high_lr_clip"].failure is None and recs["high_lr_clip"].peak_allocated > 0
+
+
+def test_config_follows_the_device():
+    assert U.config_for("qwen05", "cuda").steps == 8 and U.config_for("qwen05", torch.device("cuda", 0)).steps == 8
+    assert U.config_for("tiny", "cpu").base_lr == 1e-3 and U.config_for("qwen05", "cpu").base_lr == 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_gpu_tiny(tmp_path):
+    recs = U.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "real_gpu", "tiny-b2s64"))
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.evidence_level == "gpu-measured" and r.memory_source == "cuda-allocator" and r.failure is None
+        assert r.peak_reserved >= r.peak_allocated > 0 and r.step_p95_s >= r.step_median_s > 0
+    assert recs[0].all_finite and recs[0].decision == "accept"

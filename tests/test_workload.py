@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from bp_mech.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit, param_count,
+from bp_mech.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit,
+                              param_count,
                               parse_workload, resolve_pretrained, tokenize, workload_fields)
 
 

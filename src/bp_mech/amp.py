@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 from bp_mech.environment import bf16_supported
-from bp_mech.measure import guarded, measure_steps
+from bp_mech.measure import all_finite, free, guarded, measure_steps
+from bp_mech.results import json_safe
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.workload import build_model, make_batches, param_count
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_adamw, make_batches, plan_seconds
 
 
 class DynamicLossScaler:
@@ -113,17 +113,14 @@ class AmpConfig:
 
 
 CPU_CONFIG = AmpConfig()
-GPU_CONFIG = AmpConfig(steps=20, warmup=3)
-# Planning guesses for --mode dry_run (sustained FLOP/s; a plan, not a measurement).
-ASSUMED_FLOPS = {"cuda": {"float32": 25e12, "low": 150e12}, "cpu": {"float32": 5e9, "low": 2.5e9}}
-SETUP_S = {"cuda": 5.0, "cpu": 0.5}  # per candidate: copy the model over, first-call overheads
-BUILD_S = {"cuda": 20.0, "cpu": 1.0}  # once: random init (or load) of the base model on the host
+# One GPU (qwen05): more timed steps, and a base LR usual for a 0.5B model; at 1e-3 the FP32 and
+# AMP trajectories would drift apart for reasons other than precision within 20 updates.
+GPU_CONFIG = AmpConfig(steps=20, warmup=3, schedule=WSDConfig(base_lr=1e-4, warmup=2, stable=100, decay=10))
+SETUP_S = {"cuda": 5.0, "cpu": 0.5}  # plan: per candidate, copy the model to the device, first calls
 
 
-def config_for(ctx) -> AmpConfig:
-    """GPU_CONFIG for real_gpu (and for the dry-run plan of a non-tiny workload), else CPU_CONFIG."""
-    gpu = ctx.mode == "real_gpu" or (ctx.mode == "dry_run" and ctx.workload.arch != "tiny")
-    return GPU_CONFIG if gpu else CPU_CONFIG
+def config_for(device) -> AmpConfig:
+    return GPU_CONFIG if torch.device(device).type == "cuda" else CPU_CONFIG
 
 
 def available(candidate: str, device: str) -> bool:
@@ -142,7 +139,8 @@ class AmpTrainer:
     def __init__(self, model, candidate: str, cfg: AmpConfig, device: str, growth_interval: int) -> None:
         self.model, self.cfg, self.low = model, cfg, LOW[candidate]
         self.device_type = torch.device(device).type
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.schedule.base_lr)
+        # fused on CUDA: GradScaler hands it found_inf and the kernel skips the update itself
+        self.opt = make_adamw(model.parameters(), cfg.schedule.base_lr, device)
         self.clock = UpdateClock(cfg.schedule, self.opt)
         self.scaler = torch.amp.GradScaler(self.device_type, init_scale=cfg.init_scale,
                                            growth_interval=growth_interval, enabled=self.low is torch.float16)
@@ -159,13 +157,13 @@ class AmpTrainer:
         lr = self.clock.lr
         applied = scaler_step(self.scaler, self.opt)
         self.clock.step(applied)
-        t = self.trace
+        finite, t = math.isfinite(norm), self.trace  # the fp32 norm is finite iff every gradient is
         t["loss"].append(loss.item())
         t["scale"].append(self.scaler.get_scale() if self.scaler.is_enabled() else None)
-        t["finite"].append(math.isfinite(norm))  # the fp32 norm is finite iff every gradient is
+        t["finite"].append(finite)
         t["applied"].append(applied)
-        t["grad_norm"].append(norm if math.isfinite(norm) else None)
-        t["clip_coef"].append(min(1.0, self.cfg.max_norm / (norm + 1e-6)) if math.isfinite(norm) else None)
+        t["grad_norm"].append(norm if finite else None)
+        t["clip_coef"].append(min(1.0, self.cfg.max_norm / (norm + 1e-6)) if finite else None)
         t["lr"].append(lr)
         return applied
 
@@ -190,46 +188,29 @@ def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | Non
     return {k: "/".join(sorted(v)) for k, v in seen.items()}
 
 
-@torch.no_grad()
-def eval_loss(model, batch: dict) -> float:
-    """Float32 loss on a held-out batch (no autocast), the yardstick across candidates."""
-    return model(**batch).loss.item()
-
-
-def _free(device: str) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def train_candidate(base, candidate: str, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
-    """``cfg.steps`` (+1 tracked on CPU) updates with peak and median/P95; then the eval loss."""
+    """``cfg.steps`` (+1 tracked on CPU) updates with peak and median/P95; then the FP32 loss
+    on the held-out last batch (no autocast), the yardstick across candidates."""
     model = copy.deepcopy(base).to(device)
     tr = AmpTrainer(model, candidate, cfg, device, cfg.growth_interval)
     stats = measure_steps(lambda i: tr.step(batches[i + 1]), cfg.steps, cfg.warmup, device,
                           resident=[model.parameters()])
-    finite_params = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    out = dict(stats=stats, trace=tr.trace, updates=tr.clock.updates, skipped=tr.clock.skipped,
-               eval_loss=eval_loss(model, batches[-1]), finite_params=finite_params)
+    with torch.no_grad():
+        eval_loss = model(**batches[-1]).loss.item()
+    out = dict(stats=stats, trace=tr.trace, updates=tr.clock.updates, skipped=tr.clock.skipped, eval_loss=eval_loss,
+               finite_params=all_finite(model.parameters()))
     del model, tr
-    _free(device)
+    free(device)
     return out
 
 
-def injection_finite_in_fp32(model, batch: dict, factor: float) -> bool:
-    """The overflow sample's injected loss (x factor x init scale) backpropagated in plain fp32."""
-    model.zero_grad(set_to_none=True)
-    (model(**batch).loss * factor).backward()
-    ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-    model.zero_grad(set_to_none=True)
-    return ok
-
-
-def overflow_sample(base, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
+def overflow_sample(base, candidate: str, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
     """FP16 + GradScaler with overflows injected at ``cfg.overflow_calls``; no timing."""
     model = copy.deepcopy(base).to(device)
-    fp32_ok = injection_finite_in_fp32(model, batches[0], cfg.overflow_factor * cfg.init_scale)
-    tr = AmpTrainer(model, "fp16-overflow", cfg, device, cfg.overflow_growth_interval)
+    (model(**batches[0]).loss * (cfg.overflow_factor * cfg.init_scale)).backward()  # the same injection in fp32
+    fp32_ok = all_finite(p.grad for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    tr = AmpTrainer(model, candidate, cfg, device, cfg.overflow_growth_interval)
     ref = DynamicLossScaler(cfg.init_scale, growth_interval=cfg.overflow_growth_interval)
     predicted, unchanged, held = [], [], []
     for c in range(cfg.overflow_n):
@@ -250,7 +231,7 @@ def overflow_sample(base, cfg: AmpConfig, device: str, batches: list[dict]) -> d
                backoff_calls=[c for c in range(len(s)) if s[c] < prev[c]],
                growth_calls=[c for c in range(len(s)) if s[c] > prev[c]])
     del model, tr
-    _free(device)
+    free(device)
     return out
 
 
@@ -264,43 +245,38 @@ def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_rat
 
 
 def run(ctx) -> list:
-    cfg, device = config_for(ctx), ctx.device
+    cfg, device = config_for(ctx.device), ctx.device
     base = build_model(ctx.workload, "cpu")  # one init, copied to the device per candidate
     batches = make_batches(ctx.workload, cfg.steps + 2, device=device)  # the last one is held out
     recs, fp32 = [], None
     for name in ctx.progress([c for c in CANDIDATES if available(c, device)], desc="candidates"):
+        fn = overflow_sample if name == "fp16-overflow" else train_candidate
+        r, failure = guarded(fn, base, name, cfg, device, batches)  # an OOM is this candidate's failure
         dtype = DTYPE_LABEL[LOW[name]]
-        if name == "fp16-overflow":
-            o, failure = guarded(overflow_sample, base, cfg, device, batches)
-            if failure:
-                _free(device)  # the failed candidate's tensors died with its traceback
-                recs.append(ctx.record(name, dtype=dtype, failure=failure))
-                continue
-            t = o["trace"]
-            ok = o["scaler_matches_reference"] and o["params_unchanged_on_skip"] and o["clock_held_on_skip"]
-            recs.append(ctx.record(
-                name, dtype=dtype, updates=len(t["applied"]), update_count=o["updates"], skipped_updates=o["skipped"],
-                all_finite=all(t["finite"]), next_step=None if ok else "scaler semantics differ from the reference",
-                metrics=dict({k: o[k] for k in o if k != "trace"}, semantics_ok=ok,
-                             injected_calls=list(cfg.overflow_calls),
-                             overflow_factor=cfg.overflow_factor, growth_interval=cfg.overflow_growth_interval,
-                             loss_scale_trace=t["scale"], finite_per_step=t["finite"], applied_per_step=t["applied"],
-                             lr_per_call=t["lr"], skipped_calls=[c for c, a in enumerate(t["applied"]) if not a])))
-            continue
-        r, failure = guarded(train_candidate, base, name, cfg, device, batches)
         if failure:
-            _free(device)
             recs.append(ctx.record(name, dtype=dtype, failure=failure))
             continue
-        st, t = r["stats"], r["trace"]
+        t = r["trace"]
+        fields = dict(dtype=dtype, updates=len(t["applied"]), update_count=r["updates"], skipped_updates=r["skipped"])
+        if name == "fp16-overflow":
+            ok = r["scaler_matches_reference"] and r["params_unchanged_on_skip"] and r["clock_held_on_skip"]
+            recs.append(ctx.record(
+                name, **fields, all_finite=all(t["finite"]),
+                next_step=None if ok else "scaler semantics differ from the reference",
+                metrics=json_safe(dict(
+                    {k: v for k, v in r.items() if k != "trace"}, semantics_ok=ok, injected_calls=list(cfg.overflow_calls),
+                    overflow_factor=cfg.overflow_factor, growth_interval=cfg.overflow_growth_interval,
+                    loss_scale_trace=t["scale"], finite_per_step=t["finite"], applied_per_step=t["applied"],
+                    lr_per_call=t["lr"], skipped_calls=[c for c, a in enumerate(t["applied"]) if not a]))))
+            continue
+        st = r["stats"]
         finite = r["finite_params"] and math.isfinite(r["eval_loss"]) and all(
             f for f, a in zip(t["finite"], t["applied"]) if a)
         metrics = dict(eval_loss=r["eval_loss"], loss_scale_trace=t["scale"], finite_per_step=t["finite"],
                        loss_per_step=t["loss"], grad_norm_per_step=t["grad_norm"], clip_coef_per_step=t["clip_coef"],
-                       scaler=LOW[name] is torch.float16, autocast_dtype=dtype,
+                       scaler=LOW[name] is torch.float16, autocast_dtype=dtype, base_lr=cfg.schedule.base_lr,
                        step_samples_s=st.timing.samples)
-        fields = dict(dtype=dtype, updates=len(t["applied"]), update_count=r["updates"], skipped_updates=r["skipped"],
-                      all_finite=finite, peak_allocated=st.peak_allocated, peak_reserved=st.peak_reserved,
+        fields.update(all_finite=finite, peak_allocated=st.peak_allocated, peak_reserved=st.peak_reserved,
                       step_median_s=st.timing.median_s, step_p95_s=st.timing.p95_s,
                       warmup_excluded=st.timing.warmup_excluded, memory_source=st.memory_source)
         if name == "fp32":
@@ -312,32 +288,25 @@ def run(ctx) -> list:
                           loss_diff=r["eval_loss"] - fp32["eval_loss"],
                           loss_rel_diff=abs(r["eval_loss"] - fp32["eval_loss"]) / abs(fp32["eval_loss"]))
             metrics.update(ratios)
-            fields["decision"], fields["next_step"] = decide(finite, r["skipped"] / len(t["applied"]),
-                                                             ratios["loss_rel_diff"], ratios["peak_ratio"],
-                                                             ratios["time_ratio"])
-        recs.append(ctx.record(name, metrics=metrics, **fields))
+            fields["decision"], fields["next_step"] = decide(finite, r["skipped"] / len(t["applied"]), *(
+                ratios[k] for k in ("loss_rel_diff", "peak_ratio", "time_ratio")))
+        recs.append(ctx.record(name, metrics=json_safe(metrics), **fields))  # a diverged run's NaN -> null
     return recs
 
 
 def plan(ctx) -> dict:
-    cfg = config_for(ctx)
-    w = ctx.workload
-    target = "cuda" if cfg is GPU_CONFIG else "cpu"
-    flops = 6 * param_count(w.arch) * w.batch * w.seq  # forward + backward per update
-    calls = cfg.steps + (1 if target == "cpu" else 0)
-    est = {}
-    for c in CANDIDATES:
-        n = cfg.overflow_n if c == "fp16-overflow" else calls
-        rate = ASSUMED_FLOPS[target]["float32" if LOW[c] is None else "low"]
-        est[c] = round(SETUP_S[target] + n * flops / rate, 1)
-    est["build base model"] = BUILD_S[target]
-    return dict(target_device=target, config=asdict(cfg), updates_per_candidate=calls,
-                timed_steps=cfg.steps, warmup_excluded=cfg.warmup, parameters=param_count(w.arch),
-                flops_per_update=flops,
-                bf16="included where torch reports support (CPU autocast; CUDA: torch.cuda.is_bf16_supported())",
-                estimated_s=est, estimated_total_s=round(sum(est.values()), 1),
-                estimate_basis=f"6*N*tokens FLOPs at assumed {ASSUMED_FLOPS[target]} FLOP/s + setup "
-                               f"{SETUP_S[target]} s per candidate + build {BUILD_S[target]} s (a plan, not measured)",
+    """Per mode, the config and a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+    w, tokens, modes = ctx.workload, ctx.workload.batch * ctx.workload.seq, {}
+    for mode, dev in (("real_gpu", "cuda"), ("cpu", "cpu")):
+        cfg = config_for(dev)
+        calls = cfg.steps + (dev == "cpu")  # the CPU adds one tracked update
+        est = {c: round(SETUP_S[dev] + plan_seconds(w.arch, tokens, cfg.overflow_n if c == "fp16-overflow" else calls,
+                                                    dev, low=LOW[c] is not None)
+                        + plan_seconds(w.arch, tokens, 1 if c == "fp16-overflow" else 1 / 3, dev), 1)  # fp32 inject/eval
+               for c in CANDIDATES}
+        modes[mode] = dict(config=asdict(cfg), updates_per_candidate=calls, estimated_s=est,
+                           estimated_seconds=round(PLAN_BUILD_S[dev] + sum(est.values()), 1))
+    return dict(modes=modes, estimate_basis=f"{PLAN_BASIS}; + SETUP_S {SETUP_S} s per candidate",
                 decision_rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING,
                                    MAX_TIME_COST=MAX_TIME_COST, MAX_SKIPPED_FRACTION=MAX_SKIPPED_FRACTION))
 

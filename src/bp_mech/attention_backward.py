@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech.local_backward import linear_backward, linear_forward, rel_err
-from bp_mech.measure import PeakMemory, all_finite, summarize
+from bp_mech.measure import PeakMemory, all_finite, free, summarize
 
 
 @dataclass(frozen=True)
@@ -402,6 +402,8 @@ def plan(ctx) -> dict:
 
 
 def run(ctx) -> list:
+    """One record per candidate on ``ctx.device``; ``--mode real_gpu`` (not in the GPU suite) runs the
+    same checks with CUDA kernels (float32 matmuls without TF32, torch's default) and allocator peaks."""
     cfg = AttnConfig.from_arch(ctx.workload.arch, ctx.workload.batch)
     T, dev = ctx.workload.seq, ctx.device
     errs = errors(cfg, T, device=dev)
@@ -410,6 +412,7 @@ def run(ctx) -> list:
     ta, recs = times["autograd"], []
     for n in ctx.progress(CANDIDATES, desc="candidates"):
         inputs, dO = make_inputs(cfg, T, torch.float32, 2, dev)
+        free(dev)  # earlier candidates' cached blocks would count in this one's reserved peak
         with PeakMemory(dev, resident=[inputs, dO]) as pm:  # one forward + backward
             grads(attention_fn(n, cfg.block), inputs, dO)
         e64, e32 = (max(errs[n][k].values()) for k in ("float64_vs_autograd", "float32_vs_sdpa"))

@@ -23,7 +23,6 @@ the same weights, so the loss and every gradient can be compared with the plain 
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import math
 
@@ -31,8 +30,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech.measure import PeakMemory, all_finite, guarded, measure_steps
-from bp_mech.workload import build_model, make_batches
+from bp_mech.measure import PeakMemory, free, guarded, measure_steps
+from bp_mech.results import json_safe
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, param_count, plan_seconds
 
 # --- from scratch ---------------------------------------------------------------------
 
@@ -234,9 +234,10 @@ def train_step(model, batch, saving=None) -> torch.Tensor:
 def probe(model, batch, device, saving=None) -> dict:
     """One step on ``batch`` for what the timed steps do not show.
 
-    Returns the loss, the gradients (copied to the CPU) and their total norm, forward calls per
-    layer, recomputes, and ``held_after_forward``: live bytes (allocator on CUDA, tracked storages
-    on the CPU) added between the start and the end of forward, i.e. what waits for backward.
+    Returns the loss, the gradients (copied to the CPU), their total norm and finiteness (both
+    computed on the device, in float64), forward calls per layer, recomputes, and
+    ``held_after_forward``: live bytes (allocator on CUDA, tracked storages on the CPU) added
+    between the start and the end of forward, i.e. what waits for backward.
     """
     model.zero_grad(set_to_none=True)
     with ForwardCounter(model) as fc, PeakMemory(device, resident=[model.parameters()]) as pm:
@@ -245,26 +246,33 @@ def probe(model, batch, device, saving=None) -> dict:
             loss = model(**batch).loss
         pm.mark("after_forward")
         loss.backward()
-    grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
-    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads if g is not None))
+    gs = [p.grad for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                                 for g in gs if g is not None])).item()
+    grads = [None if g is None else g.detach().to("cpu", copy=True) for g in gs]
     return dict(loss=loss.item(), grads=grads, grad_norm=norm, calls=fc.calls, recomputes=fc.recomputes,
                 held_after_forward=pm.marks["after_forward"] - pm.marks["start"],
-                finite=all_finite([loss, *grads]))
+                finite=math.isfinite(loss.item()) and math.isfinite(norm))  # a NaN/inf anywhere makes the norm one
 
 
 def compare(ref: dict, got: dict) -> dict:
-    """Loss error (relative), gradient error (max over parameters of max|diff| / max|ref|), bitwise."""
-    bitwise = got["loss"] == ref["loss"]
-    grad_err = 0.0
+    """Loss error (relative), gradient error (max over parameters of max|diff| / max|ref|), bitwise.
+
+    A non-finite difference (a NaN or inf gradient, e.g. from a copy read before it finished) is an
+    infinite error: it must never pass a tolerance (``max(0.0, nan)`` is 0.0 in Python).
+    """
+    finite = lambda x: x if math.isfinite(x) else math.inf  # noqa: E731
+    loss_err = finite(abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30))
+    bitwise, grad_err = loss_err == 0.0, 0.0
     for a, b in zip(got["grads"], ref["grads"]):
         if a is None or b is None:
             grad_err, bitwise = (grad_err, bitwise) if a is b else (math.inf, False)
             continue
-        bitwise = bitwise and torch.equal(a, b)
-        grad_err = max(grad_err, (a - b).abs().max().item() / (b.abs().max().item() or 1.0))
-    return dict(loss_error=abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30), grad_error=grad_err,
-                grad_norm_error=abs(got["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30),
-                bitwise=bitwise)
+        d = (a - b).abs().max().item()
+        bitwise = bitwise and d == 0.0
+        grad_err = max(grad_err, finite(d / (b.abs().max().item() or 1.0)))
+    return dict(loss_error=loss_err, grad_error=grad_err, bitwise=bitwise,
+                grad_norm_error=finite(abs(got["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30)))
 
 
 # Equality with the plain run: (loss, gradient) relative tolerances by device type.
@@ -272,7 +280,7 @@ TOL = {"cpu": (0.0, 0.0),  # CPU kernels are deterministic here: bitwise equalit
        "cuda": (1e-6, 1e-4)}  # fp32 CUDA: a recompute may pick other kernels, backward may reassociate
 
 # Decision rule, from ratios against the plain (resident) run of the same invocation:
-#   reject  if loss or gradients differ beyond TOL, or the peak drops by less than MIN_USEFUL_CUT;
+#   reject  if loss or gradients are not finite or differ beyond TOL, or the peak drops by less than MIN_USEFUL_CUT;
 #   accept  if the peak drops by at least MIN_PEAK_CUT at a median step time of at most MAX_TIME_RATIO x;
 #   tune    otherwise: it saves memory, but too little or at too high a time cost.
 MIN_PEAK_CUT = 0.20
@@ -287,7 +295,7 @@ SEED_REFERENCE = dict(run_label="b2s512_default2", device="RTX 5070 Ti", model="
 def decide(equal: bool, peak_cut: float, time_ratio: float) -> tuple[str, str | None]:
     """(decision, next step) by the rule above."""
     if not equal:
-        return "reject", "loss or gradients differ from the plain run: find the non-deterministic or wrong op"
+        return "reject", "loss or gradients differ from the plain run (or are not finite): find the wrong op or race"
     if peak_cut < MIN_USEFUL_CUT:
         return "reject", "the peak barely moves: the memory is not in the saved activations"
     if peak_cut >= MIN_PEAK_CUT and time_ratio <= MAX_TIME_RATIO:
@@ -299,11 +307,8 @@ def decide(equal: bool, peak_cut: float, time_ratio: float) -> tuple[str, str | 
 
 # --- the experiment ---------------------------------------------------------------------
 
-# Planning estimates for --mode dry_run (rough constants, not measurements), by (architecture,
-# device type): seconds to build the model, per plain step, per candidate for gradient copies/checks.
-ESTIMATES = {("tiny", "cpu"): (3.0, 0.01, 0.5), ("tiny", "cuda"): (3.0, 0.005, 0.3),
-             ("qwen05", "cuda"): (30.0, 0.3, 4.0)}
-TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "checkpoint-mlp": 1.2}
+TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "checkpoint-mlp": 1.2}  # planning
+PROBE_BYTES_S = 0.5e9  # planning: float32 gradient bytes per second the probe copies to the host and compares
 
 
 def schedule(device) -> tuple[int, int]:
@@ -311,50 +316,54 @@ def schedule(device) -> tuple[int, int]:
     return (8, 2) if torch.device(device).type == "cuda" else (10, 2)
 
 
-def estimate_seconds(arch: str, factors, device) -> float | None:
-    """A planning estimate from ``ESTIMATES`` (None where the configuration is not planned)."""
+def estimate_seconds(w, factors, device) -> float:
+    """Planning estimate (``bp_mech.workload.plan_seconds``): per candidate, its timed steps, the probe
+    and one more pass (tracked on the CPU, counting in 42) at ``factor`` x a plain pass, plus the probe's
+    gradient copy; one model build."""
     dev = torch.device(device).type
-    if (arch, dev) not in ESTIMATES:
-        return None
-    build, step, per = ESTIMATES[arch, dev]
-    n = schedule(dev)[0] + 2  # timed steps + the probe + the tracked/extra pass
-    return round(build + sum(f * n * step + per for f in factors), 1)
+    passes, probe = schedule(dev)[0] + 2, param_count(w.arch) * 4 / PROBE_BYTES_S
+    return round(PLAN_BUILD_S[dev] + sum(plan_seconds(w.arch, w.batch * w.seq, f * passes, dev) + probe
+                                         for f in factors), 1)
 
 
-def plan_modes(arch: str, factors, **per_device) -> dict:
-    """Steps and estimated seconds of ``--mode cpu`` and ``--mode real_gpu`` for this workload."""
+def plan_modes(w, factors, **per_device) -> dict:
+    """Steps and estimated seconds of ``--mode cpu`` and ``--mode real_gpu`` for workload ``w``."""
     out = {}
     for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda")):
         steps, warmup = schedule(dev)
-        out[mode] = dict(steps=steps, warmup_excluded=warmup, estimated_seconds=estimate_seconds(arch, factors, dev),
+        out[mode] = dict(steps=steps, warmup_excluded=warmup, estimated_seconds=estimate_seconds(w, factors, dev),
                          **{k: v(dev) for k, v in per_device.items()})
     return out
 
 
 def plan(ctx) -> dict:
     return dict(step="zero_grad + forward + backward (no optimizer update)",
-                probe="1 untimed step on batch 0: loss, gradients, forward calls, saved bytes",
-                modes=plan_modes(ctx.workload.arch, TIME_FACTOR.values()),
+                probe="1 untimed step on batch 0 after the timed ones: loss, gradients, forward calls, saved bytes",
+                modes=plan_modes(ctx.workload, TIME_FACTOR.values()),
+                estimate_basis=f"{PLAN_BASIS}; x TIME_FACTOR {TIME_FACTOR}; + gradients / PROBE_BYTES_S per candidate",
                 rule=dict(MIN_PEAK_CUT=MIN_PEAK_CUT, MAX_TIME_RATIO=MAX_TIME_RATIO, MIN_USEFUL_CUT=MIN_USEFUL_CUT))
 
 
 def release(model, device) -> None:
     """Drop gradients and cached blocks so each candidate's reserved peak is its own."""
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
 
 
 def measure_candidate(model, batches, device, setup=contextlib.nullcontext, saving=None) -> dict:
-    """Probe, then time ``schedule(device)`` steps, under ``setup()`` and the hooks ``saving``."""
+    """Time ``schedule(device)`` steps, then probe, under ``setup()`` and the hooks ``saving``.
+
+    The probe comes last so that it checks the steady state: warm caches and, for offload, a
+    host pool whose buffers are being reused.
+    """
     release(model, device)
     steps, warmup = schedule(device)
     with setup():
+        stats = measure_steps(lambda i: train_step(model, batches[i % len(batches)], saving), steps,
+                              warmup, device, resident=[model.parameters()])
         counter = SavedBytesCounter(model.parameters()) if saving is None else None
         out = probe(model, batches[0], device, counter or saving)
-        out["stats"] = measure_steps(lambda i: train_step(model, batches[i % len(batches)], saving), steps,
-                                     warmup, device, resident=[model.parameters()])
+    out["stats"] = stats
     if counter is not None:
         out.update(saved_activation_bytes=counter.bytes, saved_tensors=counter.tensors)
     release(model, device)
@@ -364,7 +373,8 @@ def measure_candidate(model, batches, device, setup=contextlib.nullcontext, savi
 def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {})) -> list:
     """One record per candidate from ``{name: (measurement, failure)}``; ratios against ``baseline``.
 
-    ``extra(name, r)`` returns (record fields, metrics) that an experiment adds.
+    ``extra(name, r)`` returns (record fields, metrics) that an experiment adds. Non-finite
+    numbers are stored as null (records are strict JSON); ``all_finite`` says why.
     """
     base = results[baseline][0]
     tol = TOL[torch.device(ctx.device).type]
@@ -385,19 +395,19 @@ def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {
         cmp = decision = next_step = None
         if name != baseline and base is not None:
             cmp = compare(base, r)
-            equal = cmp["loss_error"] <= tol[0] and cmp["grad_error"] <= tol[1]
+            equal = r["finite"] and base["finite"] and cmp["loss_error"] <= tol[0] and cmp["grad_error"] <= tol[1]
             bst = base["stats"]
             peak_cut = 1 - st.peak_allocated / bst.peak_allocated
             ratio = st.timing.median_s / bst.timing.median_s
             decision, next_step = decide(equal, peak_cut, ratio)
-            metrics.update(bitwise_equal=cmp["bitwise"], grad_norm_error=cmp["grad_norm_error"],
+            metrics.update(equal=equal, bitwise_equal=cmp["bitwise"], grad_norm_error=cmp["grad_norm_error"],
                            peak_cut=peak_cut, time_ratio=ratio, p95_ratio=st.timing.p95_s / bst.timing.p95_s)
         recs.append(ctx.record(
-            name, output_error=cmp and cmp["loss_error"], grad_error=cmp and cmp["grad_error"],
+            name, output_error=json_safe(cmp and cmp["loss_error"]), grad_error=json_safe(cmp and cmp["grad_error"]),
             all_finite=r["finite"], peak_allocated=st.peak_allocated, peak_reserved=st.peak_reserved,
             step_median_s=st.timing.median_s, step_p95_s=st.timing.p95_s, warmup_excluded=st.timing.warmup_excluded,
             recompute_count=r["recomputes"], memory_source=st.memory_source, decision=decision,
-            next_step=next_step, metrics=metrics, **fields))
+            next_step=next_step, metrics=json_safe(metrics), **fields))
     return recs
 
 

@@ -63,7 +63,7 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
         raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
     ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source)
     if mode == "dry_run":
-        print(json.dumps(registry.plan(ctx), indent=1, default=str))
+        print(json.dumps(registry.plan(ctx), indent=1, default=str, ensure_ascii=False))
         return 0
     print(f"== {ctx.experiment.semantic_id} ({ctx.experiment.page}) on {ctx.workload.workload_id}, "
           f"mode {mode}", file=sys.stderr)

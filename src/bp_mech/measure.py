@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -227,14 +228,23 @@ def measure_steps(step: Callable[[int], object], steps: int, warmup: int = 1, de
     return StepStats(timing, pm.peak_allocated, pm.peak_reserved, pm.memory_source)
 
 
+def free(device) -> None:
+    """Collect garbage and, on CUDA, return the allocator's cached blocks (before a new candidate)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def guarded(fn: Callable, *args, **kwargs):
     """Run ``fn``; return ``(result, None)``, or ``(None, failure)`` on a CUDA out-of-memory.
 
-    One candidate running out of memory is that candidate's failure; the run goes on.
+    One candidate running out of memory is that candidate's failure; the run goes on. The
+    memory is released after the except block, once the traceback (and every tensor its
+    frames hold) is gone; inside it, ``empty_cache`` could return nothing.
     """
     try:
         return fn(*args, **kwargs), None
     except torch.OutOfMemoryError as e:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return None, f"out of memory: {str(e).splitlines()[0][:200]}"
+        failure = f"out of memory: {str(e).splitlines()[0][:200]}"
+    free("cuda" if torch.cuda.is_available() else "cpu")
+    return None, failure

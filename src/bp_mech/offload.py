@@ -39,6 +39,8 @@ from bp_mech import checkpointing as ck
 from bp_mech.measure import guarded, host_side
 from bp_mech.workload import build_model, make_batches
 
+CODE_MODULES = ("bp_mech.checkpointing",)  # its step, probe and decision live there: hashed with this one
+
 
 class HostPool:
     """Host buffers reused across steps, bucketed by exact byte size (pinned on CUDA)."""
@@ -159,7 +161,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
             with torch.cuda.stream(self.stream):
-                host.copy_(src, non_blocking=True)
+                host.copy_(src, non_blocking=self.pool.pin)
             self._stash.append((src, self.stream.record_event()))  # src stays alive until compute waited
             self._drain(self.cfg.inflight)
         else:
@@ -176,7 +178,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if self.stream is not None:
             with torch.cuda.stream(self.stream):  # after the D2H into slot.host on the same stream
                 slot.dev = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
-                slot.dev.copy_(slot.host, non_blocking=True)
+                slot.dev.copy_(slot.host, non_blocking=self.pool.pin)
                 slot.event = torch.cuda.Event()
                 slot.event.record(self.stream)
         else:
@@ -263,7 +265,7 @@ CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
 SEED_REFERENCE = dict(run_label="b2s512_default1", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
                       peak_cut=0.343, median_ratio=5.87, decision="tune")
 CPU_MIN_BYTES = 4096  # the tiny workload's activations are KiB-sized: a smaller threshold on the CPU
-TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}
+TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}  # planning
 
 
 def min_bytes(device) -> int:
@@ -273,8 +275,9 @@ def min_bytes(device) -> int:
 def plan(ctx) -> dict:
     return dict(step="zero_grad + forward (under the candidate's hooks) + backward (no optimizer update)",
                 counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
-                modes=ck.plan_modes(ctx.workload.arch, TIME_FACTOR.values(), min_bytes=min_bytes,
+                modes=ck.plan_modes(ctx.workload, TIME_FACTOR.values(), min_bytes=min_bytes,
                                     bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
+                estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
                 rule=dict(MIN_PEAK_CUT=ck.MIN_PEAK_CUT, MAX_TIME_RATIO=ck.MAX_TIME_RATIO,
                           MIN_USEFUL_CUT=ck.MIN_USEFUL_CUT))
 
@@ -306,25 +309,34 @@ def hook_stats(h) -> dict:
     return out
 
 
-def run(ctx) -> list:
+def link_metrics(d2h: int, h2d: int, bandwidth: dict, median_s: float, base_median_s: float) -> dict:
+    """The transfer bound (bytes / measured bandwidth, nothing overlapped) against the step-time overhead
+    over the resident run; what exceeds the bound is, at least, the implementation's."""
+    bound = d2h / bandwidth["d2h"] + h2d / bandwidth["h2d"]
+    over = median_s - base_median_s
+    return dict(bandwidth_bytes_per_s=bandwidth, transfer_bound_s=bound, overhead_s=over,
+                overhead_over_bound=over / bound if bound else None, implementation_s=max(0.0, over - bound))
+
+
+def run(ctx, bandwidth: dict | None = None) -> list:
+    """Every candidate; ``bandwidth`` ({"h2d", "d2h"} bytes/s) is measured on CUDA when not given."""
     dev = ctx.device
     model = build_model(ctx.workload, dev)
     batches = make_batches(ctx.workload, 4, device=dev)
     counts = {c: count_saved(model, batches[0], c) for c in ("plain", "checkpoint-all")}
-    bw = measure_bandwidth(dev) if dev == "cuda" else None
+    bw = bandwidth or (measure_bandwidth(dev) if torch.device(dev).type == "cuda" else None)
     cfg = OffloadConfig(min_bytes=min_bytes(dev))
-    results = {}
+    results, checkpointed = {}, lambda: ck.configure(model, "checkpoint-all")
     for name in ctx.progress(CANDIDATES, desc="candidates"):
         hooks = make_hooks(name, model, cfg, dev)
-        setup = (lambda: ck.configure(model, "checkpoint-all")) if name == "offload-checkpoint" else None
-        results[name] = guarded(ck.measure_candidate, model, batches, dev, setup or contextlib.nullcontext, hooks)
-        if hooks is not None and results[name][0] is not None:  # the counters of the last timed step
-            results[name][0]["hooks"] = hook_stats(hooks)
-        del hooks  # frees the host pool before the next candidate
-    base_median = results["resident"][0]["stats"].timing.median_s if results["resident"][0] else None
+        setup = checkpointed if name == "offload-checkpoint" else contextlib.nullcontext
+        r, _ = results[name] = guarded(ck.measure_candidate, model, batches, dev, setup, hooks)
+        if hooks is not None and r is not None:  # the counters of the last step (the probe)
+            r["hooks"] = hook_stats(hooks)
+        del hooks, r  # frees the host pool before the next candidate
+    base = results["resident"][0]
 
     def extra(name, r):
-        c = counts["checkpoint-all" if name == "offload-checkpoint" else "plain"]
         m = dict(saved_activation_bytes=counts["plain"].bytes, saved_tensors=counts["plain"].tensors,
                  saved_tensor_bytes_per_tensor=counts["plain"].tensor_bytes)
         if name == "resident":
@@ -333,15 +345,12 @@ def run(ctx) -> list:
         t = dict(d2h=h.pop("d2h"), h2d=h.pop("h2d"))
         # what the counting pass predicts: distinct storages >= min_bytes for ours; every saved
         # tensor (parameters and views included) for save_on_cpu
+        c = counts["checkpoint-all" if name == "offload-checkpoint" else "plain"]
         expected = c.tensor_bytes if name == "save_on_cpu" else c.bytes_at_least(cfg.min_bytes)
         m.update(h, expected_d2h_bytes=expected, d2h_matches_count=t["d2h"] == expected,
                  saved_outside_checkpoint_bytes=counts["checkpoint-all"].bytes, min_bytes=cfg.min_bytes)
-        if bw is not None and base_median is not None:
-            bound = t["d2h"] / bw["d2h"] + t["h2d"] / bw["h2d"]
-            over = r["stats"].timing.median_s - base_median
-            m.update(bandwidth_bytes_per_s=bw, transfer_bound_s=bound, overhead_s=over,
-                     overhead_over_bound=over / bound if bound else None,
-                     implementation_s=max(0.0, over - bound))
+        if bw is not None and base is not None:
+            m.update(link_metrics(t["d2h"], t["h2d"], bw, r["stats"].timing.median_s, base["stats"].timing.median_s))
         return {"transfer_bytes": t}, m
 
     return ck.make_records(ctx, results, "resident", extra)

@@ -184,9 +184,9 @@ def plan(ctx: RunContext) -> dict:
     """What ``run`` would do, without touching a model."""
     mod = ctx.experiment.load()
     out = dict(semantic_id=ctx.experiment.semantic_id, page=ctx.experiment.page, mode=ctx.mode,
-               profile=ctx.profile, device=ctx.device, run_label=ctx.run_label,
                workload=ctx.workload.workload_id, model_id=ctx.workload.hub_id, model_source=ctx.workload.source,
-               candidates=list(getattr(mod, "CANDIDATES", ())), evidence_level=ctx.evidence_level)
+               candidates=list(getattr(mod, "CANDIDATES", ())),
+               evidence_if_run={"cpu": "cpu-mechanism", "real_gpu": "gpu-measured"})
     if hasattr(mod, "plan"):
         out.update(mod.plan(ctx))
     return out

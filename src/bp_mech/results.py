@@ -251,9 +251,11 @@ def json_safe(x):
 # --- provenance ---------------------------------------------------------------------
 
 def code_hash(module: str) -> str:
-    """sha256 (16 hex) of an experiment module's source plus the shared measurement code."""
+    """sha256 (16 hex) of an experiment module's source, the modules it lists in ``CODE_MODULES`` (its
+    own parts, if split), and the shared measurement code."""
     h = hashlib.sha256()
-    for name in (module, "bp_mech.measure", "bp_mech.workload"):
+    parts = getattr(importlib.import_module(module), "CODE_MODULES", ())
+    for name in (module, *parts, "bp_mech.measure", "bp_mech.workload"):
         h.update(inspect.getsource(importlib.import_module(name)).encode())
     return h.hexdigest()[:16]
 

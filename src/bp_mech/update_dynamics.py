@@ -19,15 +19,14 @@ that stays finite and lowers the training loss here still needs a held-out evalu
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass
 
 import torch
 
-from bp_mech.measure import all_finite, guarded, measure_steps
+from bp_mech.measure import all_finite, free, guarded, measure_steps
 from bp_mech.results import json_safe
-from bp_mech.workload import build_model, make_adamw, make_batches, param_count
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_adamw, make_batches, param_count, plan_seconds
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
 EPS = 1e-6  # the eps of clip_grad_norm_'s coefficient
@@ -55,7 +54,8 @@ class DynamicsConfig:
 def config_for(arch: str, device: str) -> DynamicsConfig:
     """qwen05 gets a base LR typical of pretraining a 0.5B model; the GPU times more steps."""
     base = 1e-4 if arch == "qwen05" else 1e-3
-    return DynamicsConfig(base_lr=base, steps=8, warmup=2) if device == "cuda" else DynamicsConfig(base_lr=base)
+    gpu = torch.device(device).type == "cuda"
+    return DynamicsConfig(base_lr=base, steps=8, warmup=2) if gpu else DynamicsConfig(base_lr=base)
 
 
 def lr_of(name: str, cfg: DynamicsConfig) -> float:
@@ -119,6 +119,7 @@ def update_ratio(before, after) -> tuple[float, float, float]:
 def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) -> list[dict]:
     """``len(batches)`` updates of one candidate from ``init``; one dict per update."""
     model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)  # after a failed candidate, stale gradients may remain
     opt = make_optimizer(model, lr_of(name, cfg), cfg, device)
     groups = param_groups(model)
     out = []
@@ -146,6 +147,7 @@ def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) ->
 def measure_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig, device):
     """Peak and step time of one plain update (forward, backward, clip if any, AdamW step)."""
     model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
     opt = make_optimizer(model, lr_of(name, cfg), cfg, device)
 
     def step(i: int) -> None:
@@ -157,9 +159,7 @@ def measure_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig
 
     step(0)  # creates the AdamW state before the measurement
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)  # the reserved peak is this candidate's own
     return measure_steps(step, cfg.steps, cfg.warmup, device, resident=[model.parameters(), state])
 
 
@@ -217,20 +217,18 @@ def run(ctx) -> list:
 
 
 def plan(ctx) -> dict:
-    """Candidates with their LR, updates, steps and a rough time estimate, CPU and one CUDA GPU."""
-    n = param_count(ctx.workload.arch)
-    per_device = {}
-    for dev, rate, overhead in (("cpu", 1e10, 2.0), ("cuda", 3e13, 20.0)):
-        cfg = config_for(ctx.workload.arch, dev)
-        updates = 3 * (cfg.updates + 1 + cfg.steps + (dev == "cpu"))  # trace + warm + timed (+ tracked)
-        flops = 6 * n * ctx.workload.batch * ctx.workload.seq * updates
-        per_device[dev] = dict(timed_steps=cfg.steps, warmup_excluded=cfg.warmup, updates=updates,
-                               estimated_seconds=round(overhead + flops / rate, 1),
-                               assumes=f"{rate:.0e} FLOP/s sustained float32, {overhead:.0f} s to build the model")
-    cfg = config_for(ctx.workload.arch, ctx.device)
-    return dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, max_norm=cfg.max_norm, traced_updates=cfg.updates,
-                weight_decay=cfg.weight_decay, optimizer="AdamW", groups=list(GROUPS), params=n,
-                per_device=per_device)
+    """LRs, updates and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+    w, modes = ctx.workload, {}
+    for mode, dev in (("real_gpu", "cuda"), ("cpu", "cpu")):
+        cfg = config_for(w.arch, dev)
+        passes = cfg.updates + 1 + cfg.steps + (dev == "cpu")  # traced + warm + timed (+ tracked on the CPU)
+        extra = cfg.updates * 0.05 + 2 * 0.5 if dev == "cuda" else 0.0  # snapshots + ratios, 2 loads from the host
+        est = PLAN_BUILD_S[dev] + len(CANDIDATES) * (plan_seconds(w.arch, w.batch * w.seq, passes, dev) + extra)
+        modes[mode] = dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, traced_updates=cfg.updates,
+                           timed_steps=cfg.steps, warmup_excluded=cfg.warmup, estimated_seconds=round(est, 1))
+    return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
+                groups=list(GROUPS), params=param_count(w.arch), modes=modes, rule=dict(spike_max=SPIKE_MAX),
+                estimate_basis=PLAN_BASIS + "; + 0.05 s per traced update and 1 s of state loads per candidate (cuda)")
 
 
 def conformance():

@@ -1,0 +1,208 @@
+"""Part 02 · 43 — TRAIN-STATE-LEDGER: what a ledger is, and what it should hold by formula.
+
+A ledger splits the memory of one steady-state training step (AdamW, its moments already
+allocated by a warm-up step) by **lifecycle stage** (``STAGES``) and by **object class**
+(``CLASSES``). This module defines that table (``Ledger``) and fills it from theory:
+``theoretical`` derives every line for the Qwen2 block (SwiGLU, RMSNorm, GQA, fused SDPA,
+tied embeddings, fp32 logits) from what each operator saves for backward. The exercise
+answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
+``block_saved_bytes``) are its building blocks. ``bp_mech.ledger_tracker`` measures the same
+table; ``bp_mech.ledger`` runs the comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
+CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
+STRATEGIES = ("plain", "checkpoint", "offload", "amp", "accumulation")
+STAGE_LABELS = dict(load="after model load", forward="after forward", backward_peak="peak in backward",
+                    backward="after backward", optimizer_peak="in the optimizer step", zero_grad="after zero_grad")
+CLASS_LABELS = dict(parameters="parameters", gradients="gradients", optimizer_states="optimizer states",
+                    saved_activations="saved activations", logits_loss="logits & loss", other="other temporaries")
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    strategy: str = "plain"  # one of STRATEGIES
+    micro_batches: int = 2  # accumulation: micro-batches per update (must divide the batch)
+    amp_dtype: str = "float16"  # autocast dtype of the amp strategy
+    foreach: bool | None = None  # AdamW foreach; None = torch's default (True on CUDA, False on CPU)
+    lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+
+
+@dataclass
+class Ledger:
+    """Device bytes per stage and class (+ host bytes of offloaded activations)."""
+
+    source: str  # formula | fake-tensor | tracked-cpu | cuda-allocator
+    strategy: str
+    stages: dict[str, dict[str, int]]  # stage -> class -> bytes
+    host: dict[str, int] = field(default_factory=dict)  # stage -> bytes held in host memory
+    forward_peak: int = 0  # peak inside the forward (not a ledger stage, counts for the peak)
+    allocator: dict[str, int] = field(default_factory=dict)  # CUDA only: stage -> allocator bytes
+    rounded: dict[str, int] = field(default_factory=dict)  # stage -> bytes in 512-byte allocator blocks
+    finite: bool | None = None  # the step's loss was finite (None: fake tensors have no values)
+    moment: str | None = None  # formula only: which candidate moment is the backward peak
+    updates: int = 0  # optimizer steps run, warm-up included (0: formula)
+    skipped: int | None = None  # amp: of those, the ones the GradScaler skipped (inf/NaN)
+
+    def total(self, stage: str) -> int:
+        return sum(self.stages[stage].values())
+
+    def totals(self) -> dict[str, int]:
+        return {s: self.total(s) for s in STAGES}
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, *self.totals().values())
+
+    @property
+    def peak_stage(self) -> str:
+        """The stage holding the peak ("forward_peak" if it lies inside the forward)."""
+        best = max(STAGES, key=self.total)
+        return "forward_peak" if self.forward_peak > self.total(best) else best
+
+
+# --- the theoretical ledger -----------------------------------------------------------
+
+def _dims(cfg) -> dict:
+    """Sizes of a Qwen2 config (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict)."""
+    g = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    C, H, KV = g("hidden_size"), g("num_attention_heads"), g("num_key_value_heads")
+    return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"), V=g("vocab_size"),
+                L=g("num_hidden_layers"), tied=bool(g("tie_word_embeddings")))
+
+
+def _layer_params(d) -> int:
+    """q/k/v (with bias), o, gate/up/down, two RMSNorm gains."""
+    C, Ckv, I = d["C"], d["Ckv"], d["I"]
+    return (C * C + C) + 2 * (C * Ckv + Ckv) + C * C + 3 * C * I + 2 * C
+
+
+def param_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """Unique parameters: embedding (once if tied to lm_head), L layers, final norm."""
+    d = _dims(cfg)
+    n = d["V"] * d["C"] * (1 if d["tied"] else 2) + d["L"] * _layer_params(d) + d["C"]
+    return n * bytes_per_value
+
+
+def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """One gradient per unique parameter (a tied weight has one .grad)."""
+    return param_bytes(cfg, bytes_per_value)
+
+
+def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter; the step counters come on top."""
+    return 2 * param_bytes(cfg, bytes_per_value)
+
+
+def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
+    """Bytes one Qwen2 decoder layer saves for backward (fused SDPA), its input included, its
+    weights and the shared RoPE cos/sin excluded. ``half``: under fp16/bf16 autocast.
+
+    fp32, n = B*T tokens: 4 n (8C + 2Ckv + 4I + 2) + 4 B H T, from
+      RMSNorm x2: input x, 1/rms (n,1), x/rms, normed output (the q/k/v or gate/up input): 3C + 1 each
+      attention: RoPE'd q (C) and k (Ckv), v (Ckv), SDPA output (C, also o_proj's input), lse (B,H,T)
+      residual sum entering the second norm is that norm's x (counted above)
+      SwiGLU: gate out, silu out, up out, their product (down_proj's input): 4 I
+    autocast: the norms stay fp32 (x, x/rms, 1/rms), each linear saves its own half-precision
+    copy of its input (q, k, v: 3 copies; gate, up: 2), SDPA saves half q/k/v/out, the MLP is half:
+      n (30C + 4Ckv + 8I + 8) + 4 B H T.
+    """
+    d, n = _dims(cfg), batch * seq
+    C, Ckv, I, lse = d["C"], d["Ckv"], d["I"], 4 * batch * d["H"] * seq
+    if half:
+        return n * (30 * C + 4 * Ckv + 8 * I + 8) + lse
+    return 4 * n * (8 * C + 2 * Ckv + 4 * I + 2) + lse
+
+
+def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
+    """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al. 2022, eq. 2):
+    16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the materialised s x s scores."""
+    d = _dims(cfg)
+    return seq * batch * d["C"] * (34 + 5 * d["H"] * seq / d["C"])
+
+
+def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -> int:
+    """What one layer adds if SDPA falls back to its math kernel: the (B, H, T, T) probabilities."""
+    return batch * _dims(cfg)["H"] * seq * seq * bytes_per_value
+
+
+def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), device="cpu") -> Ledger:
+    """The formula ledger of one steady-state step (derivation in the chapter).
+
+    n = B T / k tokens per micro-batch, W = ``param_bytes``, M = 2W (+ 4-byte steps), E = 4 V C:
+      after load       W (+ the RoPE buffers)
+      after forward    W + M + batch + saved + log-softmax output 4 n V (+ targets, scalars)
+      peak in backward the largest of: the log-softmax backward (saved + 3 x 4 n V); each layer's
+                       MLP backward (gradients so far + its live tensors); with tied embeddings the
+                       end (all gradients + lm_head's, held by the engine, + the embedding's)
+      after backward   W + M + W (gradients)
+      optimizer step   + W (foreach: one temporary per tensor, CUDA's default) or 2 x the largest
+                       tensor (single-tensor loop, the CPU's)
+      after zero_grad  W + M
+    saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); 0 (offload).
+    """
+    d = _dims(arch)
+    C, Ckv, I, V, L, hd = d["C"], d["Ckv"], d["I"], d["V"], d["L"], d["hd"]
+    s = cfg.strategy
+    k = cfg.micro_batches if s == "accumulation" else 1
+    b, n, amp = batch // k, batch * seq // k, s == "amp"  # per micro-batch
+    W = param_bytes(arch)  # weights = gradients (fp32)
+    n_tensors = 2 + L * 12 + (0 if d["tied"] else 1)
+    params = W + 4 * hd  # + RoPE inv_freq buffers
+    wl = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * I) if amp else 0  # autocast's half weight copies, per layer
+    wcopy = L * wl + (2 * V * C if amp else 0)  # + lm_head's; each is freed by its layer's backward
+    on_cpu = torch.device(device).type == "cpu"
+    M = 2 * W + (4 * n_tensors if on_cpu else 0)  # two moments (+ a 4-byte step per tensor, a host scalar on CUDA)
+    batch_b = 16 * batch * seq  # input_ids + labels, int64
+    E = 4 * V * C  # embedding / lm_head weight (tied)
+    A = block_saved_bytes(arch, b, seq, amp)
+    R = 8 * seq * hd  # RoPE cos + sin, fp32, shared by the layers
+    F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
+    Pl = 4 * _layer_params(d)
+    saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F, "offload": 0}.get(s, L * A + R + F)
+    logits_fwd = 4 * n * V + 8 * n + 8 + (2 * n * C if amp else 0)  # log-softmax out, targets, scalars
+    logits_fwd = 4 if s == "offload" else logits_fwd  # offload: all of it saved, so on the host
+    g_prev = W if k > 1 else 0  # accumulation: the last micro-batch starts with gradients
+    losses = 4 * k
+    foreach = cfg.foreach if cfg.foreach is not None else not on_cpu
+    opt_tmp = W if foreach else 2 * 4 * max(V * C, C * I)  # foreach: one sqrt per tensor at once
+
+    def row(**kw):
+        return {c: kw.get(c, 0) for c in CLASSES}
+
+    base = dict(parameters=params + wcopy, optimizer_states=M, gradients=g_prev)
+    st = {"load": row(parameters=params),
+          "forward": row(**base, saved_activations=saved, logits_loss=logits_fwd + losses - 4, other=batch_b),
+          "backward": row(parameters=params, optimizer_states=M, gradients=W, logits_loss=losses, other=batch_b),
+          "optimizer_peak": row(parameters=params, optimizer_states=M, gradients=W, logits_loss=losses,
+                                other=batch_b + opt_tmp),
+          "zero_grad": row(parameters=params, optimizer_states=M, logits_loss=losses, other=batch_b)}
+    # backward peak: the largest of the candidate moments
+    half = 2 if amp else 4
+    events = {"the log-softmax backward": row(**base, saved_activations=saved, other=batch_b,
+                                              logits_loss=12 * n * V + losses + (2 * n * C if amp else 0))}
+    for l in range(L):  # layer l's MLP backward (mul node): dy, d(a*u), da, du alive
+        # gradients so far (with k > 1 each new one is added in place into .grad and freed)
+        grads = W + E + 4 * C * I if k > 1 else E + 4 * C + (L - 1 - l) * Pl + 4 * C * I
+        g = dict(base, gradients=grads, parameters=params + (l + 1) * wl - (4 * C * I if amp else 0))
+        if s == "checkpoint":
+            sv, tmp = (l + 1) * 4 * n * C + 8 * seq + R + A - 4 * n * C - 4 * n * I, 4 * n * C + 12 * n * I
+        elif s == "offload":
+            sv, tmp = 0, 4 * n * C + 20 * n * I  # + the unpacked a and u
+        else:  # (amp: half-precision MLP gradients, approximate; the log-softmax moment dominates)
+            sv, tmp = (l + 1) * A + R - half * n * I, 4 * n * C + 3 * half * n * I
+        events[f"layer {l}'s MLP backward"] = row(**g, saved_activations=sv, other=batch_b + tmp, logits_loss=losses)
+    if d["tied"]:  # the end: lm_head's gradient (held by the engine) + the embedding's + their sum
+        events["the end of the backward (tied embedding)"] = row(
+            **dict(base, parameters=params, gradients=W + 2 * E + (E if k > 1 else 0)), other=batch_b,
+            logits_loss=losses)
+    moment = max(events, key=lambda e: sum(events[e].values()))
+    st["backward_peak"] = events[moment]
+    fpeak = sum(st["forward"].values()) + 4 * n * V + 8 * b * (seq + 1) + (2 * n * V if amp else 0)
+    return Ledger("formula", s, {x: st[x] for x in STAGES}, forward_peak=fpeak, moment=moment)
