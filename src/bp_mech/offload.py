@@ -36,10 +36,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bp_mech import checkpointing as ck
+from bp_mech import strategy_harness as sh
 from bp_mech.measure import guarded, host_side
 from bp_mech.workload import build_model, make_batches
 
-CODE_MODULES = ("bp_mech.checkpointing",)  # its step, probe and decision live there: hashed with this one
+CODE_MODULES = ("bp_mech.checkpointing", "bp_mech.strategy_harness")  # configure; step, probe, rule: hashed too
 
 
 class HostPool:
@@ -275,16 +276,16 @@ def min_bytes(device) -> int:
 def plan(ctx) -> dict:
     return dict(step="zero_grad + forward (under the candidate's hooks) + backward (no optimizer update)",
                 counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
-                modes=ck.plan_modes(ctx.workload, TIME_FACTOR.values(), min_bytes=min_bytes,
+                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), min_bytes=min_bytes,
                                     bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
                 estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
-                rule=dict(MIN_PEAK_CUT=ck.MIN_PEAK_CUT, MAX_TIME_RATIO=ck.MAX_TIME_RATIO,
-                          MIN_USEFUL_CUT=ck.MIN_USEFUL_CUT))
+                rule=dict(MIN_PEAK_CUT=sh.MIN_PEAK_CUT, MAX_TIME_RATIO=sh.MAX_TIME_RATIO,
+                          MIN_USEFUL_CUT=sh.MIN_USEFUL_CUT))
 
 
-def count_saved(model, batch, candidate="plain") -> ck.SavedBytesCounter:
+def count_saved(model, batch, candidate="plain") -> sh.SavedBytesCounter:
     """What autograd saves in one forward (counting only), with the given checkpointing."""
-    counter = ck.SavedBytesCounter(model.parameters())
+    counter = sh.SavedBytesCounter(model.parameters())
     with ck.configure(model, candidate), counter:
         model(**batch).loss  # the graph is dropped at once; nothing is moved
     return counter
@@ -330,7 +331,7 @@ def run(ctx, bandwidth: dict | None = None) -> list:
     for name in ctx.progress(CANDIDATES, desc="candidates"):
         hooks = make_hooks(name, model, cfg, dev)
         setup = checkpointed if name == "offload-checkpoint" else contextlib.nullcontext
-        r, _ = results[name] = guarded(ck.measure_candidate, model, batches, dev, setup, hooks)
+        r, _ = results[name] = guarded(sh.measure_candidate, model, batches, dev, setup, hooks)
         if hooks is not None and r is not None:  # the counters of the last step (the probe)
             r["hooks"] = hook_stats(hooks)
         del hooks, r  # frees the host pool before the next candidate
@@ -353,7 +354,7 @@ def run(ctx, bandwidth: dict | None = None) -> list:
             m.update(link_metrics(t["d2h"], t["h2d"], bw, r["stats"].timing.median_s, base["stats"].timing.median_s))
         return {"transfer_bytes": t}, m
 
-    return ck.make_records(ctx, results, "resident", extra)
+    return sh.make_records(ctx, results, "resident", extra)
 
 
 def conformance():
@@ -367,8 +368,8 @@ def conformance():
     counted = count_saved(model, batch).bytes_at_least(CPU_MIN_BYTES)
     off = ActivationOffload(model.parameters(), OffloadConfig(min_bytes=CPU_MIN_BYTES))
     soc = CountingSaveOnCpu()
-    ref, ours, torch_ = (ck.probe(model, batch, "cpu", h) for h in (None, off, soc))
-    worst = max(max(e["loss_error"], e["grad_error"]) for e in (ck.compare(ref, ours), ck.compare(ref, torch_)))
+    ref, ours, torch_ = (sh.probe(model, batch, "cpu", h) for h in (None, off, soc))
+    worst = max(max(e["loss_error"], e["grad_error"]) for e in (sh.compare(ref, ours), sh.compare(ref, torch_)))
     ok = worst == 0.0 and off.d2h_bytes == counted and off.d2h_bytes <= soc.d2h_bytes
     return ConformanceRow("Part 02 · 42", "TRAIN-OFFLOAD", "torch.autograd.graph.save_on_cpu + resident autograd", ok,
                           f"max loss/grad rel. error {worst:.1e} (tol 0, float32 CPU); D2H {off.d2h_bytes} B vs "
