@@ -11,7 +11,7 @@ from bp_mech.workload import PAD_ID, build_model, parse_workload
 from checks import ex11
 
 W = parse_workload("tiny-b2s16")
-CFG = A.AccumConfig(updates=2, steps=3, warmup=1)
+CFG = A.AccumConfig(updates=2, timed=3, warmup=1)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,12 @@ def test_token_weighted_equals_full_batch_naive_does_not(setup):
         tok, naive = eq[name]["token"], eq[name]["naive"]
         assert tok["finite"] and naive["finite"]
         assert tok["loss_rel_diff"] <= 1e-6 and tok["grad_rel_diff"] <= 1e-5
-        assert tok["param_rel_diff_1"] <= 1e-5 and tok["param_rel_diff"] <= A.TOL_EQUIV["cpu"]
+        # After AdamW the parameters are compared relative to the update, not asserted equal: Adam moves an
+        # element by about lr * sign(g), so where |g| is near eps a float32 reordering of the accumulated
+        # gradient (other CPUs sum in another order) can flip that step; m of N elements flipping give a
+        # relative difference of about 2 sqrt(m / N). The gradients before the update carry the equality.
+        assert tok["param_diff_vs_update"] <= 0.05 < naive["param_diff_vs_update"]
         assert naive["grad_rel_diff"] > 1e-3 > 100 * tok["grad_rel_diff"]  # the naive error is real, not rounding
-        assert naive["param_rel_diff"] > 100 * tok["param_rel_diff"]
 
 
 def test_accumulated_loss_is_the_full_batch_loss(setup):
@@ -81,26 +84,41 @@ def test_split_refuses_uneven():
 
 def test_measure_resident_and_incremental_peak(setup):
     model, init, batches = setup
-    full = A.measure_candidate(model, init, batches, 1, CFG, "cpu")
-    four = A.measure_candidate(model, init, batches, 4, CFG, "cpu")
+    out = A.measure_candidates(model, init, batches, CFG, "cpu")
+    assert all(failure is None for _, failure in out.values())
+    full, four = out["full"][0], out["micro4"][0]
     n_params = sum(p.numel() for p in model.parameters())
     # float32 params + exp_avg + exp_avg_sq, plus one float32 `step` per parameter tensor
     assert full["resident"] == 3 * 4 * n_params + 4 * len(list(model.parameters()))
-    for m in (full, four):
+    for m, _ in out.values():
         assert m["incremental"] == m["stats"].peak_allocated - m["resident"] > 4 * n_params  # grads at least
-        assert m["stats"].memory_source == "tracked-cpu" and m["stats"].timing.warmup_excluded == 1
+        assert m["stats"].memory_source == "tracked-cpu" and m["stats"].timing.warmup_excluded == CFG.warmup
+        t = m["stats"].timing
+        assert t.interleaved and t.threads == 1 and len(t.samples) == CFG.timed
+        assert m["updates"] == 1 + 1 + CFG.warmup + CFG.timed  # warm + tracked + warm-up + timed
     assert four["stats"].peak_allocated < full["stats"].peak_allocated  # activations of 1/4 of the batch
+    # the sequential (CUDA) path, run on the CPU: the same tracked peak, a function of the program
+    seq = A.measure_candidates(model, init, batches, CFG, "cpu", interleave=False)
+    for name, (m, _) in seq.items():
+        assert m["stats"].peak_allocated == out[name][0]["stats"].peak_allocated and m["resident"] == full["resident"]
+        assert not m["stats"].timing.interleaved and len(m["stats"].timing.samples) == CFG.timed
 
 
-@pytest.mark.parametrize("diff,peak,time,want", [
-    (1e-3, 0.5, 1.0, "reject"), (None, 0.5, 1.0, "reject"), (1e-7, 0.85, 1.3, "accept"),
-    (1e-7, 0.95, 1.1, "tune"), (1e-7, 0.5, 1.6, "tune"), (1e-7, None, None, None)])
-def test_decision_rule(diff, peak, time, want):
-    assert A.decide(diff, 1e-5, peak, time)[0] == want
+@pytest.mark.parametrize("diff,peak,time,noise,want", [
+    (1e-3, 0.5, 1.0, None, "reject"), (None, 0.5, 1.0, None, "reject"), (1e-7, 0.85, 1.3, None, "accept"),
+    (1e-7, 0.95, 1.1, None, "tune"), (1e-7, 0.5, 1.6, None, "tune"), (1e-7, None, None, None, None),
+    (1e-3, 0.5, 1.0, "noise", "reject"),  # the gradient decides without the time
+    (1e-7, 0.95, 0.8, "noise", "tune"),  # so does a peak that barely falls
+    (1e-7, 0.5, 0.8, "noise", None), (1e-7, 0.5, 1.6, "noise", None)])  # the rest would need the time
+def test_decision_rule(diff, peak, time, noise, want):
+    decision, nxt = A.decide(diff, 1e-5, peak, time, noise)
+    assert decision == want and nxt  # every outcome says what to do next
+    if want is None and noise:
+        assert "time ratio is noise (noise)" in nxt and "GPU" in nxt
 
 
 def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
-    monkeypatch.setattr(A, "config_for", lambda device: CFG)
+    monkeypatch.setattr(A, "config_for", lambda device, smoke=False: CFG)
     ctx = registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "cpu", "tiny-b2s16")
     recs = A.run(ctx)
     assert [(r.workload_id, r.run_label, r.candidate) for r in recs] == [
@@ -108,14 +126,28 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
     for r in recs:
         results.save_record(r, tmp_path)
         assert r.failure is None and r.all_finite and r.peak_allocated > 0 and r.effective_batch == 8
-        if r.candidate != "full":
-            assert r.grad_error <= 1e-5 and r.metrics["naive"]["grad_rel_diff"] > 1e-3
-            assert r.decision in ("accept", "tune")
+        assert r.threads == 1 and r.metrics["interleaved"] and r.warmup_excluded == CFG.warmup
+        by_run = r.metrics["updates_by_run"]
+        assert by_run["measurement"] == 2 + CFG.warmup + CFG.timed and r.updates == sum(by_run.values())
+        assert by_run["equivalence_token"] == CFG.updates == r.update_count
+        assert by_run["equivalence_naive"] == (0 if r.candidate == "full" else CFG.updates)
+        if r.candidate == "full":
+            assert r.timing_noise is None and r.decision is None
+            continue
+        assert r.grad_error <= 1e-5 and r.metrics["naive"]["grad_rel_diff"] > 1e-3
+        m = r.metrics
+        if m["time_ratio"] < 1.0:  # more passes, measured faster: noise, whatever the spread
+            assert r.timing_noise and "strictly more work" in r.timing_noise
+        want = A.decide(r.grad_error, 1e-5, m["peak_ratio"], m["time_ratio"], r.timing_noise)
+        assert (r.decision, r.next_step) == want
     c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
     assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
+    monkeypatch.undo()  # the plan of the real configs
     plan = registry.plan(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
-    assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and plan["modes"]["real_gpu"]["estimated_seconds"] < 60
-    assert plan["modes"]["real_gpu"]["timed_steps"] == A.config_for("cuda").steps and "H200" in plan["estimate_basis"]
+    gpu = plan["modes"]["real_gpu"]
+    assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and gpu["estimated_seconds"] < 75
+    assert gpu["timed_steps"] == A.config_for("cuda").timed >= 20 and "H200" in plan["estimate_basis"]
+    assert plan["modes"]["cpu"]["interleaved"] and plan["modes"]["cpu"]["threads"] == 1
 
 
 def test_accelerate_divides_by_k_so_the_loss_is_scaled(setup):
@@ -203,8 +235,9 @@ def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
     assert A.rel_diff(again["grad"], clean["grad"]) == 0.0 and again["losses"] == clean["losses"]
 
 
-def test_oom_in_one_candidate_is_its_failure(monkeypatch):
-    real = A.measure_candidate
+@pytest.mark.parametrize("interleave", [True, False])
+def test_oom_in_one_candidate_is_its_failure(monkeypatch, interleave):
+    real = A.prepare_candidate
 
     def flaky(model, init, batches, k, cfg, device):
         if k == 2:
@@ -212,21 +245,26 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, init, batches, k, cfg, device)
 
-    monkeypatch.setattr(A, "config_for", lambda device: CFG)
-    monkeypatch.setattr(A, "measure_candidate", flaky)
+    real_measure = A.measure_candidates
+    monkeypatch.setattr(A, "config_for", lambda device, smoke=False: CFG)
+    monkeypatch.setattr(A, "prepare_candidate", flaky)
+    monkeypatch.setattr(A, "measure_candidates", lambda *a, **kw: real_measure(*a, **kw, interleave=interleave))
     recs = {(r.metrics["seq"], r.candidate): r
             for r in A.run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "cpu", "tiny-b2s16"))}
     for s in (8, 16):
         bad, ok = recs[s, "micro2"], recs[s, "micro4"]
-        assert bad.failure.startswith("out of memory") and bad.decision == "reject" and bad.peak_allocated is None
+        assert bad.failure.startswith("out of memory") and bad.decision is None and bad.peak_allocated is None
+        assert bad.next_step.startswith("failed: out of memory") and bad.timing_noise is None
         assert bad.grad_error <= A.TOL_EQUIV["cpu"]  # its equivalence run still counts
-        assert ok.failure is None and ok.decision in ("accept", "tune") and ok.peak_allocated > 0
+        assert bad.updates == 2 * CFG.updates and bad.metrics["updates_by_run"]["measurement"] is None
+        assert ok.failure is None and ok.peak_allocated > 0 and ok.metrics["time_ratio"] > 0
+        assert ok.decision in ("accept", "tune") or ok.timing_noise
 
 
 def test_the_decision_gates_on_the_gradient():
     assert A.decide(5e-5, A.TOL_EQUIV["cuda"], 0.5, 1.0)[0] == "accept"
     assert A.decide(5e-4, A.TOL_EQUIV["cuda"], 0.5, 1.0)[0] == "reject"
-    assert A.config_for("cuda").steps < A.config_for("cpu").steps  # the GPU budget
+    assert A.config_for("cuda").timed >= 20 and A.config_for("cpu").timed >= 20  # enough for a P95
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from bp_mech import checkpointing as ck
 from bp_mech import registry
 from bp_mech import strategy_harness as sh
-from bp_mech.measure import StepStats, Timing
+from bp_mech.measure import Timing
 from bp_mech.results import load_record, save_record
 from bp_mech.workload import PLAN_BUILD_S, build_model, make_batches, parse_workload
 from checks import ex19
@@ -130,32 +130,34 @@ def test_run_writes_valid_records(tmp_path, cpu_only):
         assert r.peak_allocated < by["plain"].peak_allocated  # tracked storages: deterministic
         assert r.metrics["saved_activation_bytes"] < by["plain"].metrics["saved_activation_bytes"]
         assert r.decision in ("accept", "tune", "reject")
-        assert r.warmup_excluded == sh.schedule("cpu")[1]
+        assert r.warmup_excluded == sh.schedule("cpu")[1] and r.threads == 1
+        assert r.updates == sum(sh.schedule("cpu")) + 1 and r.skipped_updates == 0  # warm-up + timed + peak step
+        assert r.metrics["more_work"] == (name != "plain")  # every candidate recomputes
 
 
 def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path, cpu_only, monkeypatch):
-    calls, measure = [], sh.measure_candidate
+    real, seen = sh.train_step, []
 
-    def oom_on_second(model, *a, **k):
-        calls.append(model)
-        if len(calls) == 2:
-            with k.get("setup", a[2] if len(a) > 2 else None)():  # fails inside the candidate's configuration
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return measure(model, *a, **k)
+    def oom_under_checkpoint_all(model, *a, **k):  # fails inside the candidate's configuration
+        seen.append(model)
+        if all(layer.gradient_checkpointing for layer in model.model.layers):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, *a, **k)
 
-    monkeypatch.setattr(sh, "measure_candidate", oom_on_second)
+    monkeypatch.setattr(sh, "train_step", oom_under_checkpoint_all)
     recs = ck.run(registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32"))
     by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
-    failed = by[ck.CANDIDATES[1]]
+    failed = by["checkpoint-all"]
     assert failed.failure.startswith("out of memory") and failed.peak_allocated is None and failed.decision is None
-    assert all(by[n].failure is None and by[n].metrics["bitwise_equal"] for n in ck.CANDIDATES[2:])
-    assert not any(l.gradient_checkpointing for l in calls[0].model.layers)  # the configuration was undone
+    assert all(by[n].failure is None and by[n].metrics["bitwise_equal"] for n in ("checkpoint-every2", "checkpoint-mlp"))
+    assert not any(layer.gradient_checkpointing for layer in seen[0].model.layers)  # the configuration was undone
 
 
 def _fake(loss, grads, finite=True, peak=100, median=1.0):
     return dict(loss=loss, grads=grads, grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)),
                 calls={}, recomputes=0, held_after_forward=0, finite=finite,
-                stats=StepStats(Timing(median, median, 2, [median] * 4), peak, peak + 10, "tracked-cpu"))
+                timing=Timing(median, median, 2, [median] * 4, threads=1, interleaved=True), peak_allocated=peak,
+                peak_reserved=None, memory_source="tracked-cpu", updates=5)
 
 
 def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_only):
@@ -183,7 +185,7 @@ def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
     for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"):
         plan = registry.plan(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
         gpu = plan["modes"]["real_gpu"]
-        assert gpu["steps"] > gpu["warmup_excluded"] >= 1
+        assert gpu["timed_rounds"] >= 20 and gpu["warmup_rounds"] >= 1 and gpu["interleaved"]
         total += gpu["estimated_seconds"]
     assert 60 <= total <= 180
 

@@ -2,12 +2,14 @@
 with one line on stderr and exit status 2 (never a traceback)."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from bp_mech.cli import main
+from bp_mech.cli import ROOT, main
 
 
 def _err_line(capsys):
@@ -65,7 +67,9 @@ def test_preflight_reports_json_status(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["status"] in ("ok", "fail") and rc == (0 if report["status"] == "ok" else 1)
     names = [c["name"] for c in report["checks"]]
-    assert {"python", "torch", "cuda", "bf16", "pip check"} <= set(names)
+    assert {"python", "torch", "transformers", "accelerate", "pip check"} <= set(names)
+    assert "cuda" not in names  # a CPU profile does not ask for CUDA
+    assert "bf16" in [i["name"] for i in report["info"]]  # reported, fails nothing
 
 
 def test_conformance_rows_pass_on_cpu(capsys):
@@ -97,3 +101,230 @@ def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
     assert main(["results", "validate", str(out)]) == 2
     line = _err_line(capsys)
     assert f.name in line and "evidence_level" in line
+
+
+# --- the GPU suite: workload, plan totals, records saved as made, failures ----------------
+
+def _suite_ids():
+    from bp_mech import registry
+
+    return [e.semantic_id for e in registry.gpu_suite()]
+
+
+def test_suite_dry_run_plans_every_experiment_at_the_given_workload_with_a_total(capsys):
+    assert main(["run", "--suite", "gpu", "--mode", "dry_run", "--workload", "qwen05-b1s128"]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    plans, summary = doc["plans"], doc["summary"]
+    assert [p["semantic_id"] for p in plans] == _suite_ids()
+    assert {p["workload"] for p in plans} == {"qwen05-b1s128"}
+    per = {p["semantic_id"]: p["modes"]["real_gpu"]["estimated_seconds"] for p in plans}
+    assert summary["estimated_seconds"] == per and summary["no_estimate"] == [] and summary["unplanned"] == []
+    assert summary["total_estimated_seconds"] == pytest.approx(sum(per.values()), abs=0.051)
+    assert f"estimated {summary['total_estimated_seconds']:.0f} s" in cap.err.strip().splitlines()[-1]
+
+
+def _suite_total(capsys, *args) -> tuple[float, list]:
+    assert main(["run", "--suite", "gpu", "--mode", "dry_run", *args]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return doc["summary"]["total_estimated_seconds"], doc["plans"]
+
+
+def test_the_smoke_matrix_plans_about_a_minute_and_the_full_one_about_six(capsys):
+    """The GPU machine is lent for 15 minutes, each call at most 10: the smoke phase (every code path
+    once, few steps) must plan under a minute, the full matrix well within one call."""
+    from bp_mech.measure import SMOKE_SCHEDULE
+
+    smoke, plans = _suite_total(capsys, "--workload", "qwen05-b1s128", "--smoke")
+    full, _ = _suite_total(capsys)
+    assert smoke < 60 and full <= 360 and full > 2 * smoke
+    ck = next(p for p in plans if p["semantic_id"] == "TRAIN-CHECKPOINT")["modes"]["real_gpu"]
+    assert (ck["timed_rounds"], ck["warmup_rounds"]) == SMOKE_SCHEDULE
+
+
+def test_suite_dry_run_goes_on_past_a_plan_that_cannot_be_made(capsys, monkeypatch):
+    from bp_mech import registry
+
+    ids, real_plan = _suite_ids(), registry.plan
+    bad, bare = ids[0], ids[1]
+
+    def plan(ctx):
+        if ctx.experiment.semantic_id == bad:
+            raise ValueError("cannot derive a sequence length\nsecond line")
+        p = real_plan(ctx)
+        return {k: v for k, v in p.items() if k != "modes"} if ctx.experiment.semantic_id == bare else p
+
+    monkeypatch.setattr(registry, "plan", plan)
+    assert main(["run", "--suite", "gpu", "--mode", "dry_run", "--workload", "qwen05-b1s64"]) == 1
+    cap = capsys.readouterr()
+    summary = json.loads(cap.out)["summary"]
+    assert [u["semantic_id"] for u in summary["unplanned"]] == [bad] and summary["no_estimate"] == [bare]
+    assert set(summary["estimated_seconds"]) == set(ids) - {bad, bare}
+    err = cap.err.strip().splitlines()
+    assert err[0] == f"bp-mech: {bad}: no plan at qwen05-b1s64: ValueError: cannot derive a sequence length"
+    assert len(err) == 2 and "Traceback" not in cap.err and f"no estimate: {bare}" in err[1]
+
+
+def test_suite_bad_workload_is_one_line_before_anything_runs(capsys, monkeypatch):
+    from bp_mech import registry
+
+    monkeypatch.setattr(registry, "run", lambda ctx: pytest.fail("ran an experiment"))
+    assert main(["run", "--suite", "gpu", "--mode", "cpu", "--workload", "qwen05-b1s99999"]) == 2
+    assert "exceeds" in _err_line(capsys)
+
+
+def test_suite_saves_records_as_made_prints_tracebacks_and_goes_on(tmp_path, capsys, monkeypatch):
+    """One experiment fails after making a record: that record is already on disk, its full
+    traceback is printed, the next experiment runs; every record is saved exactly once."""
+    import dataclasses
+
+    from bp_mech import registry, results
+
+    ids = _suite_ids()[:3]
+    monkeypatch.setattr(registry, "gpu_suite", lambda: [registry.get(i) for i in ids])
+    out = tmp_path / "rec"
+    on_disk_when_made = []
+
+    def run(ctx):
+        rec = ctx.record("a", decision="accept")
+        on_disk_when_made.append((out / rec.filename).exists())
+        if ctx.experiment.semantic_id == ids[1]:
+            raise RuntimeError("boom in the middle")
+        extra = dataclasses.replace(rec, candidate="b")  # not made by ctx.record: saved at the end
+        return [rec, extra]
+
+    monkeypatch.setattr(registry, "run", run)
+    rc = main(["run", "--suite", "gpu", "--mode", "cpu", "--workload", "tiny-b1s8", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and on_disk_when_made == [True, True, True]
+    assert f"bp-mech: {ids[1]} failed:" in err and "Traceback (most recent call last)" in err
+    assert "RuntimeError: boom in the middle" in err and 'in run\n    raise RuntimeError' in err
+    assert err.strip().splitlines()[-1] == f"bp-mech: 1 of 3 experiment(s) failed: {ids[1]}"
+    names = sorted(p.name for p in out.glob("*.json"))
+    assert len(names) == 5 and err.count("saved ") == 5  # 2 + 1 (the failed one's) + 2, none twice
+    assert all(r.workload_id == "tiny-b1s8" for _, r in results.load_records(out))
+
+
+def test_run_one_saves_each_record_before_the_next_is_made(tmp_path, capsys, monkeypatch):
+    from bp_mech import registry
+
+    out, seen = tmp_path / "rec", []
+
+    def run(ctx):
+        recs = []
+        for c in ("x", "y", "z"):
+            seen.append(sorted(p.name for p in out.glob("*.json")) if out.exists() else [])
+            recs.append(ctx.record(c))
+        return recs
+
+    monkeypatch.setattr(registry, "run", run)
+    assert main(["run", "TRAIN-LOCAL-BACKWARD", "--workload", "tiny-b1s8", "--out", str(out)]) == 0
+    assert [len(s) for s in seen] == [0, 1, 2]
+    assert capsys.readouterr().err.count("saved ") == 3
+
+
+def test_an_invalid_record_is_refused_once_and_the_rest_are_saved(tmp_path, capsys, monkeypatch):
+    from bp_mech import registry
+
+    out = tmp_path / "rec"
+    monkeypatch.setattr(registry, "run", lambda ctx: [ctx.record("bad", evidence_level="rumour"), ctx.record("good")])
+    assert main(["run", "TRAIN-LOCAL-BACKWARD", "--workload", "tiny-b1s8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("bp-mech: not saved:") == 1 and "evidence_level" in err and err.count("saved ") == 1
+    assert [p.name.split("__")[-1] for p in out.glob("*.json")] == ["good.json"]
+
+
+# --- the pretrained path: resolved once, a missing cache is one line ----------------------
+
+def test_pretrained_snapshot_is_resolved_once_per_process(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from bp_mech.workload import Workload, model_commit, resolve_pretrained
+
+    snap, calls = tmp_path / "snapshots" / ("ab" * 20), []
+    snap.mkdir(parents=True)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda model_id, revision, local_files_only: calls.append(model_id) or str(snap))
+    w = Workload(arch="tiny", batch=1, seq=8, source="pretrained", model_id="bp-mech/resolve-once-test",
+                 revision="v1", local_files_only=True)
+    assert model_commit(w) == model_commit(w) == "ab" * 20
+    assert resolve_pretrained("bp-mech/resolve-once-test", "v1", True) == (str(snap), "ab" * 20)
+    assert calls == ["bp-mech/resolve-once-test"]
+
+
+def test_missing_pretrained_cache_is_one_line_and_status_2(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setattr("bp_mech.registry.run", lambda ctx: pytest.fail("ran an experiment"))
+    argv = ["run", "TRAIN-LOCAL-BACKWARD", "--workload", "qwen05-b1s8", "--model-source", "pretrained",
+            "--model-id", "bp-mech/not-cached", "--revision", "r1", "--local-files-only"]
+    assert main(argv) == 2
+    line = _err_line(capsys)
+    assert "'bp-mech/not-cached' revision 'r1' is not in the local Hugging Face cache" in line
+
+
+def test_suite_with_missing_pretrained_cache_offline_stops_with_one_line(tmp_path):
+    """HF_HUB_OFFLINE=1 (as tools/gpu_suite.sh sets) and an empty HF_HOME: exit 2 before any
+    experiment, one line naming the model and revision."""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "bp_mech", "run", "--suite", "gpu", "--mode", "cpu", "--workload",
+                        "qwen05-b1s8", "--model-source", "pretrained", "--model-id", "Qwen/Qwen2.5-0.5B"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "'Qwen/Qwen2.5-0.5B' revision 'main' is not in the local Hugging Face cache" in p.stderr
+    assert not (tmp_path / "hf" / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots").exists()
+
+
+# --- tools/gpu_suite.sh, dry-run form (no CUDA, no experiment runs) -------------------------
+
+STUB_PYTHON = """#!/usr/bin/env bash
+# preflight answered by FAKE_PREFLIGHT (ok|fail); a real run refused; the rest by the real python
+if [ "$2" = bp_mech ] && [ "$3" = preflight ]; then
+  echo "{\\"status\\": \\"$FAKE_PREFLIGHT\\"}"; [ "$FAKE_PREFLIGHT" = ok ]; exit
+fi
+case " $* " in *" --mode real_gpu "*|*" --mode cpu "*) echo "stub: refused to run an experiment" >&2; exit 99 ;; esac
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def _gpu_suite(tmp_path, preflight: str, *args, script=ROOT / "tools" / "gpu_suite.sh"):
+    stub = tmp_path / "python-stub"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stub), REAL_PYTHON=sys.executable, FAKE_PREFLIGHT=preflight,
+               BP_MECH_SUITE_MODE="dry_run")
+    env.pop("PHASES", None)
+    return subprocess.run(["bash", str(script), str(tmp_path / "out"), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_gpu_suite_script_dry_run_writes_plans_logs_and_phase_times(tmp_path):
+    p = _gpu_suite(tmp_path, "ok", "--phases", "smoke", "--smoke-workload", "qwen05-b1s64")
+    out = tmp_path / "out"
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "mode dry_run" in p.stdout.splitlines()[0]
+    assert json.loads((out / "preflight.json").read_text()) == {"status": "ok"}
+    plan = json.loads((out / "plan-smoke.json").read_text())
+    assert [q["semantic_id"] for q in plan["plans"]] == _suite_ids()
+    assert {q["workload"] for q in plan["plans"]} == {"qwen05-b1s64"}
+    log = (out / "smoke.log").read_text()
+    assert "== phase smoke: start" in log and "0 record(s) valid" in log and "stub: refused" not in log
+    assert (out / "records" / "smoke").is_dir() and not (out / "plan-full.json").exists()
+    phases = (out / "phases.txt").read_text().splitlines()
+    assert len(phases) == 1 and phases[0].startswith("== phase smoke: plan rc 0, rc 0, validate rc 0, 0 record(s)")
+
+
+def test_gpu_suite_script_stops_on_a_failed_preflight(tmp_path):
+    """Run from a copy of the tree that is no git checkout: the commit comes from GIT_COMMIT."""
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "gpu_suite.sh", repo / "tools" / "gpu_suite.sh")
+    (repo / "src").symlink_to(ROOT / "src")
+    (repo / "GIT_COMMIT").write_text("feedc0de\n")
+    p = _gpu_suite(tmp_path, "fail", "--full", script=repo / "tools" / "gpu_suite.sh")
+    out = tmp_path / "out"
+    assert p.returncode == 2 and "preflight failed" in p.stderr
+    assert "commit feedc0de" in p.stdout.splitlines()[0]
+    assert json.loads((out / "preflight.json").read_text()) == {"status": "fail"}
+    assert sorted(f.name for f in out.iterdir()) == ["preflight.json"]

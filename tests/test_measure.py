@@ -105,3 +105,70 @@ def test_views_of_storages_that_existed_before_are_not_counted():
         y = wt[:1] * 2  # 1 KiB
     assert pm.peak_allocated == 256 * 4
     del y
+
+
+@pytest.mark.parametrize("exc", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA driver error: out of memory"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"),
+    RuntimeError("CUDA error: cudaErrorMemoryAllocation"),
+    RuntimeError("Error in cudaHostAlloc: out of memory (pinned host buffer)"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 4294967296 bytes"),
+    torch.AcceleratorError("CUDA error: out of memory"),
+    MemoryError(),
+])
+def test_allocation_failures_are_recognised_whatever_their_class(exc):
+    from bp_mech.measure import is_allocation_failure
+
+    assert is_allocation_failure(exc)
+
+    def fail():
+        raise exc
+
+    res, failure = guarded(fail)
+    assert res is None
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, torch.OutOfMemoryError):
+        assert failure == f"out of memory: {first}"
+    else:
+        assert failure == f"allocation failed ({type(exc).__name__}): {first}"
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("CUDA error: device-side assert triggered"),
+    RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"),
+    RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned"),
+    ValueError("out of memory"),  # not an error a torch allocator raises: a bug, and it propagates
+    KeyError("cudaHostAlloc"),
+])
+def test_other_errors_are_not_allocation_failures_and_propagate(exc):
+    from bp_mech.measure import is_allocation_failure
+
+    assert not is_allocation_failure(exc)
+
+    def fail():
+        raise exc
+
+    with pytest.raises(type(exc)):
+        guarded(fail)
+
+
+def test_guarded_frees_after_a_non_oom_allocation_failure_let_go(monkeypatch):
+    import weakref
+
+    from bp_mech import measure
+
+    ref, seen = {}, []
+
+    def pinned_alloc_fails():
+        t = torch.empty(1000)
+        ref["t"] = weakref.ref(t)
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    monkeypatch.setattr(measure, "free", lambda device: seen.append(ref["t"]() is None))
+    assert guarded(pinned_alloc_fails)[1].startswith("allocation failed (RuntimeError)") and seen == [True]

@@ -42,3 +42,28 @@ def test_gpu_status_names_cached_gpu_records(tmp_path):
                               memory_source="cuda-allocator", run_label="gpu-default")
     results.save_record(gpu, tmp_path)
     assert registry.status(e, root, tmp_path) == "complete CPU mechanism + GPU cached"
+
+
+def test_a_record_carries_numerics_for_its_workload_and_no_invented_updates(cpu_only):
+    from bp_mech import environment
+
+    ctx = registry.make_context("TRAIN-LOCAL-BACKWARD", "cpu", "tiny-b2s64")
+    r = ctx.record("linear")
+    shape = environment.attention_shape(ctx.workload)
+    assert shape == dict(batch=2, heads=4, kv_heads=2, seq=64, head_dim=16)
+    assert r.numerics == environment.numerics("cpu", shape)
+    assert r.numerics["sdpa_kernel"]["float32"] == environment.sdpa_kernel("cpu", dtype="float32", **shape)
+    assert r.updates is None and r.skipped_updates is None  # 09 runs no optimizer
+    assert r.git_commit == results.git_commit() and r.code_hash == results.code_hash("bp_mech.local_backward")
+    results.validate(r.to_dict())  # without jsonschema, as on the GPU machine
+
+
+def test_scheduler_records_count_applied_updates_and_skips_apart():
+    """``updates`` = optimizer steps that ran; ``skipped_updates`` = calls that changed nothing."""
+    from bp_mech.scheduler import ClockRun, WSDConfig, run
+
+    run_cfg = ClockRun(schedule=WSDConfig(warmup=1, stable=1, decay=1), overflow_calls=(1,), explicit_skip_calls=(3,))
+    for r in run(registry.make_context("TRAIN-SCHEDULER-CLOCK", "cpu", "tiny-b1s8"), run_cfg):
+        applied = r.metrics["applied_per_call"]
+        assert len(applied) == 5 and applied == [True, False, True, False, True]
+        assert (r.updates, r.skipped_updates, r.update_count) == (3, 2, 3)

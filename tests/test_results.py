@@ -1,8 +1,11 @@
+import ast
 import dataclasses
 import json
+import subprocess
 
 import jsonschema
 import pytest
+from pathlib import Path
 
 from bp_mech import results
 from bp_mech.registry import make_context
@@ -15,9 +18,14 @@ def _record(**kw):
 
 
 def test_schema_covers_exactly_the_record_fields():
+    """Every field is a property, in order; a field added after records were cached may be left
+    out of ``required`` (so those records still validate) but must then accept null."""
     s = results.schema()
-    assert list(s["properties"]) == list(FIELDS) and s["required"] == list(FIELDS)
-    assert s["additionalProperties"] is False
+    assert list(s["properties"]) == list(FIELDS) and s["additionalProperties"] is False
+    assert [f for f in FIELDS if f in s["required"]] == s["required"]
+    for f in set(FIELDS) - set(s["required"]):
+        assert not results.schema_errors(s["properties"][f], None), f
+    assert "numerics" in FIELDS and not results.schema_errors(s["properties"]["numerics"], {"sdpa_kernel": None})
 
 
 def test_saved_record_has_every_field_and_validates_against_the_shipped_schema(tmp_path):
@@ -109,3 +117,140 @@ def test_builtin_validator_agrees_with_jsonschema(change):
     assert bool(ours) == bool(theirs), (ours, [e.message for e in theirs])
     data.pop("model_commit")
     assert results.schema_errors(results.schema(), data)
+
+
+# --- updates ---------------------------------------------------------------------------
+
+def test_updates_is_null_unless_the_experiment_says_how_many_ran():
+    assert _record().updates is None and _record(updates=3).updates == 3
+
+
+# --- staleness: code_hash covers the code that determines the numbers -------------------
+
+def _edited(monkeypatch, name: str, edit):
+    """Make ``module_source(name)`` return ``edit(real source)``; the real files stay untouched."""
+    real = results.module_source
+    monkeypatch.setattr(results, "module_source", lambda n: edit(real(n)) if n == name else real(n))
+
+
+def _replace_once(old: str, new: str):
+    def edit(src: str) -> str:
+        assert src.count(old) == 1, old
+        return src.replace(old, new)
+    return edit
+
+
+def test_code_modules_follow_imports_and_skip_presentation():
+    amp = results.code_modules("bp_mech.amp")
+    assert {"bp_mech.amp", "bp_mech.scheduler", "bp_mech.measure", "bp_mech.workload"} <= set(amp)
+    assert not set(amp) & {"bp_mech.results", "bp_mech.registry", "bp_mech.environment", "bp_mech.report"}
+    assert "bp_mech.workload" in results.code_modules("bp_mech.local_backward")  # imported inside run()
+    assert "bp_mech.strategy_harness" in results.code_modules("bp_mech.checkpointing")  # from bp_mech import x as y
+    assert "bp_mech.report" not in results.code_modules("bp_mech.ledger")  # imported, but presentation only
+    assert "bp_mech.measure" not in results.code_modules("bp_mech.scheduler")
+
+
+def test_code_modules_keeps_explicit_code_modules(monkeypatch):
+    assert "bp_mech.ledger_formula" not in results.code_modules("bp_mech.scheduler")
+    _edited(monkeypatch, "bp_mech.scheduler", lambda s: s + '\nCODE_MODULES = ("bp_mech.ledger_formula",)\n')
+    assert "bp_mech.ledger_formula" in results.code_modules("bp_mech.scheduler")
+
+
+def _docstrings_and_comments_changed(src: str) -> str:
+    tree = ast.parse(src)
+    doc = ast.get_docstring(tree, clean=False)
+    assert doc
+    out = src.replace(doc, doc + "\n\nA sentence added to the module docstring.\n", 1)
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and ast.get_docstring(n, clean=False))
+    fdoc = ast.get_docstring(func, clean=False)
+    out = out.replace(fdoc, fdoc.rstrip() + " Reworded.", 1)
+    out = "# a new comment at the top\n\n" + out.replace("\n\n\n", "\n\n\n# a comment between definitions\n", 1)
+    new_tree = ast.parse(out)  # the edit took: both docstrings differ, the lines moved
+    new_func = next(n for n in new_tree.body if isinstance(n, ast.FunctionDef) and n.name == func.name)
+    assert ast.get_docstring(new_tree, clean=False) != doc and ast.get_docstring(new_func, clean=False) != fdoc
+    assert new_func.lineno != func.lineno
+    return out
+
+
+@pytest.mark.parametrize("experiment, dependency", [
+    ("bp_mech.amp", "bp_mech.scheduler"), ("bp_mech.amp", "bp_mech.measure"), ("bp_mech.amp", "bp_mech.amp"),
+    ("bp_mech.attention_backward", "bp_mech.measure"), ("bp_mech.checkpointing", "bp_mech.strategy_harness"),
+])
+def test_docstring_and_comment_edits_keep_the_hash(monkeypatch, experiment, dependency):
+    before, source = results.code_hash(experiment), results.module_source(dependency)
+    _edited(monkeypatch, dependency, _docstrings_and_comments_changed)
+    assert results.module_source(dependency) != source and results.code_hash(experiment) == before
+
+
+@pytest.mark.parametrize("experiment, dependency, old, new", [
+    ("bp_mech.amp", "bp_mech.scheduler", "self.updates += 1", "self.updates += 2"),
+    ("bp_mech.amp", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\ndef percentile("),
+    ("bp_mech.attention_backward", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
+                                                                      "def percentile("),
+    ("bp_mech.update_dynamics", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
+                                                                   "def percentile("),
+    ("bp_mech.local_backward", "bp_mech.workload", "PAD_ID = 0", "PAD_ID = 1"),
+])
+def test_a_code_change_in_a_dependency_changes_the_hash(monkeypatch, experiment, dependency, old, new):
+    before = results.code_hash(experiment)
+    _edited(monkeypatch, dependency, _replace_once(old, new))
+    assert results.code_hash(experiment) != before
+
+
+@pytest.mark.parametrize("experiment, unrelated", [
+    ("bp_mech.amp", "bp_mech.offload"), ("bp_mech.amp", "bp_mech.environment"), ("bp_mech.ledger", "bp_mech.report"),
+    ("bp_mech.local_backward", "bp_mech.measure"), ("bp_mech.scheduler", "bp_mech.registry"),
+])
+def test_a_change_in_an_unrelated_module_keeps_the_hash(monkeypatch, experiment, unrelated):
+    before = results.code_hash(experiment)
+    _edited(monkeypatch, unrelated, lambda s: s + "\n\ndef _added_function():\n    return 42\n")
+    assert results.code_hash(experiment) == before
+
+
+def test_canonical_form_has_no_positions_docstrings_or_empty_fields():
+    """The exact text: fields sorted, empty ones (``type_params`` on 3.12+, ``type_comment``) dropped,
+    so Python 3.10 to 3.13 give the same hash; blank lines and docstrings do not reach it."""
+    a = results.canonical(ast.parse('def f(a, *, b=None):\n    """doc"""\n    return a + 1.5'))
+    b = results.canonical(ast.parse('\n\n# comment\ndef f(a, *, b=None):\n    return a + 1.5  # why'))
+    assert a == b == ("Module(body=[FunctionDef(args=arguments(args=[arg(arg=str:'a')],kw_defaults=[Constant()],"
+                      "kwonlyargs=[arg(arg=str:'b')]),body=[Return(value=BinOp(left=Name(ctx=Load(),id=str:'a'),"
+                      "op=Add(),right=Constant(value=float:1.5)))],name=str:'f')])")
+    assert results.canonical(ast.parse("x = 1")) != results.canonical(ast.parse("x = 1.0"))
+    assert results.canonical(ast.parse("x = 'a'")) != results.canonical(ast.parse("x = 'b'"))  # strings in code count
+
+
+# --- git commit --------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_git_commit():
+    results.git_commit.cache_clear()
+    yield results.git_commit
+    results.git_commit.cache_clear()
+
+
+def test_git_commit_falls_back_to_the_environment_without_git(fresh_git_commit, monkeypatch):
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(results.subprocess, "run", no_git)
+    monkeypatch.setenv(results.GIT_COMMIT_ENV, "abc123")
+    assert fresh_git_commit() == "abc123"
+    fresh_git_commit.cache_clear()
+    monkeypatch.delenv(results.GIT_COMMIT_ENV)
+    assert fresh_git_commit() is None
+
+
+def test_git_commit_ignores_a_repository_around_a_copied_tree(fresh_git_commit, monkeypatch, tmp_path):
+    """A .git above the tree's root (the tree copied into some other checkout) is not this code's history."""
+    monkeypatch.setattr(results.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, f"{tmp_path}\n{'f' * 40}\n", ""))
+    monkeypatch.setenv(results.GIT_COMMIT_ENV, "from-the-suite-script")
+    assert fresh_git_commit() == "from-the-suite-script"
+
+
+def test_git_commit_reads_this_checkout(fresh_git_commit):
+    root = Path(results.__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    assert fresh_git_commit() == head and len(head) == 40

@@ -12,7 +12,7 @@ from bp_mech.workload import build_model, make_batches, parse_workload
 from checks import ex55
 
 W = parse_workload("tiny-b2s16")
-CFG = U.DynamicsConfig(updates=6, steps=3, warmup=1)
+CFG = U.DynamicsConfig(updates=6, timed=3, warmup=1)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +82,29 @@ def test_decision_rule(rows, want):
 
 
 def test_run_records(tmp_path, monkeypatch):
-    monkeypatch.setattr(U, "config_for", lambda arch, device: CFG)
+    monkeypatch.setattr(U, "config_for", lambda arch, device, smoke=False: CFG)
     recs = U.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))
     assert [r.candidate for r in recs] == list(U.CANDIDATES)
     for r in recs:
         results.save_record(r, tmp_path)
         assert r.failure is None and r.peak_allocated > 0 and r.step_median_s > 0 and r.update_count == 6
-        assert len(r.metrics["trace"]) == 6 and r.decision in ("accept", "tune", "reject")
+        assert len(r.metrics["trace"]) == 6 and (r.decision, r.next_step) == U.decide(U.summarize(r.metrics["trace"]))
+        assert r.threads == 1 and r.metrics["interleaved"] and len(r.metrics["step_samples_s"]) == CFG.timed
+        by_run = r.metrics["updates_by_run"]
+        assert by_run == dict(trace=6, measurement=2 + CFG.warmup + CFG.timed) and r.updates == sum(by_run.values())
+    rec = {r.candidate: r for r in recs}
+    assert rec["base_lr"].timing_noise is None and rec["base_lr"].metrics["time_ratio"] is None
+    for name, base in (("high_lr", "base_lr"), ("high_lr_clip", "high_lr")):
+        m = rec[name].metrics
+        assert m["time_baseline"] == base and m["time_ratio"] == rec[name].step_median_s / rec[base].step_median_s
+        if name == "high_lr_clip" and m["time_ratio"] < 1.0:  # clipping is more work: faster is noise
+            assert "strictly more work" in rec[name].timing_noise
     assert recs[2].metrics["summary"]["clipped_updates"] >= 1 and recs[1].metrics["summary"]["clipped_updates"] == 0
+    monkeypatch.undo()  # the plan of the real configs
     plan = registry.plan(registry.make_context("TRAIN-UPDATE-DYNAMICS", "dry_run", "qwen05-b2s512"))
     gpu = plan["modes"]["real_gpu"]
     assert gpu["lrs"]["high_lr"] == 100 * gpu["lrs"]["base_lr"] and gpu["estimated_seconds"] < 60
+    assert gpu["timed_steps"] >= 20 and plan["modes"]["cpu"]["interleaved"] and plan["modes"]["cpu"]["threads"] == 1
 
 
 # --- mutants: the checks catch the classic mistakes --------------------------------------
@@ -153,11 +165,11 @@ def test_a_diverged_trace_still_saves(tmp_path, monkeypatch):
         return [dict(loss=5.0, finite=True, grad_norm=2.0, clip_coef=1.0, would_clip=0.5, groups=g),
                 dict(loss=math.nan, finite=False, grad_norm=math.nan, clip_coef=1.0, would_clip=math.nan, groups=g)]
 
-    monkeypatch.setattr(U, "config_for", lambda arch, device: CFG)
+    monkeypatch.setattr(U, "config_for", lambda arch, device, smoke=False: CFG)
     monkeypatch.setattr(U, "trace", fake_trace)
     recs = U.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))
     for r in recs:
-        assert r.decision == "reject" and r.all_finite is False
+        assert r.decision == "reject" and r.all_finite is False and r.next_step.startswith("non-finite from update 1")
         assert r.metrics["trace"][1]["loss"] is None and r.metrics["summary"]["first_nonfinite"] == 1
         results.load_record(results.save_record(r, tmp_path))
 
@@ -171,8 +183,9 @@ def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
     assert U.trace(model, init, batches[:2], "high_lr_clip", CFG, "cpu") == clean
 
 
-def test_oom_in_one_candidate_is_its_failure(monkeypatch):
-    real = U.measure_candidate
+@pytest.mark.parametrize("interleave", [True, False])
+def test_oom_in_one_candidate_is_its_failure(monkeypatch, interleave):
+    real = U.prepare_candidate
 
     def flaky(model, init, batches, name, cfg, device):
         if name == "high_lr":
@@ -180,17 +193,22 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, init, batches, name, cfg, device)
 
-    monkeypatch.setattr(U, "config_for", lambda arch, device: CFG)
-    monkeypatch.setattr(U, "measure_candidate", flaky)
+    real_measure = U.measure_candidates
+    monkeypatch.setattr(U, "config_for", lambda arch, device, smoke=False: CFG)
+    monkeypatch.setattr(U, "prepare_candidate", flaky)
+    monkeypatch.setattr(U, "measure_candidates", lambda *a, **kw: real_measure(*a, **kw, interleave=interleave))
     recs = {r.candidate: r for r in U.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))}
     bad = recs["high_lr"]
-    assert bad.failure.startswith("out of memory") and bad.decision == "reject" and bad.peak_allocated is None
-    assert len(bad.metrics["trace"]) == CFG.updates  # the trace ran; only the measurement failed
-    assert recs["high_lr_clip"].failure is None and recs["high_lr_clip"].peak_allocated > 0
+    assert bad.failure.startswith("out of memory") and bad.decision is None and bad.peak_allocated is None
+    assert bad.next_step.startswith("failed: out of memory")
+    assert len(bad.metrics["trace"]) == CFG.updates == bad.updates  # the trace ran; only the measurement failed
+    ok = recs["high_lr_clip"]
+    assert ok.failure is None and ok.peak_allocated > 0 and ok.metrics["time_ratio"] is None  # no baseline time
+    assert ok.metrics["interleaved"] is interleave and len(ok.metrics["step_samples_s"]) == CFG.timed
 
 
 def test_config_follows_the_device():
-    assert U.config_for("qwen05", "cuda").steps == 8 and U.config_for("qwen05", torch.device("cuda", 0)).steps == 8
+    assert U.config_for("qwen05", "cuda").timed == 20 and U.config_for("qwen05", torch.device("cuda", 0)).timed == 20
     assert U.config_for("tiny", "cpu").base_lr == 1e-3 and U.config_for("qwen05", "cpu").base_lr == 1e-4
 
 

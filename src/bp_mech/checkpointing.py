@@ -15,10 +15,11 @@ pays one extra forward of every checkpointed block.
   sublayer with module pre-hooks (they fire on the recompute too); ``strategy_harness.SavedBytesCounter``
   counts what autograd saves with a counting-only ``saved_tensors_hooks`` pass.
 
-A step here is ``zero_grad`` + forward + backward, with no optimizer update: every candidate sees
-the same weights, so the loss and every gradient can be compared with the plain run exactly.
-The step, probe, comparison, decision rule and records live in ``bp_mech.strategy_harness``,
-shared with Part 02 · 42.
+A measured step is a full training step (``zero_grad`` + forward + backward + AdamW update, its
+moments allocated beforehand), timed interleaved with the other candidates; the equality probe
+runs the same step without the update, so every candidate starts from the same weights and the
+loss and every gradient can be compared with the plain run exactly. The step, probe, comparison,
+decision rule and records live in ``bp_mech.strategy_harness``, shared with Part 02 · 42.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bp_mech import strategy_harness as sh
-from bp_mech.measure import guarded
 from bp_mech.workload import PLAN_BASIS, build_model, make_batches
 
 CODE_MODULES = ("bp_mech.strategy_harness",)  # its step, probe, decision and records: hashed with this one
@@ -156,9 +156,11 @@ TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "
 
 
 def plan(ctx) -> dict:
-    return dict(step="zero_grad + forward + backward (no optimizer update)",
-                probe="1 untimed step on batch 0 after the timed ones: loss, gradients, forward calls, saved bytes",
-                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values()),
+    return dict(step="zero_grad + forward + backward + AdamW update (moments allocated by one update first)",
+                timing="candidates interleaved, one full step of each per round (1 intra-op thread on the CPU)",
+                probe="1 untimed step without the update per candidate, all from the same weights: loss, "
+                      "gradients, forward calls, saved bytes; then 1 full step per candidate for the peak",
+                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke),
                 estimate_basis=f"{PLAN_BASIS}; x TIME_FACTOR {TIME_FACTOR}; + gradients / PROBE_BYTES_S per candidate",
                 rule=dict(MIN_PEAK_CUT=sh.MIN_PEAK_CUT, MAX_TIME_RATIO=sh.MAX_TIME_RATIO,
                           MIN_USEFUL_CUT=sh.MIN_USEFUL_CUT))
@@ -167,9 +169,8 @@ def plan(ctx) -> dict:
 def run(ctx) -> list:
     model = build_model(ctx.workload, ctx.device)
     batches = make_batches(ctx.workload, 4, device=ctx.device)
-    results = {}
-    for name in ctx.progress(CANDIDATES, desc="candidates"):
-        results[name] = guarded(sh.measure_candidate, model, batches, ctx.device, lambda: configure(model, name))
+    candidates = {name: sh.Candidate(setup=lambda name=name: configure(model, name)) for name in CANDIDATES}
+    results = sh.measure_candidates(model, batches, ctx.device, candidates, progress=ctx.progress, smoke=ctx.smoke)
     return sh.make_records(ctx, results, "plain")
 
 

@@ -1,7 +1,9 @@
 """``bp-mech``: run experiments, check exercises, validate records, preflight a profile.
 
 Bad input (unknown ID, profile or mode, a shape the model cannot take, ``real_gpu`` without
-CUDA, a corrupt record) prints one line on stderr and exits with status 2.
+CUDA, a corrupt record, a pretrained model missing from the offline cache) prints one line on
+stderr and exits with status 2. In a suite, a failing experiment prints its full traceback and
+the next one runs; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from bp_mech import registry, results
 from bp_mech.environment import ProfileError, check_profile, cuda_available, preflight
-from bp_mech.workload import WorkloadError
+from bp_mech.measure import SMOKE_SCHEDULE, free
+from bp_mech.workload import WorkloadError, model_commit, parse_workload
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (src layout)
 DEFAULT_RESULTS = ROOT / "book" / "results"
@@ -58,20 +63,41 @@ def _progress(it, **kw):
 
 
 def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None,
-            source: dict | None = None) -> int:
+            source: dict | None = None, smoke: bool = False) -> int:
+    """Run (or, in ``dry_run``, plan) one experiment. With ``out``, every record is saved the moment
+    ``ctx.record`` makes it (validated, atomically), so a later failure loses nothing already made."""
     if mode == "real_gpu" and not cuda_available():
         raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
-    ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source)
+    handled: list[results.Record] = []  # saved, or refused as invalid (kept alive, so ``is`` identifies them)
+    invalid: list[results.RecordError] = []
+
+    def save_now(rec: results.Record) -> None:
+        handled.append(rec)
+        try:
+            path = results.save_record(rec, out)
+        except results.RecordError as e:  # the run goes on; reported (exit 2) when it ends
+            print(f"bp-mech: not saved: {e}", file=sys.stderr)
+            invalid.append(e)
+            return
+        print(f"saved {path}", file=sys.stderr)
+
+    ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source,
+                                on_record=save_now if out is not None and mode != "dry_run" else None, smoke=smoke)
     if mode == "dry_run":
         print(json.dumps(registry.plan(ctx), indent=1, default=str, ensure_ascii=False))
         return 0
+    if ctx.workload.source == "pretrained":
+        model_commit(ctx.workload)  # resolve the snapshot now: a missing cache is one line, exit 2
     print(f"== {ctx.experiment.semantic_id} ({ctx.experiment.page}) on {ctx.workload.workload_id}, "
           f"mode {mode}", file=sys.stderr)
     recs = registry.run(ctx)
     print_table(recs)
     if out is not None:
-        for r in recs:
-            print(f"saved {results.save_record(r, out)}", file=sys.stderr)
+        for r in recs:  # records not made through ctx.record (or replaced since); none is saved twice
+            if not any(r is h for h in handled):
+                save_now(r)
+    if invalid:
+        raise invalid[0]
     return 0
 
 
@@ -81,26 +107,94 @@ def _source(a) -> dict | None:
     return dict(source=a.model_source, model_id=a.model_id, revision=a.revision, local_files_only=a.local_files_only)
 
 
+SUITE_ESTIMATE_MODE = {"gpu": "real_gpu", "cpu": "cpu"}  # whose ``modes.<m>.estimated_seconds`` a suite sums
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def plan_suite(suite: str, exps: list, workload: str | None, run_label: str | None, source: dict | None,
+               smoke: bool = False) -> int:
+    """Every experiment's plan and the suite's total planning estimate, as ONE JSON document
+    ``{"plans": [...], "summary": {...}}`` on stdout and a summary line on stderr. An experiment
+    whose plan cannot be made at ``workload`` gets one line and the rest go on (exit 1)."""
+    key, label = SUITE_ESTIMATE_MODE[suite], run_label or f"{suite}-default"
+    plans, seconds, no_estimate, unplanned = [], {}, [], []
+    for e in exps:
+        w = workload or (e.gpu_workload if suite == "gpu" else e.cpu_workload)
+        try:
+            p = registry.plan(registry.make_context(e.semantic_id, "dry_run", w, label, source=source, smoke=smoke))
+        except Exception as exc:  # noqa: BLE001 (one line per experiment, then the next)
+            print(f"bp-mech: {e.semantic_id}: no plan at {w}: {_one_line(exc)}", file=sys.stderr)
+            unplanned.append(dict(semantic_id=e.semantic_id, workload=w, error=_one_line(exc)))
+            continue
+        plans.append(p)
+        est = ((p.get("modes") or {}).get(key) or {}).get("estimated_seconds")
+        if isinstance(est, (int, float)):
+            seconds[e.semantic_id] = est
+        else:
+            no_estimate.append(e.semantic_id)
+    total = round(sum(seconds.values()), 1)
+    summary = dict(suite=suite, estimate_mode=key, workload=workload or "each experiment's default", smoke=smoke,
+                   estimated_seconds=seconds, total_estimated_seconds=total, no_estimate=no_estimate,
+                   unplanned=unplanned)
+    print(json.dumps(dict(plans=plans, summary=summary), indent=1, default=str, ensure_ascii=False))
+    line = (f"bp-mech: suite {suite} at {summary['workload']}: {len(plans)} plan(s), estimated {total:.0f} s "
+            f"({total / 60:.1f} min) in mode {key}")
+    if no_estimate:
+        line += f"; no estimate: {', '.join(no_estimate)}"
+    if unplanned:
+        line += f"; no plan: {', '.join(u['semantic_id'] for u in unplanned)}"
+    print(line, file=sys.stderr)
+    return 1 if unplanned else 0
+
+
 def cmd_run(a) -> int:
     if a.suite:
-        if a.suite not in ("gpu", "cpu"):
-            raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
-        mode = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu")
-        exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
-        failed = []
-        for e in exps:
-            try:
-                w = e.gpu_workload if a.suite == "gpu" else None  # dry runs of the GPU suite plan qwen05
-                run_one(e.semantic_id, mode, w, a.out, a.run_label, _source(a))
-            except (UsageError, registry.RegistryError, WorkloadError):
-                raise
-            except Exception as exc:  # one experiment failing must not stop the suite
-                print(f"bp-mech: {e.semantic_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                failed.append(e.semantic_id)
-        return 1 if failed else 0
+        return run_suite(a)
     if not a.id:
         raise UsageError("run needs an experiment ID or --suite gpu")
-    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a))
+    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a), a.smoke)
+
+
+def run_suite(a) -> int:
+    """Every experiment of the suite in registry order, at ``--workload`` if given (else each one's
+    default). A failing experiment prints its full traceback and the next one runs; exit 1 names
+    the failed ones."""
+    if a.suite not in SUITE_ESTIMATE_MODE:
+        raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
+    if a.id:
+        raise UsageError("give either an experiment ID or --suite, not both")
+    mode, source = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu"), _source(a)
+    exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
+    if a.workload:
+        parse_workload(a.workload, **(source or {}))  # bad text or shape: one line, exit 2, nothing run
+    if mode == "dry_run":
+        return plan_suite(a.suite, exps, a.workload, a.run_label, source, a.smoke)
+    if mode == "real_gpu" and not cuda_available():
+        raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
+    if exps and source and source["source"] == "pretrained":  # resolve once, before anything runs
+        model_commit(parse_workload(a.workload or exps[0].gpu_workload, **source))
+    failed = []
+    for e in exps:
+        w = a.workload or (e.gpu_workload if a.suite == "gpu" else None)
+        t0 = time.perf_counter()
+        try:
+            run_one(e.semantic_id, mode, w, a.out, a.run_label, source, a.smoke)
+        except UsageError:
+            raise
+        except Exception:  # noqa: BLE001 (one experiment failing must not stop the suite)
+            print(f"bp-mech: {e.semantic_id} failed:", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            failed.append(e.semantic_id)
+        free("cuda" if mode == "real_gpu" else "cpu")  # after the except block: the traceback is gone
+        print(f"== {e.semantic_id} {'FAILED' if e.semantic_id in failed else 'done'} in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if failed:
+        print(f"bp-mech: {len(failed)} of {len(exps)} experiment(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_results(a) -> int:
@@ -159,9 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run one experiment (all candidates) or the GPU suite")
     r.add_argument("id", nargs="?", help="experiment ID, e.g. TRAIN-LOCAL-BACKWARD")
     r.add_argument("--suite", help="'gpu': every GPU experiment, numeric paths first; 'cpu': every implemented experiment on the CPU")
-    r.add_argument("--workload", help="e.g. tiny-b2s64, qwen05-b2s512")
+    r.add_argument("--workload", help="e.g. tiny-b2s64, qwen05-b2s512 (with --suite: every experiment at it)")
+    r.add_argument("--smoke", action="store_true",
+                   help=f"every code path once with few steps (SMOKE_SCHEDULE {SMOKE_SCHEDULE}): its records check "
+                        "that the run works; they are not evidence (give them their own --run-label)")
     r.add_argument("--mode", choices=registry.MODES)
-    r.add_argument("--out", type=Path, help="directory to save the records in")
+    r.add_argument("--out", type=Path, help="directory to save the records in (each one as soon as it is made)")
     r.add_argument("--run-label", help="run label (a shrunken matrix needs its own)")
     r.add_argument("--model-source", choices=("config", "pretrained"), default="config",
                    help="random init from the config (default) or downloaded weights")

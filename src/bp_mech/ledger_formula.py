@@ -12,6 +12,7 @@ table; ``bp_mech.ledger`` runs the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,13 +26,38 @@ CLASS_LABELS = dict(parameters="parameters", gradients="gradients", optimizer_st
                     saved_activations="saved activations", logits_loss="logits & loss", other="other temporaries")
 
 
+ADAMW_FLAVOURS = ("fused", "foreach")  # AdamW implementations the ledger knows (torch.optim.AdamW flags)
+
+
 @dataclass(frozen=True)
 class LedgerConfig:
     strategy: str = "plain"  # one of STRATEGIES
     micro_batches: int = 2  # accumulation: micro-batches per update (must divide the batch)
     amp_dtype: str = "float16"  # autocast dtype of the amp strategy
-    foreach: bool | None = None  # AdamW foreach; None = torch's default (True on CUDA, False on CPU)
+    adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
+    offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
     lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown ledger strategy {self.strategy!r}; known: {', '.join(STRATEGIES)}")
+        if self.adamw not in (None, *ADAMW_FLAVOURS):
+            raise ValueError(f"unknown AdamW flavour {self.adamw!r}; known: {', '.join(ADAMW_FLAVOURS)}")
+
+    @property
+    def checkpoint(self) -> str:
+        """The Part 02 · 19 candidate (``checkpointing.configure``) the model runs under."""
+        return "checkpoint-all" if self.strategy == "checkpoint" else "plain"
+
+    def for_device(self, device) -> "LedgerConfig":
+        """This config with its defaults resolved for ``device``: the AdamW flavour of
+        ``workload.make_adamw`` and Part 02 · 42's offload threshold ``offload.min_bytes``."""
+        from bp_mech.offload import min_bytes
+
+        cuda = torch.device(device).type == "cuda"
+        return dataclasses.replace(
+            self, adamw=self.adamw or ("fused" if cuda else "foreach"),
+            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes)
 
 
 @dataclass
@@ -41,7 +67,7 @@ class Ledger:
     source: str  # formula | fake-tensor | tracked-cpu | cuda-allocator
     strategy: str
     stages: dict[str, dict[str, int]]  # stage -> class -> bytes
-    host: dict[str, int] = field(default_factory=dict)  # stage -> bytes held in host memory
+    host: dict[str, int] = field(default_factory=dict)  # stage -> host bytes in use (the offload pool's)
     forward_peak: int = 0  # peak inside the forward (not a ledger stage, counts for the peak)
     allocator: dict[str, int] = field(default_factory=dict)  # CUDA only: stage -> allocator bytes
     rounded: dict[str, int] = field(default_factory=dict)  # stage -> bytes in 512-byte allocator blocks
@@ -120,6 +146,24 @@ def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
     return 4 * n * (8 * C + 2 * Ckv + 4 * I + 2) + lse
 
 
+def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
+    """``block_saved_bytes`` (float32) storage by storage, in bytes: what an offload that moves whole
+    storages and keeps the small ones (Part 02 · 42) sees. n = B*T tokens:
+    two RMSNorms (x, x/rms, normed output: 4nC each; 1/rms: 4n), attention (RoPE'd q 4nC and k 4nC_kv,
+    v 4nC_kv, SDPA output 4nC, log-sum-exp 4BHT), SwiGLU (gate, SiLU, up, product: 4nI each)."""
+    d, n = _dims(cfg), batch * seq
+    C, Ckv, I = d["C"], d["Ckv"], d["I"]
+    return [4 * n * C] * 6 + [4 * n] * 2 + [4 * n * C, 4 * n * Ckv, 4 * n * Ckv, 4 * n * C,
+                                           4 * batch * d["H"] * seq] + [4 * n * I] * 4
+
+
+def _outer_saved_storages(d, batch: int, seq: int) -> list[int]:
+    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm (x, x/rms,
+    normed output, 1/rms)."""
+    n = batch * seq
+    return [4 * seq * d["hd"]] * 2 + [4 * n * d["C"]] * 3 + [4 * n]
+
+
 def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
     """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al. 2022, eq. 2):
     16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the materialised s x s scores."""
@@ -133,7 +177,8 @@ def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -
 
 
 def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), device="cpu") -> Ledger:
-    """The formula ledger of one steady-state step (derivation in the chapter).
+    """The formula ledger of one steady-state step (derivation in the chapter), ``cfg`` resolved for
+    ``device`` (``LedgerConfig.for_device``: AdamW flavour, offload threshold).
 
     n = B T / k tokens per micro-batch, W = ``param_bytes``, M = 2W (+ 4-byte steps), E = 4 V C:
       after load       W (+ the RoPE buffers)
@@ -142,10 +187,11 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
                        MLP backward (gradients so far + its live tensors); with tied embeddings the
                        end (all gradients + lm_head's, held by the engine, + the embedding's)
       after backward   W + M + W (gradients)
-      optimizer step   + W (foreach: one temporary per tensor, CUDA's default) or 2 x the largest
-                       tensor (single-tensor loop, the CPU's)
+      optimizer step   + W with the foreach AdamW (one temporary per tensor, all at once); + 0 fused
       after zero_grad  W + M
-    saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); 0 (offload).
+    saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); with
+    offload only the saved storages under ``cfg.offload_min_bytes`` (``layer_saved_storages``), which
+    Part 02 · 42's ``ActivationOffload`` leaves on the device (parameters it keeps cost nothing extra).
     """
     d = _dims(arch)
     C, Ckv, I, V, L, hd = d["C"], d["Ckv"], d["I"], d["V"], d["L"], d["hd"]
@@ -157,21 +203,26 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
     params = W + 4 * hd  # + RoPE inv_freq buffers
     wl = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * I) if amp else 0  # autocast's half weight copies, per layer
     wcopy = L * wl + (2 * V * C if amp else 0)  # + lm_head's; each is freed by its layer's backward
+    cfg = cfg.for_device(device)
+    fused = cfg.adamw == "fused"
     on_cpu = torch.device(device).type == "cpu"
-    M = 2 * W + (4 * n_tensors if on_cpu else 0)  # two moments (+ a 4-byte step per tensor, a host scalar on CUDA)
+    # two moments + a 4-byte step per tensor, on the device (CPU, or fused), a host scalar (foreach on CUDA)
+    M = 2 * W + (4 * n_tensors if on_cpu or fused else 0)
     batch_b = 16 * batch * seq  # input_ids + labels, int64
     E = 4 * V * C  # embedding / lm_head weight (tied)
     A = block_saved_bytes(arch, b, seq, amp)
     R = 8 * seq * hd  # RoPE cos + sin, fp32, shared by the layers
     F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
     Pl = 4 * _layer_params(d)
-    saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F, "offload": 0}.get(s, L * A + R + F)
-    logits_fwd = 4 * n * V + 8 * n + 8 + (2 * n * C if amp else 0)  # log-softmax out, targets, scalars
-    logits_fwd = 4 if s == "offload" else logits_fwd  # offload: all of it saved, so on the host
+    stay = lambda sizes: sum(x for x in sizes if x < cfg.offload_min_bytes)  # noqa: E731 (offload keeps them)
+    saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F,
+             "offload": L * stay(layer_saved_storages(arch, b, seq)) + stay(_outer_saved_storages(d, b, seq))
+             }.get(s, L * A + R + F)
+    logits_saved = [4 * n * V, 8 * n, 4]  # log-softmax output, targets (int64), a scalar
+    logits_fwd = (stay(logits_saved) if s == "offload" else sum(logits_saved)) + 4 + (2 * n * C if amp else 0)
     g_prev = W if k > 1 else 0  # accumulation: the last micro-batch starts with gradients
     losses = 4 * k
-    foreach = cfg.foreach if cfg.foreach is not None else not on_cpu
-    opt_tmp = W if foreach else 2 * 4 * max(V * C, C * I)  # foreach: one sqrt per tensor at once
+    opt_tmp = 0 if fused else W  # foreach: one temporary per tensor at once; fused: in place
 
     def row(**kw):
         return {c: kw.get(c, 0) for c in CLASSES}
@@ -193,8 +244,12 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
         g = dict(base, gradients=grads, parameters=params + (l + 1) * wl - (4 * C * I if amp else 0))
         if s == "checkpoint":
             sv, tmp = (l + 1) * 4 * n * C + 8 * seq + R + A - 4 * n * C - 4 * n * I, 4 * n * C + 12 * n * I
-        elif s == "offload":
-            sv, tmp = 0, 4 * n * C + 20 * n * I  # + the unpacked a and u
+        elif s == "offload":  # the small storages of layers 0..l stay; a and u come back (unpacked)
+            sv, tmp = (l + 1) * stay(layer_saved_storages(arch, b, seq)), 4 * n * C + 20 * n * I
+            # RoPE cos/sin: saved by every layer, so back on the device from the top layer's attention
+            # backward to layer 0's (the copy lives while a saved view of it waits)
+            rope = [x for x in _outer_saved_storages(d, b, seq)[:2] if x >= cfg.offload_min_bytes]
+            sv, tmp = sv + stay(_outer_saved_storages(d, b, seq)[:2]), tmp + (sum(rope) if l < L - 1 else 0)
         else:  # (amp: half-precision MLP gradients, approximate; the log-softmax moment dominates)
             sv, tmp = (l + 1) * A + R - half * n * I, 4 * n * C + 3 * half * n * I
         events[f"layer {l}'s MLP backward"] = row(**g, saved_activations=sv, other=batch_b + tmp, logits_loss=losses)

@@ -35,6 +35,8 @@ class Timing:
     p95_s: float  # 95th percentile (nearest rank) of the measured steps
     warmup_excluded: int  # leading steps dropped
     samples: list[float] = field(default_factory=list)  # the measured steps, seconds
+    threads: int | None = None  # CPU intra-op threads inside the timed region (None: CUDA)
+    interleaved: bool = False  # timed round-robin with the other candidates of its experiment
 
 
 def percentile(xs: Iterable[float], q: float) -> float:
@@ -68,6 +70,88 @@ def time_steps(step: Callable[[int], object], steps: int, warmup: int = 1, devic
         _sync(device)
         samples.append(time.perf_counter() - t0)
     return summarize(samples, warmup)
+
+
+# --- the CPU timing protocol -----------------------------------------------------------
+# These machines are shared: another process may take a core at any moment. So CPU steps run
+# with ONE intra-op thread (a second thread would compete with the neighbour and turn load into
+# time), and the candidates of an experiment are timed INTERLEAVED, one step of each in turn, so
+# that a burst of load hits every candidate alike instead of the one whose block it fell in.
+
+CPU_TIMING_THREADS = 1  # intra-op threads inside timed CPU regions
+SMOKE_SCHEDULE = (3, 1)  # (timed, warm-up) steps of a smoke run (``--smoke``): the code paths, not the numbers
+
+
+@contextlib.contextmanager
+def timing_threads(device, threads: int | None = CPU_TIMING_THREADS):
+    """Set torch's intra-op threads to ``threads`` on the CPU inside the block, restore them after.
+    Yields the thread count in force (None on CUDA, where the host threads do not do the math)."""
+    if torch.device(device).type != "cpu" or threads is None:
+        yield None if torch.device(device).type != "cpu" else torch.get_num_threads()
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def time_interleaved(steps: dict[str, Callable[[int], object]], rounds: int, warmup: int, device="cpu",
+                     threads: int | None = CPU_TIMING_THREADS, around: dict[str, Callable] | None = None,
+                     progress=None) -> dict[str, Timing]:
+    """Time several candidates' steps round-robin: ``warmup`` untimed rounds, then ``rounds`` rounds
+    in which every candidate runs (and is timed) once; the order rotates each round so no candidate
+    always follows the same one. ``steps[name](i)`` is called with the round index ``i``, inside
+    ``around[name]()`` (a context manager: a candidate's configuration), which is entered before
+    and left after the timed region.
+
+    Returns one Timing per candidate over its ``rounds`` timed steps (``warmup_excluded`` =
+    ``warmup``, ``threads``, ``interleaved=True``).
+    """
+    names = list(steps)
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1 and warmup >= 0, got rounds={rounds} warmup={warmup}")
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    it = range(warmup + rounds)
+    with timing_threads(device, threads) as n_threads:
+        for r in (progress(it, desc="interleaved rounds") if progress else it):
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]
+                with (around or {}).get(name, contextlib.nullcontext)():
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    steps[name](r)
+                    _sync(device)
+                    elapsed = time.perf_counter() - t0
+                if r >= warmup:
+                    samples[name].append(elapsed)
+    out = {}
+    for n in names:
+        t = summarize(samples[n], 0)
+        out[n] = Timing(t.median_s, t.p95_s, warmup, t.samples, threads=n_threads, interleaved=True)
+    return out
+
+
+# A time ratio decides nothing when it is noise. It is *noisy* when
+#  * the candidate does strictly more work than the baseline (counted recomputes, transfers, extra
+#    micro-batches) and still measured faster: a contradiction only load can produce; or
+#  * its median ratio and its P95 ratio disagree by more than MAX_RATIO_SPREAD x: the tail of one
+#    sample was hit by something the other was not.
+MAX_RATIO_SPREAD = 1.5
+
+
+def timing_noise(t: Timing, base: Timing, more_work: bool) -> str | None:
+    """Why the ratio ``t / base`` is noise, or None when it can be used for a decision."""
+    median_ratio, p95_ratio = t.median_s / base.median_s, t.p95_s / base.p95_s
+    why = []
+    if more_work and median_ratio < 1.0:
+        why.append(f"does strictly more work than the baseline yet measured {median_ratio:.2f}x its median")
+    spread = max(median_ratio, p95_ratio) / min(median_ratio, p95_ratio)
+    if spread > MAX_RATIO_SPREAD:
+        why.append(f"median ratio {median_ratio:.2f} and P95 ratio {p95_ratio:.2f} differ by {spread:.2f}x "
+                   f"> {MAX_RATIO_SPREAD}")
+    return "; ".join(why) or None
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
@@ -126,13 +210,22 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
 @contextlib.contextmanager
 def host_side():
     """Allocations inside are not tracked: host-side copies of an offload on the CPU, which
-    the CUDA allocator would not count either."""
+    the CUDA allocator would not count either. A mode with its own host column (a ``host_depth``
+    counter: the ledger's tracker) stays on and is told instead, so that it books them as host
+    bytes; it must, under ``FakeTensorMode``, which disabling would disable too."""
     stack = _get_current_dispatch_mode_stack()
-    if stack and all(isinstance(m, _StorageTracker) for m in stack):
+    told = [m for m in stack if hasattr(m, "host_depth")]
+    if not told and stack and all(isinstance(m, _StorageTracker) for m in stack):
         with _disable_current_modes():
             yield
-    else:
+        return
+    for m in told:
+        m.host_depth += 1
+    try:
         yield
+    finally:
+        for m in told:
+            m.host_depth -= 1
 
 
 class PeakMemory:
@@ -235,16 +328,52 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def guarded(fn: Callable, *args, **kwargs):
-    """Run ``fn``; return ``(result, None)``, or ``(None, failure)`` on a CUDA out-of-memory.
+# Allocation failures that do not arrive as torch.OutOfMemoryError. The caching allocator raises
+# OutOfMemoryError, but other allocators report through a plain RuntimeError (torch.AcceleratorError
+# on CUDA) whose message names the failed call: a pinned host buffer (cudaHostAlloc in the
+# CachingHostAllocator), cuBLAS/cuDNN workspaces, a CUDA call that returned cudaErrorMemoryAllocation,
+# the CPU allocator. Matched case-insensitively; "illegal memory access" and the like do not match.
+ALLOCATION_FAILURE_MARKERS = (
+    "out of memory",  # "CUDA error: out of memory", "CUDA driver error: out of memory"
+    "cudaerrormemoryallocation",  # the CUDA runtime's error name
+    "cublas_status_alloc_failed",  # cuBLAS could not allocate its workspace
+    "cudnn_status_alloc_failed",  # cuDNN could not allocate
+    "cudnn_status_not_enough_workspace",  # cuDNN's workspace did not fit
+    "cudahostalloc", "cudamallochost", "cumemhostalloc",  # a pinned host buffer could not be allocated
+    "can't allocate memory",  # DefaultCPUAllocator (host RAM), e.g. an offload's host copies
+)
 
-    One candidate running out of memory is that candidate's failure; the run goes on. The
-    memory is released after the except block, once the traceback (and every tensor its
-    frames hold) is gone; inside it, ``empty_cache`` could return nothing.
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """True when ``exc`` says memory could not be allocated (device or host), whatever its class:
+    ``torch.OutOfMemoryError``, Python's ``MemoryError``, or a ``RuntimeError`` whose message holds
+    one of ``ALLOCATION_FAILURE_MARKERS``. Any other exception is a bug and must propagate."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(m in text for m in ALLOCATION_FAILURE_MARKERS)
+
+
+def guarded(fn: Callable, *args, **kwargs):
+    """Run ``fn``; return ``(result, None)``, or ``(None, failure)`` when an allocation failed.
+
+    One candidate running out of memory is that candidate's failure; the run goes on. That
+    covers ``torch.OutOfMemoryError`` and the allocation failures that come as other errors
+    (``is_allocation_failure``: pinned host memory, cuBLAS/cuDNN workspaces, host RAM); the
+    failure says which (``out of memory: ...`` or ``allocation failed (Class): ...``). Every
+    other exception propagates. The memory is released after the except block, once the
+    traceback (and every tensor its frames hold) is gone; inside it, ``empty_cache`` could
+    return nothing.
     """
     try:
         return fn(*args, **kwargs), None
-    except torch.OutOfMemoryError as e:
-        failure = f"out of memory: {str(e).splitlines()[0][:200]}"
+    except Exception as e:  # noqa: BLE001 (re-raised unless it is an allocation failure)
+        if not is_allocation_failure(e):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        failure = (f"out of memory: {first}" if isinstance(e, torch.OutOfMemoryError)
+                   else f"allocation failed ({type(e).__name__}): {first}")
     free("cuda" if torch.cuda.is_available() else "cpu")
     return None, failure

@@ -37,7 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from bp_mech import checkpointing as ck
 from bp_mech import strategy_harness as sh
-from bp_mech.measure import guarded, host_side
+from bp_mech.measure import host_side
 from bp_mech.workload import build_model, make_batches
 
 CODE_MODULES = ("bp_mech.checkpointing", "bp_mech.strategy_harness")  # configure; step, probe, rule: hashed too
@@ -274,9 +274,9 @@ def min_bytes(device) -> int:
 
 
 def plan(ctx) -> dict:
-    return dict(step="zero_grad + forward (under the candidate's hooks) + backward (no optimizer update)",
+    return dict(step="zero_grad + forward (under the candidate's hooks) + backward + AdamW update, interleaved",
                 counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
-                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), min_bytes=min_bytes,
+                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke, min_bytes=min_bytes,
                                     bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
                 estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
                 rule=dict(MIN_PEAK_CUT=sh.MIN_PEAK_CUT, MAX_TIME_RATIO=sh.MAX_TIME_RATIO,
@@ -307,6 +307,10 @@ def hook_stats(h) -> dict:
                    host_peak_bytes=h.pool.high_water, pool_allocations=h.pool.allocations)
     else:
         out.update(host_peak_bytes=h.d2h_bytes)  # save_on_cpu holds every copy until backward
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        # the CUDA caching host allocator's own view of pinned memory, beside the pool's counters
+        out["cuda_host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
+                                         if isinstance(v, (int, float))}
     return out
 
 
@@ -327,14 +331,15 @@ def run(ctx, bandwidth: dict | None = None) -> list:
     counts = {c: count_saved(model, batches[0], c) for c in ("plain", "checkpoint-all")}
     bw = bandwidth or (measure_bandwidth(dev) if torch.device(dev).type == "cuda" else None)
     cfg = OffloadConfig(min_bytes=min_bytes(dev))
-    results, checkpointed = {}, lambda: ck.configure(model, "checkpoint-all")
-    for name in ctx.progress(CANDIDATES, desc="candidates"):
-        hooks = make_hooks(name, model, cfg, dev)
-        setup = checkpointed if name == "offload-checkpoint" else contextlib.nullcontext
-        r, _ = results[name] = guarded(sh.measure_candidate, model, batches, dev, setup, hooks)
-        if hooks is not None and r is not None:  # the counters of the last step (the probe)
-            r["hooks"] = hook_stats(hooks)
-        del hooks, r  # frees the host pool before the next candidate
+    hooks = {name: make_hooks(name, model, cfg, dev) for name in CANDIDATES}
+    checkpointed = lambda: ck.configure(model, "checkpoint-all")  # noqa: E731
+    candidates = {name: sh.Candidate(setup=checkpointed if name == "offload-checkpoint" else contextlib.nullcontext,
+                                     saving=hooks[name]) for name in CANDIDATES}
+    results = sh.measure_candidates(model, batches, dev, candidates, progress=ctx.progress, smoke=ctx.smoke)
+    for name, (r, _) in results.items():
+        if hooks[name] is not None and r is not None:  # the counters of their last step (the probe)
+            r["hooks"] = hook_stats(hooks[name])
+    del hooks, candidates  # frees the host pools
     base = results["resident"][0]
 
     def extra(name, r):
@@ -351,7 +356,7 @@ def run(ctx, bandwidth: dict | None = None) -> list:
         m.update(h, expected_d2h_bytes=expected, d2h_matches_count=t["d2h"] == expected,
                  saved_outside_checkpoint_bytes=counts["checkpoint-all"].bytes, min_bytes=cfg.min_bytes)
         if bw is not None and base is not None:
-            m.update(link_metrics(t["d2h"], t["h2d"], bw, r["stats"].timing.median_s, base["stats"].timing.median_s))
+            m.update(link_metrics(t["d2h"], t["h2d"], bw, r["timing"].median_s, base["timing"].median_s))
         return {"transfer_bytes": t}, m
 
     return sh.make_records(ctx, results, "resident", extra)

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Callable
 
 from bp_mech import results
-from bp_mech.environment import environment_fields
+from bp_mech.environment import attention_shape, environment_fields, numerics
 from bp_mech.workload import Workload, parse_workload, workload_fields
 
 MODES = ("cpu", "real_gpu", "dry_run")
@@ -125,6 +125,20 @@ def gpu_suite() -> list[Experiment]:
     return [e for e in EXPERIMENTS.values() if e.gpu and e.implemented]
 
 
+def _notifies(make: Callable) -> Callable:
+    """Wrap ``RunContext.record``: hand each record it makes to ``ctx.on_record`` (when set)."""
+    import functools
+
+    @functools.wraps(make)
+    def record(self, candidate: str, **fields) -> results.Record:
+        rec = make(self, candidate, **fields)
+        if self.on_record is not None:
+            self.on_record(rec)
+        return rec
+
+    return record
+
+
 @dataclass
 class RunContext:
     """Everything an experiment's ``run`` needs, and the factory of its records."""
@@ -135,6 +149,8 @@ class RunContext:
     profile: str  # TRAIN-CPU | TRAIN-CUDA-MECHANISM
     run_label: str  # e.g. "cpu-default"
     progress: Callable = field(default=lambda it, **kw: it)  # tqdm-like wrapper for long loops
+    on_record: Callable | None = None  # called with every record ``record`` makes (the CLI saves it at once)
+    smoke: bool = False  # a smoke run: every code path once, SMOKE_SCHEDULE steps; its records are not evidence
     _base: dict | None = None
 
     @property
@@ -149,6 +165,7 @@ class RunContext:
     def memory_source(self) -> str:
         return "cuda-allocator" if self.mode == "real_gpu" else "tracked-cpu"
 
+    @_notifies
     def record(self, candidate: str, **fields) -> results.Record:
         """A record with identity, workload, environment and provenance filled in."""
         if self._base is None:
@@ -157,6 +174,8 @@ class RunContext:
                 **environment_fields(self.profile, self.device),
                 **results.provenance(self.experiment.module),
             )
+            # the settings that decide the numbers, with the SDPA kernel of this workload's attention shape
+            self._base["numerics"] = numerics(self.device, attention_shape(self.workload))
         base = dict(self._base, evidence_level=self.evidence_level)
         base.update(fields)
         return results.Record(semantic_id=self.experiment.semantic_id, run_label=self.run_label,
@@ -165,7 +184,7 @@ class RunContext:
 
 def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload | None = None,
                  run_label: str | None = None, progress: Callable | None = None,
-                 source: dict | None = None) -> RunContext:
+                 source: dict | None = None, on_record: Callable | None = None, smoke: bool = False) -> RunContext:
     exp = get(semantic_id)
     if mode not in MODES:
         raise RegistryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -174,7 +193,7 @@ def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload |
     w = parse_workload(workload, **(source or {})) if isinstance(workload, str) else workload
     profile = "TRAIN-CUDA-MECHANISM" if mode == "real_gpu" else "TRAIN-CPU"
     label = run_label or f"{'gpu' if mode == 'real_gpu' else 'cpu'}-default"
-    ctx = RunContext(exp, w, mode, profile, label)
+    ctx = RunContext(exp, w, mode, profile, label, on_record=on_record, smoke=smoke)
     if progress is not None:
         ctx.progress = progress
     return ctx

@@ -259,7 +259,7 @@ def run(ctx, run_cfg: ClockRun = ClockRun()) -> list:
         s = summarize(t, cfg)
         ok = all(v == 0 for v in s["shifts"].values()) and s["lr_error_max"] == 0.0
         recs.append(ctx.record(
-            name, updates=len(t["applied"]), update_count=t["clock"].updates, skipped_updates=t["clock"].skipped,
+            name, updates=sum(t["applied"]), update_count=t["clock"].updates, skipped_updates=t["clock"].skipped,
             all_finite=t["finite"], decision="accept" if ok else "reject",
             next_step=None if ok else "advance the LR clock only when optimizer.step() ran",
             metrics=dict(s, final_lr=t["clock"].lr, schedule=asdict(cfg) | {"total": cfg.total},

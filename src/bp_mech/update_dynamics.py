@@ -15,20 +15,34 @@ networks"). Per update it records
 
 This is local stability over a few updates. It is not a quality evaluation: a candidate
 that stays finite and lowers the training loss here still needs a held-out evaluation.
+
+Step time and peak come from a separate run (``measure_candidates``): on the CPU every candidate
+gets its own model copy and AdamW, alive together; one tracked update each gives its peak, then the
+candidates are timed interleaved on one intra-op thread (``measure.time_interleaved``). On CUDA
+they run one after another on the one model, each with only its own optimizer state. The
+candidates do the same work, except that clipping adds a global norm and a scaling: the clipped
+candidate's time is compared with the unclipped high LR's (strictly more work, so measuring it
+faster is noise), the high LR's with the base LR's. The decision never depends on the time.
+``updates`` counts the optimizer steps of a candidate's runs that completed: the traced updates
+and the measurement's (warm update, tracked update on the CPU, warm-up and timed steps);
+``metrics.updates_by_run`` splits them.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
 import torch
 
-from bp_mech.measure import all_finite, free, guarded, measure_steps
+from bp_mech.measure import (CPU_TIMING_THREADS, SMOKE_SCHEDULE, PeakMemory, StepStats, all_finite, free, guarded,
+                             measure_steps, time_interleaved, timing_noise)
 from bp_mech.results import json_safe
 from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_adamw, make_batches, param_count, plan_seconds
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
+TIME_BASELINE = {"high_lr": "base_lr", "high_lr_clip": "high_lr"}  # the step each one's time is compared with
 EPS = 1e-6  # the eps of clip_grad_norm_'s coefficient
 GROUPS = ("embedding", "attention", "mlp", "norm_bias")  # parameter groups, by role
 
@@ -47,15 +61,17 @@ class DynamicsConfig:
     max_norm: float = 1.0  # global-norm clipping threshold of "high_lr_clip"
     weight_decay: float = 0.1  # on the embedding, attention and MLP matrices; 0 on norms and biases
     updates: int = 20  # updates of the traced run, per candidate
-    steps: int = 12  # timed steps per candidate (separate run, no per-update snapshots)
-    warmup: int = 2  # leading timed steps excluded from median/P95
+    timed: int = 60  # timed steps per candidate (separate run, no snapshots; CPU: interleaved rounds)
+    warmup: int = 3  # untimed steps (rounds) before them; the CPU runs one tracked update (the peak) first
 
 
-def config_for(arch: str, device: str) -> DynamicsConfig:
+def config_for(arch: str, device: str, smoke: bool = False) -> DynamicsConfig:
     """qwen05 gets a base LR typical of pretraining a 0.5B model; the GPU times more steps."""
     base = 1e-4 if arch == "qwen05" else 1e-3
+    if smoke:
+        return DynamicsConfig(base_lr=base, timed=SMOKE_SCHEDULE[0], warmup=SMOKE_SCHEDULE[1], updates=4)
     gpu = torch.device(device).type == "cuda"
-    return DynamicsConfig(base_lr=base, steps=8, warmup=2) if gpu else DynamicsConfig(base_lr=base)
+    return DynamicsConfig(base_lr=base, timed=20, warmup=2) if gpu else DynamicsConfig(base_lr=base)
 
 
 def lr_of(name: str, cfg: DynamicsConfig) -> float:
@@ -144,8 +160,10 @@ def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) ->
     return out
 
 
-def measure_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig, device):
-    """Peak and step time of one plain update (forward, backward, clip if any, AdamW step)."""
+def prepare_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig, device):
+    """Load ``init`` into ``model``, make the candidate's AdamW and run one warm update (which creates
+    the optimizer state). Returns ``(step, resident)``: one plain update (forward, backward, clip if
+    any, AdamW step) and the tensors that exist before it (parameters, AdamW state)."""
     model.load_state_dict(init)
     model.zero_grad(set_to_none=True)
     opt = make_optimizer(model, lr_of(name, cfg), cfg, device)
@@ -158,9 +176,49 @@ def measure_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig
         opt.zero_grad(set_to_none=True)
 
     step(0)  # creates the AdamW state before the measurement
-    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    free(device)  # the reserved peak is this candidate's own
-    return measure_steps(step, cfg.steps, cfg.warmup, device, resident=[model.parameters(), state])
+    return step, [list(model.parameters()), [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]]
+
+
+def measure_candidates(model, init: dict, batches, cfg: DynamicsConfig, device, progress=None,
+                       interleave: bool | None = None) -> dict:
+    """``{name: (StepStats, None) | (None, failure)}`` for every candidate.
+
+    CPU (``interleave``, the default there): every candidate its own copy of ``model`` and AdamW,
+    alive together; one tracked update each gives its peak, then ``time_interleaved``: cfg.warmup
+    untimed and cfg.timed timed rounds, one update of every candidate per round, one intra-op thread.
+    CUDA: one candidate after another on ``model``, with only its own optimizer state:
+    ``measure_steps`` over cfg.warmup + cfg.timed updates, the allocator's peak covering them.
+    """
+    out, started = {}, {}
+    sequential = not (torch.device(device).type == "cpu" if interleave is None else interleave)
+    for name in CANDIDATES:
+        if sequential:
+            def alone(name=name):
+                step, resident = prepare_candidate(model, init, batches, name, cfg, device)
+                free(device)  # the reserved peak is this candidate's own
+                return measure_steps(step, cfg.warmup + cfg.timed, cfg.warmup, device, resident=resident)
+
+            out[name] = guarded(alone)
+            continue
+
+        def start(name=name):  # its own model copy; the peak of one tracked update
+            step, resident = prepare_candidate(copy.deepcopy(model), init, batches, name, cfg, device)
+            with PeakMemory(device, resident=resident) as pm:
+                step(-1)
+            return step, pm
+
+        r, failure = guarded(start)
+        if failure:
+            out[name] = (None, failure)
+        else:
+            started[name] = r
+    if started:
+        timings, failure = guarded(time_interleaved, {n: s for n, (s, _) in started.items()}, cfg.timed,
+                                   cfg.warmup, device, progress=progress)
+        for n, (_, pm) in started.items():
+            out[n] = (None, failure) if failure else (
+                StepStats(timings[n], pm.peak_allocated, pm.peak_reserved, pm.memory_source), None)
+    return {n: out[n] for n in CANDIDATES}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -186,31 +244,41 @@ def decide(s: dict) -> tuple[str, str]:
 
 
 def run(ctx) -> list:
-    cfg = config_for(ctx.workload.arch, ctx.device)
+    cfg = config_for(ctx.workload.arch, ctx.device, ctx.smoke)
     dev = ctx.device
     model = build_model(ctx.workload, dev)
     init = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
     batches = make_batches(ctx.workload, cfg.updates, device=dev)
+    traces = {name: guarded(trace, model, init, batches, name, cfg, dev)
+              for name in ctx.progress(CANDIDATES, desc="candidates")}
+    meas = measure_candidates(model, init, batches, cfg, dev, progress=ctx.progress)
     recs = []
-    for name in ctx.progress(CANDIDATES, desc="candidates"):
-        rows, fail = guarded(trace, model, init, batches, name, cfg, dev)
-        st, fail2 = guarded(measure_candidate, model, init, batches, name, cfg, dev)
+    for name in CANDIDATES:
+        (rows, fail), (st, fail2) = traces[name], meas[name]
         fail = fail or fail2
         s = summarize(rows) if rows else None
-        decision, nxt = decide(s) if s else ("reject", f"failed: {fail}")
+        decision, nxt = decide(s) if s else (None, None)
         s, rows = json_safe(s), json_safe(rows)  # a diverged trace holds NaN/inf: null in the record
-        if fail and s:
-            decision, nxt = "reject", f"failed: {fail}"
+        if fail:
+            decision, nxt = None, f"failed: {fail}"
+        base = meas.get(TIME_BASELINE.get(name), (None,))[0]
+        noise = timing_noise(st.timing, base.timing, more_work=name == "high_lr_clip") if st and base else None
+        by_run = dict(trace=len(rows) if rows else None,
+                      measurement=1 + (torch.device(dev).type == "cpu") + cfg.warmup + cfg.timed if st else None)
+        ran = [n for n in by_run.values() if n is not None]
         recs.append(ctx.record(
-            name, updates=cfg.updates, update_count=len(rows) if rows else None,
-            all_finite=s["all_finite"] if s else None, skipped_updates=0 if s else None,
-            peak_allocated=st.peak_allocated if st else None, peak_reserved=st.peak_reserved if st else None,
-            step_median_s=st.timing.median_s if st else None, step_p95_s=st.timing.p95_s if st else None,
-            warmup_excluded=cfg.warmup if st else None, memory_source=ctx.memory_source if st else None,
-            failure=fail, decision=decision, next_step=nxt,
+            name, updates=sum(ran) if ran else None, update_count=len(rows) if rows else None,
+            all_finite=s["all_finite"] if s else None, skipped_updates=0 if ran else None,
+            peak_allocated=st and st.peak_allocated, peak_reserved=st and st.peak_reserved,
+            step_median_s=st and st.timing.median_s, step_p95_s=st and st.timing.p95_s,
+            warmup_excluded=st and st.timing.warmup_excluded, threads=st and st.timing.threads, timing_noise=noise,
+            memory_source=ctx.memory_source if st else None, failure=fail, decision=decision, next_step=nxt,
             metrics=dict(lr=lr_of(name, cfg), max_norm=cfg.max_norm if name == "high_lr_clip" else None,
-                         weight_decay=cfg.weight_decay, timed_steps=cfg.steps, summary=s, trace=rows,
-                         step_samples_s=st.timing.samples if st else None,
+                         weight_decay=cfg.weight_decay, timed_steps=cfg.timed, summary=s, trace=rows,
+                         updates_by_run=by_run, step_samples_s=st and st.timing.samples,
+                         interleaved=st and st.timing.interleaved, time_baseline=TIME_BASELINE.get(name),
+                         time_ratio=st.timing.median_s / base.timing.median_s if st and base else None,
+                         p95_ratio=st.timing.p95_s / base.timing.p95_s if st and base else None,
                          rule=dict(spike_max=SPIKE_MAX)),
         ))
     return recs
@@ -220,12 +288,13 @@ def plan(ctx) -> dict:
     """LRs, updates and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w, modes = ctx.workload, {}
     for mode, dev in (("real_gpu", "cuda"), ("cpu", "cpu")):
-        cfg = config_for(w.arch, dev)
-        passes = cfg.updates + 1 + cfg.steps + (dev == "cpu")  # traced + warm + timed (+ tracked on the CPU)
+        cfg = config_for(w.arch, dev, ctx.smoke)
+        passes = cfg.updates + 1 + cfg.warmup + cfg.timed + (dev == "cpu")  # traced + warm + timed (+ tracked)
         extra = cfg.updates * 0.05 + 2 * 0.5 if dev == "cuda" else 0.0  # snapshots + ratios, 2 loads from the host
         est = PLAN_BUILD_S[dev] + len(CANDIDATES) * (plan_seconds(w.arch, w.batch * w.seq, passes, dev) + extra)
         modes[mode] = dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, traced_updates=cfg.updates,
-                           timed_steps=cfg.steps, warmup_excluded=cfg.warmup, estimated_seconds=round(est, 1))
+                           timed_steps=cfg.timed, warmup_excluded=cfg.warmup, interleaved=dev == "cpu",
+                           threads=CPU_TIMING_THREADS if dev == "cpu" else None, estimated_seconds=round(est, 1))
     return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
                 groups=list(GROUPS), params=param_count(w.arch), modes=modes, rule=dict(spike_max=SPIKE_MAX),
                 estimate_basis=PLAN_BASIS + "; + 0.05 s per traced update and 1 s of state loads per candidate (cuda)")

@@ -14,7 +14,9 @@ Two model sources:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -135,23 +137,53 @@ def config_commit(arch: str, **overrides) -> str:
 
 
 def resolve_pretrained(model_id: str, revision: str = "main", local_files_only: bool = False) -> tuple[str, str]:
-    """Resolve a hub id (or a local directory) to ``(path, commit)``.
+    """Resolve a hub id (or a local directory) to ``(path, commit)``, once per process.
 
     A hub id goes through ``huggingface_hub.snapshot_download``, whose snapshot folder is
-    named after the commit the revision resolved to. A local directory (``save_pretrained``
-    output) gets the sha256 of its config and weight files as its commit.
+    named after the commit the revision resolved to; the answer is cached per
+    ``(model_id, revision, local_files_only)`` (a run asks for it for every record, model and
+    tokenizer). A model that is not in the local cache while downloads are off
+    (``local_files_only`` or ``HF_HUB_OFFLINE=1``), or that the hub does not have, is a
+    ``WorkloadError`` naming the model id and revision. A local directory
+    (``save_pretrained`` output) gets the sha256 of its config and weight files as its commit,
+    cached until one of those files changes (name, size or mtime).
     """
     path = Path(model_id)
     if path.is_dir():
-        h = hashlib.sha256()
-        for f in sorted(path.iterdir()):
-            if f.suffix in (".json", ".safetensors", ".bin"):
-                h.update(f.name.encode())
-                h.update(f.read_bytes())
-        return str(path), "local-" + h.hexdigest()[:16]
-    from huggingface_hub import snapshot_download
+        files = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir()
+                             if f.suffix in _LOCAL_MODEL_SUFFIXES))
+        return _resolve_local(str(path), files)
+    return _resolve_hub(model_id, revision, bool(local_files_only))
 
-    snap = Path(snapshot_download(model_id, revision=revision, local_files_only=local_files_only))
+
+_LOCAL_MODEL_SUFFIXES = (".json", ".safetensors", ".bin")  # the files a local model's commit hashes
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_local(path: str, files: tuple) -> tuple[str, str]:
+    h = hashlib.sha256()
+    for name, _, _ in files:  # sorted by name
+        h.update(name.encode())
+        h.update((Path(path) / name).read_bytes())
+    return path, "local-" + h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_hub(model_id: str, revision: str, local_files_only: bool) -> tuple[str, str]:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        snap = Path(snapshot_download(model_id, revision=revision, local_files_only=local_files_only))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise WorkloadError(
+            f"pretrained model {model_id!r} revision {revision!r} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and downloads are off (local_files_only or HF_HUB_OFFLINE=1); "
+            "download it first or point --model-id at a local directory") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise WorkloadError(f"pretrained model {model_id!r} revision {revision!r} not found on the hub: "
+                            f"{type(e).__name__}") from None
     return str(snap), snap.name
 
 
@@ -168,8 +200,10 @@ def build_model(w: Workload, device: str | torch.device = "cpu", **config_overri
     dtype = getattr(torch, w.dtype)
     if w.source == "config":
         cfg = qwen2_config(w.arch, **config_overrides)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(w.seed)
+        dev = torch.device(device)
+        on_gpu = dev.type == "cuda"  # initialise there: qwen05's random init takes seconds on the host
+        with torch.random.fork_rng(devices=[dev] if on_gpu else []), (dev if on_gpu else contextlib.nullcontext()):
+            torch.manual_seed(w.seed)  # (a GPU init draws from the GPU's generator: other weights, same seed)
             model = Qwen2ForCausalLM(cfg)
         model = model.to(device=device, dtype=dtype)
     else:
@@ -202,7 +236,7 @@ def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
 # "cpu" is 2 cores. A pass is one forward + backward (+ optimizer update) over ``tokens``.
 PLAN_FLOPS = {"cuda": {"float32": 20e12, "low": 150e12}, "cpu": {"float32": 1e10, "low": 5e9}}
 PLAN_PASS_S = {"cuda": 0.03, "cpu": 0.01}  # per pass: kernel launches, memory-bound ops, AdamW
-PLAN_BUILD_S = {"cuda": 20.0, "cpu": 2.0}  # per model: random init on the host, move to the device
+PLAN_BUILD_S = {"cuda": 4.0, "cpu": 2.0}  # per model: random init on the device (~1 s) + the CUDA context on the first
 PLAN_BASIS = ("6 x parameters x tokens FLOPs per pass at PLAN_FLOPS + PLAN_PASS_S per pass + PLAN_BUILD_S per "
               "model (bp_mech.workload); real_gpu = one H200-class GPU, float32 without TF32; cpu = 2 cores")
 
@@ -254,7 +288,8 @@ def make_batches(w: Workload, n: int, text: str = "general", device="cpu") -> li
 
 
 def workload_fields(w: Workload) -> dict:
-    """The workload group of a result record."""
+    """The workload group of a result record. ``updates`` is left null: only an experiment knows
+    how many optimizer steps it ran, and it passes that count itself."""
     return dict(
         workload_id=w.workload_id,
         model_id=w.hub_id,
@@ -263,7 +298,7 @@ def workload_fields(w: Workload) -> dict:
         tokenizer=w.tokenizer_name,
         input_shape=[w.batch, w.seq],
         effective_batch=w.batch,
-        updates=w.updates,
+        updates=None,
         dtype=w.dtype,
         seed=w.seed,
     )
