@@ -10,7 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bp_mech import checkpointing as ck
 from bp_mech import registry
-from bp_mech import strategy_harness as sh
+from bp_mech.experiments import harness
+from bp_mech import counters
 from bp_mech.measure import Timing
 from bp_mech.results import load_record, save_record
 from bp_mech.workload import PLAN_BUILD_S, build_model, make_batches, parse_workload
@@ -29,15 +30,15 @@ def probes(tiny):
     out = {}
     for name in ck.CANDIDATES:
         with ck.configure(model, name):
-            counter = sh.SavedBytesCounter(model.parameters())
-            out[name] = sh.probe(model, batches[0], "cpu", counter)
+            counter = counters.SavedBytesCounter(model.parameters())
+            out[name] = harness.probe(model, batches[0], "cpu", counter)
             out[name]["saved"] = counter.bytes
     return out
 
 
 def test_every_candidate_leaves_loss_and_every_gradient_bitwise_equal(probes):
     for name in ck.CANDIDATES[1:]:
-        c = sh.compare(probes["plain"], probes[name])
+        c = harness.compare(probes["plain"], probes[name])
         assert c["bitwise"], (name, c)
         assert c["loss_error"] == c["grad_error"] == c["grad_norm_error"] == 0.0, (name, c)
 
@@ -45,7 +46,7 @@ def test_every_candidate_leaves_loss_and_every_gradient_bitwise_equal(probes):
 def test_compare_sees_a_changed_gradient(probes):
     got = dict(probes["plain"], grads=[g.clone() for g in probes["plain"]["grads"]])
     got["grads"][3][0] += 1e-3
-    c = sh.compare(probes["plain"], got)
+    c = harness.compare(probes["plain"], got)
     assert not c["bitwise"] and c["grad_error"] > 0
 
 
@@ -73,7 +74,7 @@ def test_checkpointing_keeps_less_until_backward(probes):
 def test_saved_bytes_counter_counts_a_storage_once():
     x = torch.randn(64, 64, requires_grad=True)
     w = nn.Parameter(torch.randn(64, 64))
-    counter = sh.SavedBytesCounter([w])
+    counter = counters.SavedBytesCounter([w])
     with counter:
         h = (x * 2) @ w  # matmul saves x*2 and the parameter w
         a, b = h.chunk(2, -1)  # two views of h's storage
@@ -108,11 +109,11 @@ def test_from_scratch_checkpoint_equals_torch_checkpoint():
 
 def test_decide_rule_and_the_seed_reference():
     s = ck.SEED_REFERENCE
-    assert sh.decide(True, s["peak_cut"], s["median_ratio"])[0] == s["decision"] == "accept"
-    assert sh.decide(False, 0.5, 1.0)[0] == "reject"
-    assert sh.decide(True, 0.01, 1.0)[0] == "reject"
-    assert sh.decide(True, 0.10, 1.1)[0] == "tune"
-    assert sh.decide(True, 0.40, 3.0)[0] == "tune"
+    assert harness.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "accept"
+    assert harness.decide(False, 0.5, 1.0)[0] == "reject"
+    assert harness.decide(True, 0.01, 1.0)[0] == "reject"
+    assert harness.decide(True, 0.10, 1.1)[0] == "tune"
+    assert harness.decide(True, 0.40, 3.0)[0] == "tune"
 
 
 def test_run_writes_valid_records(tmp_path, cpu_only):
@@ -130,13 +131,13 @@ def test_run_writes_valid_records(tmp_path, cpu_only):
         assert r.peak_allocated < by["plain"].peak_allocated  # tracked storages: deterministic
         assert r.metrics["saved_activation_bytes"] < by["plain"].metrics["saved_activation_bytes"]
         assert r.decision in ("accept", "tune", "reject")
-        assert r.warmup_excluded == sh.schedule("cpu")[1] and r.threads == 1
-        assert r.updates == sum(sh.schedule("cpu")) + 1 and r.skipped_updates == 0  # warm-up + timed + peak step
+        assert r.warmup_excluded == harness.schedule("cpu")[1] and r.threads == 1
+        assert r.updates == sum(harness.schedule("cpu")) + 1 and r.skipped_updates == 0  # warm-up + timed + peak step
         assert r.metrics["more_work"] == (name != "plain")  # every candidate recomputes
 
 
 def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path, cpu_only, monkeypatch):
-    real, seen = sh.train_step, []
+    real, seen = harness.train_step, []
 
     def oom_under_checkpoint_all(model, *a, **k):  # fails inside the candidate's configuration
         seen.append(model)
@@ -144,7 +145,7 @@ def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path,
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, *a, **k)
 
-    monkeypatch.setattr(sh, "train_step", oom_under_checkpoint_all)
+    monkeypatch.setattr(harness, "train_step", oom_under_checkpoint_all)
     recs = ck.run(registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32"))
     by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
     failed = by["checkpoint-all"]
@@ -165,18 +166,18 @@ def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_
     naive running max passes it), and NaN must not make the record unsavable (strict JSON)."""
     g = [torch.ones(3), torch.ones(2)]
     bad = [torch.ones(3), torch.tensor([1.0, float("nan")])]
-    c = sh.compare(_fake(1.0, g), _fake(1.0, bad, finite=False))
+    c = harness.compare(_fake(1.0, g), _fake(1.0, bad, finite=False))
     assert c["grad_error"] == math.inf and not c["bitwise"] and c["loss_error"] == 0.0
-    assert sh.compare(_fake(1.0, g), _fake(float("nan"), g, finite=False))["loss_error"] == math.inf
+    assert harness.compare(_fake(1.0, g), _fake(float("nan"), g, finite=False))["loss_error"] == math.inf
     ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
     results = {"plain": (_fake(1.0, g), None), "checkpoint-all": (_fake(1.0, bad, finite=False, peak=50), None),
                "checkpoint-every2": (_fake(1.0, [x * (1 + 1e-3) for x in g], peak=50), None),
                "checkpoint-mlp": (None, "out of memory: CUDA out of memory")}
-    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in sh.make_records(ctx, results, "plain")}
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in harness.make_records(ctx, results, "plain")}
     nan = by["checkpoint-all"]
     assert nan.decision == "reject" and not nan.all_finite and nan.grad_error is None and not nan.metrics["equal"]
     assert nan.metrics["grad_norm"] is None  # stored as null, not NaN
-    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > sh.TOL["cpu"][1]
+    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > harness.EQUAL_TOL["cpu"][1]
     assert by["checkpoint-mlp"].failure and by["plain"].decision is None
 
 
@@ -192,10 +193,10 @@ def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
 
 def test_the_estimate_scales_with_the_workload():
     w = parse_workload("qwen05-b2s512")
-    one = sh.estimate_seconds(w, [1.0], "cuda")
-    assert sh.estimate_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
-    assert sh.estimate_seconds(w, [1.0, 2.0], "cuda") > 2 * one - PLAN_BUILD_S["cuda"]
-    assert sh.estimate_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: planned, and slow
+    one = harness.estimate_seconds(w, [1.0], "cuda")
+    assert harness.estimate_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
+    assert harness.estimate_seconds(w, [1.0, 2.0], "cuda") > 2 * one - PLAN_BUILD_S["cuda"]
+    assert harness.estimate_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: planned, and slow
 
 
 def test_conformance_passes():

@@ -12,7 +12,7 @@ from torch import nn
 from bp_mech import checkpointing as ck
 from bp_mech import offload as of
 from bp_mech import registry
-from bp_mech import strategy_harness as sh
+from bp_mech.experiments import harness
 from bp_mech.measure import PeakMemory
 from bp_mech.results import load_record, save_record
 from bp_mech.workload import build_model, make_batches, parse_workload
@@ -29,13 +29,13 @@ def tiny():
 
 def test_offload_leaves_loss_and_every_gradient_bitwise_equal(tiny):
     model, batches = tiny
-    ref = sh.probe(model, batches[0], "cpu")
+    ref = harness.probe(model, batches[0], "cpu")
     for hooks, setup in ((of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN)), "plain"),
                          (of.CountingSaveOnCpu(), "plain"),
                          (of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN)), "checkpoint-all")):
         with ck.configure(model, setup):
-            got = sh.probe(model, batches[0], "cpu", hooks)
-        c = sh.compare(ref, got)
+            got = harness.probe(model, batches[0], "cpu", hooks)
+        c = harness.compare(ref, got)
         assert c["bitwise"] and c["grad_error"] == 0.0, (type(hooks).__name__, setup, c)
 
 
@@ -45,7 +45,7 @@ def test_d2h_bytes_equal_the_independently_counted_saved_activations(tiny, setup
     counted = of.count_saved(model, batches[0], setup)
     off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN))
     with ck.configure(model, setup):
-        sh.train_step(model, batches[0], off)
+        harness.train_step(model, batches[0], off)
     assert off.d2h_bytes == counted.bytes_at_least(MIN) > 0
     assert 0 < counted.bytes - off.d2h_bytes <= off.kept_small_bytes  # the rest: tiny ones (kept per saved tensor)
     assert off.h2d_bytes >= off.d2h_bytes  # every moved storage comes back
@@ -56,7 +56,7 @@ def test_save_on_cpu_copies_every_saved_tensor(tiny):
     model, batches = tiny
     counted = of.count_saved(model, batches[0])
     soc = of.CountingSaveOnCpu()
-    sh.train_step(model, batches[0], soc)
+    harness.train_step(model, batches[0], soc)
     assert soc.d2h_bytes == soc.h2d_bytes == counted.tensor_bytes  # parameters and each view included
     assert soc.d2h_bytes > counted.bytes
 
@@ -80,10 +80,10 @@ def test_parameters_views_and_tiny_tensors():
 def test_host_pool_is_reused_across_steps(tiny):
     model, batches = tiny
     off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN))
-    sh.train_step(model, batches[0], off)
+    harness.train_step(model, batches[0], off)
     allocs, allocated = off.pool.allocations, off.pool.allocated
     for i in range(3):
-        sh.train_step(model, batches[i % 2], off)
+        harness.train_step(model, batches[i % 2], off)
     assert (off.pool.allocations, off.pool.allocated) == (allocs, allocated)
     assert allocated == off.d2h_bytes
 
@@ -94,7 +94,7 @@ def test_cpu_peak_is_the_device_side_and_host_bytes_are_reported(tiny):
     for name, hooks in (("resident", None), ("offload", of.ActivationOffload(model.parameters(),
                                                                              of.OffloadConfig(min_bytes=MIN)))):
         with PeakMemory("cpu", resident=[model.parameters()]) as pm:
-            sh.train_step(model, batches[0], hooks)
+            harness.train_step(model, batches[0], hooks)
         peaks[name] = pm.peak_allocated
     assert peaks["offload"] < peaks["resident"]
     assert hooks.pool.high_water == hooks.d2h_bytes > 0
@@ -228,15 +228,15 @@ def _on_fake_streams(cls, model, monkeypatch, **cfg):
 @pytest.mark.parametrize("setup", ["plain", "checkpoint-all"])
 def test_stream_protocol_leaves_every_gradient_bitwise_equal(tiny, monkeypatch, setup):
     model, batches = tiny
-    ref = sh.probe(model, batches[0], "cpu")
+    ref = harness.probe(model, batches[0], "cpu")
     fake, off = _on_fake_streams(_Watched, model, monkeypatch, inflight=2, prefetch=2)
     with ck.configure(model, setup):
         for i in range(2):  # the host pool is reused from the second step on
-            sh.train_step(model, batches[(i + 1) % 2], off)
+            harness.train_step(model, batches[(i + 1) % 2], off)
             assert fake.ran == len(fake.queue) and not off._stash  # no copy left behind after a step
         fake.side.waited_for_compute, fake.record_streams = 0, []  # count the probe's step only
-        got = sh.probe(model, batches[0], "cpu", off)
-    c = sh.compare(ref, got)
+        got = harness.probe(model, batches[0], "cpu", off)
+    c = harness.compare(ref, got)
     assert c["bitwise"] and got["finite"], c
     d2h = len(off._order)
     assert fake.side.waited_for_compute == d2h  # every D2H copy starts after its producer
@@ -248,7 +248,7 @@ def test_stream_protocol_leaves_every_gradient_bitwise_equal(tiny, monkeypatch, 
 def test_stream_protocol_catches_a_buffer_used_before_its_copy(tiny, monkeypatch):
     """Mutant: the compute stream waits on an event that does not cover the H2D copy."""
     model, batches = tiny
-    ref = sh.probe(model, batches[0], "cpu")
+    ref = harness.probe(model, batches[0], "cpu")
 
     class NoWaitBeforeUse(of.ActivationOffload):
         def _fetch(self, slot):
@@ -256,8 +256,8 @@ def test_stream_protocol_catches_a_buffer_used_before_its_copy(tiny, monkeypatch
             slot.event = _Event(fake, pos=0)  # already complete: covers nothing
 
     fake, off = _on_fake_streams(NoWaitBeforeUse, model, monkeypatch)
-    got = sh.probe(model, batches[0], "cpu", off)
-    c = sh.compare(ref, got)
+    got = harness.probe(model, batches[0], "cpu", off)
+    c = harness.compare(ref, got)
     assert not got["finite"] and not c["bitwise"] and c["grad_error"] == float("inf")
 
 
@@ -271,12 +271,12 @@ def test_stream_protocol_catches_a_source_dropped_before_its_copy(tiny, monkeypa
 
     fake, off = _on_fake_streams(DropsSources, model, monkeypatch)
     with pytest.raises(AssertionError, match="dropped before the copy ran"):
-        sh.train_step(model, batches[0], off)
+        harness.train_step(model, batches[0], off)
 
 
 def test_seed_reference_gives_the_seed_decision():
     s = of.SEED_REFERENCE
-    assert sh.decide(True, s["peak_cut"], s["median_ratio"])[0] == s["decision"] == "tune"
+    assert harness.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "tune"
 
 
 def test_conformance_passes():

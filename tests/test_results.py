@@ -145,7 +145,7 @@ def test_code_modules_follow_imports_and_skip_presentation():
     assert {"bp_mech.amp", "bp_mech.scheduler", "bp_mech.measure", "bp_mech.workload"} <= set(amp)
     assert not set(amp) & {"bp_mech.results", "bp_mech.registry", "bp_mech.environment", "bp_mech.report"}
     assert "bp_mech.workload" in results.code_modules("bp_mech.local_backward")  # imported inside run()
-    assert "bp_mech.strategy_harness" in results.code_modules("bp_mech.checkpointing")  # from bp_mech import x as y
+    assert "bp_mech.experiments.harness" in results.code_modules("bp_mech.checkpointing")  # from bp_mech import x as y
     assert "bp_mech.report" not in results.code_modules("bp_mech.ledger")  # imported, but presentation only
     assert "bp_mech.measure" not in results.code_modules("bp_mech.scheduler")
 
@@ -174,7 +174,7 @@ def _docstrings_and_comments_changed(src: str) -> str:
 
 @pytest.mark.parametrize("experiment, dependency", [
     ("bp_mech.amp", "bp_mech.scheduler"), ("bp_mech.amp", "bp_mech.measure"), ("bp_mech.amp", "bp_mech.amp"),
-    ("bp_mech.attention_backward", "bp_mech.measure"), ("bp_mech.checkpointing", "bp_mech.strategy_harness"),
+    ("bp_mech.attention_backward", "bp_mech.measure"), ("bp_mech.checkpointing", "bp_mech.experiments.harness"),
 ])
 def test_docstring_and_comment_edits_keep_the_hash(monkeypatch, experiment, dependency):
     before, source = results.code_hash(experiment), results.module_source(dependency)

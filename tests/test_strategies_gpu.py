@@ -8,7 +8,7 @@ import torch
 from bp_mech import checkpointing as ck
 from bp_mech import offload as of
 from bp_mech import registry
-from bp_mech import strategy_harness as sh
+from bp_mech.experiments import harness
 from bp_mech.results import load_record, save_record
 from bp_mech.workload import build_model, make_batches, parse_workload
 
@@ -26,21 +26,21 @@ def gpu_model():
 
 
 def _equal(ref, got):
-    c = sh.compare(ref, got)
-    loss_tol, grad_tol = sh.TOL["cuda"]
+    c = harness.compare(ref, got)
+    loss_tol, grad_tol = harness.EQUAL_TOL["cuda"]
     return got["finite"] and c["loss_error"] <= loss_tol and c["grad_error"] <= grad_tol, c
 
 
 @pytest.mark.parametrize("setup", ["plain", "checkpoint-all"])
 def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setup):
     model, batches = gpu_model
-    ref = sh.probe(model, batches[0], "cuda")
+    ref = harness.probe(model, batches[0], "cuda")
     counted = of.count_saved(model, batches[0], setup)
     off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN_BYTES), "cuda")
     assert off.pool.pin and off.stream is not None
     for _ in range(3):  # the host pool is reused from the second step on
         with ck.configure(model, setup):
-            got = sh.probe(model, batches[0], "cuda", off)
+            got = harness.probe(model, batches[0], "cuda", off)
         ok, c = _equal(ref, got)
         assert ok, c
         assert off.d2h_bytes == off.h2d_bytes == counted.bytes_at_least(MIN_BYTES) > 0
@@ -49,10 +49,10 @@ def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setu
 
 def test_checkpointing_on_cuda_is_equal_within_the_stated_tolerance(gpu_model):
     model, batches = gpu_model
-    ref = sh.probe(model, batches[0], "cuda")
+    ref = harness.probe(model, batches[0], "cuda")
     for name in ck.CANDIDATES[1:]:
         with ck.configure(model, name):
-            got = sh.probe(model, batches[0], "cuda")
+            got = harness.probe(model, batches[0], "cuda")
         ok, c = _equal(ref, got)
         assert ok and got["recomputes"] > 0, (name, c)
 
@@ -65,7 +65,7 @@ def test_the_experiments_run_on_cuda_and_write_gpu_records(tmp_path, sid):
         back = load_record(save_record(r, tmp_path))
         assert back.evidence_level == "gpu-measured" and back.memory_source == "cuda-allocator", back.failure
         assert back.failure is None and back.all_finite and back.peak_allocated > 0
-        assert back.threads is None and back.updates == sum(sh.schedule("cuda")) + 1
+        assert back.threads is None and back.updates == sum(harness.schedule("cuda")) + 1
         if back.candidate not in ("plain", "resident"):
             assert back.metrics["equal"], back.metrics
         if back.transfer_bytes:

@@ -11,15 +11,15 @@ pays one extra forward of every checkpointed block.
 * With the framework: Transformers' ``gradient_checkpointing_enable`` (every layer, or every
   n-th layer), which calls ``torch.utils.checkpoint`` non-reentrant; ``checkpoint_mlp``, a
   selective variant that wraps only each layer's MLP in ``torch.utils.checkpoint``.
-* Measured, not assumed: ``strategy_harness.ForwardCounter`` counts forward calls per layer and
-  sublayer with module pre-hooks (they fire on the recompute too); ``strategy_harness.SavedBytesCounter``
+* Measured, not assumed: ``counters.ForwardCounter`` counts forward calls per layer and
+  sublayer with module pre-hooks (they fire on the recompute too); ``counters.SavedBytesCounter``
   counts what autograd saves with a counting-only ``saved_tensors_hooks`` pass.
 
 A measured step is a full training step (``zero_grad`` + forward + backward + AdamW update, its
 moments allocated beforehand), timed interleaved with the other candidates; the equality probe
 runs the same step without the update, so every candidate starts from the same weights and the
 loss and every gradient can be compared with the plain run exactly. The step, probe, comparison,
-decision rule and records live in ``bp_mech.strategy_harness``, shared with Part 02 · 42.
+decision rule and records live in ``bp_mech.experiments.harness``, shared with Part 02 · 42.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech import strategy_harness as sh
+from bp_mech.experiments import harness
 from bp_mech.workload import PLAN_BASIS, build_model, make_batches
 
-CODE_MODULES = ("bp_mech.strategy_harness",)  # its step, probe, decision and records: hashed with this one
+CODE_MODULES = ("bp_mech.experiments.harness",)  # its step, probe, decision and records: hashed with this one
 
 # --- from scratch ---------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ def configure(model, candidate: str):
 
 # The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
 SEED_REFERENCE = dict(run_label="b2s512_default2", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
-                      peak_cut=0.337, median_ratio=1.192, decision="accept")
+                      peak_saving=0.337, median_ratio=1.192, decision="accept")
 
 
 # --- the experiment ---------------------------------------------------------------------
@@ -160,18 +160,18 @@ def plan(ctx) -> dict:
                 timing="candidates interleaved, one full step of each per round (1 intra-op thread on the CPU)",
                 probe="1 untimed step without the update per candidate, all from the same weights: loss, "
                       "gradients, forward calls, saved bytes; then 1 full step per candidate for the peak",
-                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke),
+                modes=harness.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke),
                 estimate_basis=f"{PLAN_BASIS}; x TIME_FACTOR {TIME_FACTOR}; + gradients / PROBE_BYTES_S per candidate",
-                rule=dict(MIN_PEAK_CUT=sh.MIN_PEAK_CUT, MAX_TIME_RATIO=sh.MAX_TIME_RATIO,
-                          MIN_USEFUL_CUT=sh.MIN_USEFUL_CUT))
+                rule=dict(MIN_PEAK_SAVING=harness.MIN_PEAK_SAVING, MAX_TIME_RATIO=harness.MAX_TIME_RATIO,
+                          MIN_USEFUL_SAVING=harness.MIN_USEFUL_SAVING))
 
 
 def run(ctx) -> list:
     model = build_model(ctx.workload, ctx.device)
     batches = make_batches(ctx.workload, 4, device=ctx.device)
-    candidates = {name: sh.Candidate(setup=lambda name=name: configure(model, name)) for name in CANDIDATES}
-    results = sh.measure_candidates(model, batches, ctx.device, candidates, progress=ctx.progress, smoke=ctx.smoke)
-    return sh.make_records(ctx, results, "plain")
+    candidates = {name: harness.Candidate(setup=lambda name=name: configure(model, name)) for name in CANDIDATES}
+    results = harness.measure_candidates(model, batches, ctx.device, candidates, progress=ctx.progress, smoke=ctx.smoke)
+    return harness.make_records(ctx, results, "plain")
 
 
 def conformance():
@@ -185,8 +185,8 @@ def conformance():
     runs = {}
     for name in CANDIDATES:
         with configure(model, name):
-            runs[name] = sh.probe(model, batch, "cpu")
-    errs = [sh.compare(runs["plain"], runs[n]) for n in CANDIDATES[1:]]
+            runs[name] = harness.probe(model, batch, "cpu")
+    errs = [harness.compare(runs["plain"], runs[n]) for n in CANDIDATES[1:]]
     worst = max(max(e["loss_error"], e["grad_error"]) for e in errs)
     L = len(model.model.layers)
     calls_ok = runs["checkpoint-all"]["calls"]["layer"] == [2] * L and runs["plain"]["recomputes"] == 0
@@ -196,7 +196,7 @@ def conformance():
     ours = torch.autograd.grad(CheckpointedBlock(mlp)(x).sum(), [x, *mlp.parameters()])
     ref = torch.autograd.grad(checkpoint(mlp, x, use_reentrant=False).sum(), [x, *mlp.parameters()])
     scratch = max((a - b).abs().max().item() for a, b in zip(ours, ref))
-    ok = worst <= sh.TOL["cpu"][1] and calls_ok and scratch <= 1e-12
+    ok = worst <= harness.EQUAL_TOL["cpu"][1] and calls_ok and scratch <= 1e-12
     return ConformanceRow("Part 02 · 19", "TRAIN-CHECKPOINT",
                           "transformers gradient_checkpointing_enable + torch.utils.checkpoint (non-reentrant)", ok,
                           f"max loss/grad rel. error {worst:.1e} over {len(errs)} candidates (tol 0, float32 CPU); "

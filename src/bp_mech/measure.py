@@ -321,7 +321,7 @@ def measure_steps(step: Callable[[int], object], steps: int, warmup: int = 1, de
     return StepStats(timing, pm.peak_allocated, pm.peak_reserved, pm.memory_source)
 
 
-def free(device) -> None:
+def release_memory(device) -> None:
     """Collect garbage and, on CUDA, return the allocator's cached blocks (before a new candidate)."""
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -356,7 +356,7 @@ def is_allocation_failure(exc: BaseException) -> bool:
     return any(m in text for m in ALLOCATION_FAILURE_MARKERS)
 
 
-def guarded(fn: Callable, *args, **kwargs):
+def oom_as_failure(fn: Callable, *args, **kwargs):
     """Run ``fn``; return ``(result, None)``, or ``(None, failure)`` when an allocation failed.
 
     One candidate running out of memory is that candidate's failure; the run goes on. That
@@ -375,5 +375,10 @@ def guarded(fn: Callable, *args, **kwargs):
         first = (str(e).strip().splitlines() or [""])[0][:200]
         failure = (f"out of memory: {first}" if isinstance(e, torch.OutOfMemoryError)
                    else f"allocation failed ({type(e).__name__}): {first}")
-    free("cuda" if torch.cuda.is_available() else "cpu")
+    release_memory("cuda" if torch.cuda.is_available() else "cpu")
     return None, failure
+
+
+# Old names, kept until every module has moved to the new ones (issue 9): remove then.
+guarded = oom_as_failure
+free = release_memory

@@ -36,11 +36,12 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bp_mech import checkpointing as ck
-from bp_mech import strategy_harness as sh
+from bp_mech.experiments import harness
+from bp_mech import counters
 from bp_mech.measure import host_side
 from bp_mech.workload import build_model, make_batches
 
-CODE_MODULES = ("bp_mech.checkpointing", "bp_mech.strategy_harness")  # configure; step, probe, rule: hashed too
+CODE_MODULES = ("bp_mech.checkpointing", "bp_mech.experiments.harness")  # configure; step, probe, rule: hashed too
 
 
 class HostPool:
@@ -264,7 +265,7 @@ def measure_bandwidth(device, nbytes: int = 256 * 2**20, reps: int = 5) -> dict:
 CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
 # The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
 SEED_REFERENCE = dict(run_label="b2s512_default1", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
-                      peak_cut=0.343, median_ratio=5.87, decision="tune")
+                      peak_saving=0.343, median_ratio=5.87, decision="tune")
 CPU_MIN_BYTES = 4096  # the tiny workload's activations are KiB-sized: a smaller threshold on the CPU
 TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}  # planning
 
@@ -276,16 +277,16 @@ def min_bytes(device) -> int:
 def plan(ctx) -> dict:
     return dict(step="zero_grad + forward (under the candidate's hooks) + backward + AdamW update, interleaved",
                 counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
-                modes=sh.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke, min_bytes=min_bytes,
+                modes=harness.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke, min_bytes=min_bytes,
                                     bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
                 estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
-                rule=dict(MIN_PEAK_CUT=sh.MIN_PEAK_CUT, MAX_TIME_RATIO=sh.MAX_TIME_RATIO,
-                          MIN_USEFUL_CUT=sh.MIN_USEFUL_CUT))
+                rule=dict(MIN_PEAK_SAVING=harness.MIN_PEAK_SAVING, MAX_TIME_RATIO=harness.MAX_TIME_RATIO,
+                          MIN_USEFUL_SAVING=harness.MIN_USEFUL_SAVING))
 
 
-def count_saved(model, batch, candidate="plain") -> sh.SavedBytesCounter:
+def count_saved(model, batch, candidate="plain") -> counters.SavedBytesCounter:
     """What autograd saves in one forward (counting only), with the given checkpointing."""
-    counter = sh.SavedBytesCounter(model.parameters())
+    counter = counters.SavedBytesCounter(model.parameters())
     with ck.configure(model, candidate), counter:
         model(**batch).loss  # the graph is dropped at once; nothing is moved
     return counter
@@ -333,9 +334,9 @@ def run(ctx, bandwidth: dict | None = None) -> list:
     cfg = OffloadConfig(min_bytes=min_bytes(dev))
     hooks = {name: make_hooks(name, model, cfg, dev) for name in CANDIDATES}
     checkpointed = lambda: ck.configure(model, "checkpoint-all")  # noqa: E731
-    candidates = {name: sh.Candidate(setup=checkpointed if name == "offload-checkpoint" else contextlib.nullcontext,
+    candidates = {name: harness.Candidate(setup=checkpointed if name == "offload-checkpoint" else contextlib.nullcontext,
                                      saving=hooks[name]) for name in CANDIDATES}
-    results = sh.measure_candidates(model, batches, dev, candidates, progress=ctx.progress, smoke=ctx.smoke)
+    results = harness.measure_candidates(model, batches, dev, candidates, progress=ctx.progress, smoke=ctx.smoke)
     for name, (r, _) in results.items():
         if hooks[name] is not None and r is not None:  # the counters of their last step (the probe)
             r["hooks"] = hook_stats(hooks[name])
@@ -359,7 +360,7 @@ def run(ctx, bandwidth: dict | None = None) -> list:
             m.update(link_metrics(t["d2h"], t["h2d"], bw, r["timing"].median_s, base["timing"].median_s))
         return {"transfer_bytes": t}, m
 
-    return sh.make_records(ctx, results, "resident", extra)
+    return harness.make_records(ctx, results, "resident", extra)
 
 
 def conformance():
@@ -373,8 +374,8 @@ def conformance():
     counted = count_saved(model, batch).bytes_at_least(CPU_MIN_BYTES)
     off = ActivationOffload(model.parameters(), OffloadConfig(min_bytes=CPU_MIN_BYTES))
     soc = CountingSaveOnCpu()
-    ref, ours, torch_ = (sh.probe(model, batch, "cpu", h) for h in (None, off, soc))
-    worst = max(max(e["loss_error"], e["grad_error"]) for e in (sh.compare(ref, ours), sh.compare(ref, torch_)))
+    ref, ours, torch_ = (harness.probe(model, batch, "cpu", h) for h in (None, off, soc))
+    worst = max(max(e["loss_error"], e["grad_error"]) for e in (harness.compare(ref, ours), harness.compare(ref, torch_)))
     ok = worst == 0.0 and off.d2h_bytes == counted and off.d2h_bytes <= soc.d2h_bytes
     return ConformanceRow("Part 02 · 42", "TRAIN-OFFLOAD", "torch.autograd.graph.save_on_cpu + resident autograd", ok,
                           f"max loss/grad rel. error {worst:.1e} (tol 0, float32 CPU); D2H {off.d2h_bytes} B vs "

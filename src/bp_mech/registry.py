@@ -45,6 +45,12 @@ class Experiment:
     cpu_workload: str = "tiny-b2s64"  # default workload of --mode cpu
     gpu_workload: str = "qwen05-b2s512"  # default workload of --mode real_gpu
 
+    @property
+    def mechanism(self) -> str:
+        """The module of the mechanism the chapter teaches (``bp_mech.<x>``); ``module`` is its experiment
+        (``bp_mech.experiments.<x>``, or ``bp_mech.projects.<x>`` for a project page)."""
+        return self.module.replace(".experiments.", ".")
+
     def load(self) -> ModuleType:
         try:
             return importlib.import_module(self.module)
@@ -61,47 +67,43 @@ class Experiment:
             return False
 
 
-def _e(*a, **kw) -> Experiment:
-    return Experiment(*a, **kw)
-
-
 # GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76.
 EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
-    _e("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.amp", "book/part02/12b-amp-backward.md",
+    Experiment("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.amp", "book/part02/12b-amp-backward.md",
        "FP32 → AMP, plus overflow samples", "finiteness, loss scale, skipped steps, peak, step time", True),
-    _e("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.accumulation",
+    Experiment("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.accumulation",
        "book/part02/11-gradient-accumulation.md", "full batch → 2 / 4 micro-batches accumulated",
        "param/loss difference, absolute and incremental peak, step median/P95", True,
        gpu_workload="qwen05-b2s256"),
-    _e("TRAIN-CHECKPOINT", "Part 02 · 19", "19", "bp_mech.checkpointing", "book/part02/19-checkpointing.md",
+    Experiment("TRAIN-CHECKPOINT", "Part 02 · 19", "19", "bp_mech.checkpointing", "book/part02/19-checkpointing.md",
        "plain saving → native gradient checkpointing", "loss / grad-norm equality, peak, step time, recompute count",
        True),
-    _e("TRAIN-OFFLOAD", "Part 02 · 42", "42", "bp_mech.offload", "book/part02/42-offload.md",
+    Experiment("TRAIN-OFFLOAD", "Part 02 · 42", "42", "bp_mech.offload", "book/part02/42-offload.md",
        "GPU-resident → host offload of saved activations", "loss / grad-norm equality, D2H/H2D bytes, peak, step time",
        True),
-    _e("TRAIN-UPDATE-DYNAMICS", "Part 02 · 55", "55", "bp_mech.update_dynamics", "book/part02/55-update-dynamics.md",
+    Experiment("TRAIN-UPDATE-DYNAMICS", "Part 02 · 55", "55", "bp_mech.update_dynamics", "book/part02/55-update-dynamics.md",
        "base LR / high LR no clip / high LR with clip",
        "finiteness, grad norm, clip coefficient, parameter delta, peak, step median/P95", True),
-    _e("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.continual_pretrain",
+    Experiment("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.continual_pretrain",
        "book/part02/56-continual-pretrain.md", "0-update baseline → fixed-step full-sequence domain training",
        "domain / holdout token loss, finiteness, checkpoint fields, peak, step median/P95", True),
-    _e("TRAIN-MEMORY-STRATEGY", "Part 02 · 76", "76", "bp_mech.projects.memory_strategy",
+    Experiment("TRAIN-MEMORY-STRATEGY", "Part 02 · 76", "76", "bp_mech.projects.memory_strategy",
        "book/projects/76-memory-strategy.md", "single and combined strategies (checkpoint, offload, AMP)",
        "quality–capacity–time decision", True),
-    _e("TRAIN-LOCAL-BACKWARD", "Part 02 · 09", "09", "bp_mech.local_backward", "book/part02/09-local-backward.md",
+    Experiment("TRAIN-LOCAL-BACKWARD", "Part 02 · 09", "09", "bp_mech.local_backward", "book/part02/09-local-backward.md",
        "hand-written local gradients → autograd", "output, input grad, parameter grads, error", False),
-    _e("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.attention_backward",
+    Experiment("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.attention_backward",
        "book/part02/10-attention-backward.md", "hand-written attention backward → autograd",
        "dQ/dK/dV, saved state (bytes), numeric error", False, cpu_workload="tiny-b1s512"),
-    _e("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.scheduler", "book/part02/12-scheduler-clock.md",
+    Experiment("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.scheduler", "book/part02/12-scheduler-clock.md",
        "WSD clock under successful and skipped updates", "warmup/stable/decay boundaries, effective update count",
        False),
-    _e("TRAIN-STATE-LEDGER", "Part 02 · 43", "43", "bp_mech.ledger", "book/part02/43-state-ledger.md",
+    Experiment("TRAIN-STATE-LEDGER", "Part 02 · 43", "43", "bp_mech.ledger", "book/part02/43-state-ledger.md",
        "baseline lifecycle → lifecycle after a strategy", "residency per stage, peak objects, theoretical peak",
        False),
-    _e("TRAIN-BASELINE", "Part 02 · 73", "73", "bp_mech.projects.baseline", "book/projects/73-baseline.md",
+    Experiment("TRAIN-BASELINE", "Part 02 · 73", "73", "bp_mech.projects.baseline", "book/projects/73-baseline.md",
        "fixed-model, fixed-data training baseline", "throughput and quality", False),
-    _e("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling_diagnosis",
+    Experiment("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling_diagnosis",
        "book/projects/74-profiling-diagnosis.md", "lifecycle ledger and trace fields",
        "dominant state, critical path, candidate attribution", False),
 ]}

@@ -102,9 +102,10 @@ def make_optimizer(model, lr: float, cfg: DynamicsConfig, device):
 
 # --- from scratch: the global norm, the clip coefficient, the update ratio -----------------
 
-def global_grad_norm(tensors) -> torch.Tensor:
-    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped), a 0-dim tensor in their dtype."""
-    norms = [torch.linalg.vector_norm(g.detach()) for g in tensors if g is not None]  # one per tensor
+def global_grad_norm(tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped), a 0-dim tensor in their dtype (or in
+    ``dtype``, e.g. float64 to compare norms across runs). The book's one global norm."""
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=dtype) for g in tensors if g is not None]  # one per tensor
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 

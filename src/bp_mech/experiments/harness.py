@@ -1,20 +1,17 @@
-"""The shared harness that measures a memory strategy against the plain step: equality probe, peak/time,
-decision rule, records — used by 19 and 42.
+"""The shared experiment harness: what every experiment of the book measures the same way.
 
-A step is ``zero_grad`` + forward + backward, with no optimizer update: every candidate sees the
-same weights, so the loss and every gradient can be compared with the plain run exactly.
+* ``train_step``: the measured step, a full training step (``zero_grad``, forward, backward, AdamW
+  update); ``probe``: the same step without the update, for the equality check; ``compare``: loss and
+  gradient errors against a baseline, NaN never equal;
+* ``measure_candidates``: the candidates of a memory strategy on one shared model and optimizer
+  (warm-up, interleaved timing on one CPU thread, a peak step each, probes from the same weights);
+* ``decide``: the accept / tune / reject / no-decision rule from the peak saving and the time ratio;
+* ``make_records``: one record per candidate, ratios against the baseline, the noise verdict;
+* ``schedule`` / ``estimate_seconds`` / ``plan_modes``: the steps and the planning estimate of
+  ``--mode dry_run``.
 
-* ``train_step`` (timed) and ``probe`` (one untimed step: loss, gradients, forward calls, what
-  waits for backward), ``compare`` against the plain run, within ``TOL``;
-* ``ForwardCounter`` counts forward calls per layer and sublayer with module pre-hooks (they fire
-  on a recompute too); ``SavedBytesCounter`` counts what autograd saves with a counting-only
-  ``saved_tensors_hooks`` pass;
-* ``decide``: the accept/tune/reject rule from peak cut and time ratio, as code;
-* ``measure_candidate`` (timed steps, then the probe), ``make_records`` (one record per candidate),
-  ``schedule`` / ``estimate_seconds`` / ``plan_modes`` for ``--mode dry_run``.
-
-A strategy (``bp_mech.checkpointing``, ``bp_mech.offload``) passes in its configuration as a
-``setup`` context and its saved-tensor hooks as ``saving``; this module imports none of them.
+The strategies come in as ``Candidate(setup, saving)``: a configuration context (checkpointing) and
+saved-tensor hooks (offload); this module imports no strategy.
 """
 
 from __future__ import annotations
@@ -26,85 +23,11 @@ from typing import Callable
 
 import torch
 
-from bp_mech.measure import CPU_TIMING_THREADS, SMOKE_SCHEDULE, PeakMemory, free, guarded, time_interleaved, timing_noise
+from bp_mech.counters import ForwardCounter, SavedBytesCounter
+from bp_mech.measure import CPU_TIMING_THREADS, SMOKE_SCHEDULE, PeakMemory, release_memory, oom_as_failure, time_interleaved, timing_noise
 from bp_mech.results import json_safe
+from bp_mech.update_dynamics import global_grad_norm
 from bp_mech.workload import PLAN_BUILD_S, make_adamw, param_count, plan_seconds
-
-# --- measuring: forward calls and saved tensors ----------------------------------------
-
-
-class ForwardCounter:
-    """Forward calls of each decoder layer and of its attention and MLP, via module pre-hooks.
-
-    Module hooks fire on every ``__call__``, including the recompute ``torch.utils.checkpoint``
-    runs in backward, so ``calls`` and ``recomputes`` are measured, not assumed.
-    """
-
-    def __init__(self, model):
-        layers = model.model.layers
-        unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731  (checkpoint_mlp's wrapper)
-        self.modules = {"layer": list(layers), "attn": [l.self_attn for l in layers],
-                        "mlp": [unwrap(l.mlp) for l in layers]}
-        self.calls = {part: [0] * len(layers) for part in self.modules}  # part -> calls per layer
-        self._handles = []
-
-    def __enter__(self):
-        for part, mods in self.modules.items():
-            for i, m in enumerate(mods):
-                self._handles.append(m.register_forward_pre_hook(self._hook(part, i)))
-        return self
-
-    def _hook(self, part, i):
-        def hook(module, args):
-            self.calls[part][i] += 1
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    @property
-    def recomputes(self) -> int:
-        """Sublayer (attention, MLP) forward executions beyond the first one."""
-        return sum(c - 1 for part in ("attn", "mlp") for c in self.calls[part] if c > 0)
-
-
-class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Counting-only saved-tensor hooks: what autograd keeps for backward; nothing is moved.
-
-    ``storages`` maps each distinct non-parameter storage to its bytes (views of one storage count
-    once: that is the memory they hold); ``tensor_bytes`` is the per-tensor sum a naive copier
-    moves (views and parameters included); ``param_saves`` counts saves of parameters (or views).
-    Nested hooks do not stack: inside a checkpointed region ``torch.utils.checkpoint``'s own hooks
-    win, so under checkpointing this counts what stays saved *outside* the recomputed regions.
-    """
-
-    def __init__(self, params=()):
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}  # storage data_ptr -> nbytes
-        self.tensors = self.tensor_bytes = self.param_saves = 0
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        self.tensors += 1
-        self.tensor_bytes += t.numel() * t.element_size()
-        if t.layout == torch.strided:
-            st = t.untyped_storage()  # pack returns t, so no counted storage dies and reuses its address
-            if st.data_ptr() in self._param_ptrs:
-                self.param_saves += 1
-            elif st.nbytes():
-                self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def bytes_at_least(self, n: int) -> int:
-        """Bytes of the saved storages of at least ``n`` bytes (what an offloader skipping tiny ones moves)."""
-        return sum(b for b in self.storages.values() if b >= n)
-
 
 # --- one step, equality -----------------------------------------------------------------
 
@@ -141,8 +64,7 @@ def probe(model, batch, device, saving=None) -> dict:
         pm.mark("after_forward")
         loss.backward()
     gs = [p.grad for p in model.parameters()]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
-                                                 for g in gs if g is not None])).item()
+    norm = global_grad_norm(gs, dtype=torch.float64).item()
     grads = [None if g is None else g.detach().clone() for g in gs]
     model.zero_grad(set_to_none=True)
     return dict(loss=loss.item(), grads=grads, grad_norm=norm, calls=fc.calls, recomputes=fc.recomputes,
@@ -171,27 +93,27 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 # Equality with the plain run: (loss, gradient) relative tolerances by device type.
-TOL = {"cpu": (0.0, 0.0),  # CPU kernels are deterministic here: bitwise equality is required
+EQUAL_TOL = {"cpu": (0.0, 0.0),  # CPU kernels are deterministic here: bitwise equality is required
        "cuda": (1e-6, 1e-4)}  # fp32 CUDA: a recompute may pick other kernels, backward may reassociate
 
 # Decision rule, from ratios against the plain (resident) run of the same invocation:
-#   reject  if loss or gradients are not finite or differ beyond TOL, or the peak drops by less than MIN_USEFUL_CUT;
-#   tune    if the peak drops by less than MIN_PEAK_CUT (it saves too little, whatever the time);
+#   reject  if loss or gradients are not finite or differ beyond EQUAL_TOL, or the peak drops by less than MIN_USEFUL_SAVING;
+#   tune    if the peak drops by less than MIN_PEAK_SAVING (it saves too little, whatever the time);
 #   none    if the time ratio is noise (``measure.timing_noise``): the time decides nothing, the chapter says so;
-#   accept  if the peak drops by at least MIN_PEAK_CUT at a median step time of at most MAX_TIME_RATIO x;
+#   accept  if the peak drops by at least MIN_PEAK_SAVING at a median step time of at most MAX_TIME_RATIO x;
 #   tune    otherwise: it saves memory, but at too high a time cost.
-MIN_PEAK_CUT = 0.20
+MIN_PEAK_SAVING = 0.20
 MAX_TIME_RATIO = 1.50
-MIN_USEFUL_CUT = 0.05
+MIN_USEFUL_SAVING = 0.05
 
 
-def decide(equal: bool, peak_cut: float, time_ratio: float, noise: str | None = None) -> tuple[str | None, str | None]:
+def decide(equal: bool, peak_saving: float, time_ratio: float, noise: str | None = None) -> tuple[str | None, str | None]:
     """(decision, next step) by the rule above."""
     if not equal:
         return "reject", "loss or gradients differ from the plain run (or are not finite): find the wrong op or race"
-    if peak_cut < MIN_USEFUL_CUT:
+    if peak_saving < MIN_USEFUL_SAVING:
         return "reject", "the peak barely moves: the memory is not in the saved activations"
-    if peak_cut < MIN_PEAK_CUT:
+    if peak_saving < MIN_PEAK_SAVING:
         return "tune", "saves too little: cover more of the saved activations"
     if noise is not None:
         return None, f"the time ratio is noise ({noise}): time it on the target GPU or a quiet machine"
@@ -271,7 +193,7 @@ def measure_candidates(model, batches, device, candidates: dict[str, Candidate],
     def step_of(name):
         def step(i):
             if name not in failures:
-                _, failure = guarded(train_step, model, batches[i % len(batches)], candidates[name].saving, opt)
+                _, failure = oom_as_failure(train_step, model, batches[i % len(batches)], candidates[name].saving, opt)
                 if failure:
                     failures[name] = failure
         return step
@@ -286,7 +208,7 @@ def measure_candidates(model, batches, device, candidates: dict[str, Candidate],
         with c.setup():
             pm = PeakMemory(device, resident=[model.parameters(), state])
             with pm:
-                _, failure = guarded(train_step, model, batches[1 % len(batches)], c.saving, opt)
+                _, failure = oom_as_failure(train_step, model, batches[1 % len(batches)], c.saving, opt)
         if failure:
             failures[name] = failure
         else:
@@ -296,7 +218,7 @@ def measure_candidates(model, batches, device, candidates: dict[str, Candidate],
         c = candidates[name]
         counter = SavedBytesCounter(model.parameters()) if c.saving is None else None
         with c.setup():
-            r, failure = guarded(probe, model, batches[0], device, counter or c.saving)
+            r, failure = oom_as_failure(probe, model, batches[0], device, counter or c.saving)
         if failure:
             failures[name] = failure
             continue
@@ -307,7 +229,7 @@ def measure_candidates(model, batches, device, candidates: dict[str, Candidate],
         out[name] = r
     model.zero_grad(set_to_none=True)
     del opt, state
-    free(device)
+    release_memory(device)
     return {n: (None, failures[n]) if n in failures else (out[n], None) for n in candidates}
 
 
@@ -316,14 +238,14 @@ def more_work(r: dict, base: dict) -> bool:
     return r["recomputes"] > base["recomputes"] or r.get("hooks", {}).get("d2h", 0) > 0
 
 
-def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {})) -> list:
+def make_records(ctx, results: dict, baseline: str, experiment_fields=lambda name, r: ({}, {})) -> list:
     """One record per candidate from ``{name: (measurement, failure)}``; ratios against ``baseline``.
 
-    ``extra(name, r)`` returns (record fields, metrics) that an experiment adds. Non-finite
+    ``experiment_fields(name, r)`` returns (record fields, metrics) that an experiment adds. Non-finite
     numbers are stored as null (records are strict JSON); ``all_finite`` says why.
     """
     base = results[baseline][0]
-    tol = TOL[torch.device(ctx.device).type]
+    tol = EQUAL_TOL[torch.device(ctx.device).type]
     recs = []
     for name, (r, failure) in results.items():
         if failure is not None:
@@ -331,7 +253,7 @@ def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {
                                    next_step="does not fit: see the failure"))
             continue
         t = r["timing"]
-        fields, metrics = extra(name, r)
+        fields, metrics = experiment_fields(name, r)
         metrics = dict(loss=r["loss"], grad_norm=r["grad_norm"], forward_calls=r["calls"],
                        held_after_forward_bytes=r["held_after_forward"], step_samples_s=t.samples,
                        step="zero_grad + forward + backward + AdamW update (moments allocated beforehand)",
@@ -345,12 +267,12 @@ def make_records(ctx, results: dict, baseline: str, extra=lambda name, r: ({}, {
             cmp = compare(base, r)
             equal = r["finite"] and base["finite"] and cmp["loss_error"] <= tol[0] and cmp["grad_error"] <= tol[1]
             bt = base["timing"]
-            peak_cut = 1 - r["peak_allocated"] / base["peak_allocated"]
+            peak_saving = 1 - r["peak_allocated"] / base["peak_allocated"]
             ratio = t.median_s / bt.median_s
             noise = timing_noise(t, bt, more_work(r, base))
-            decision, next_step = decide(equal, peak_cut, ratio, noise)
+            decision, next_step = decide(equal, peak_saving, ratio, noise)
             metrics.update(equal=equal, bitwise_equal=cmp["bitwise"], grad_norm_error=cmp["grad_norm_error"],
-                           peak_cut=peak_cut, time_ratio=ratio, p95_ratio=t.p95_s / bt.p95_s,
+                           peak_saving=peak_saving, time_ratio=ratio, p95_ratio=t.p95_s / bt.p95_s,
                            more_work=more_work(r, base))
         recs.append(ctx.record(
             name, output_error=json_safe(cmp and cmp["loss_error"]), grad_error=json_safe(cmp and cmp["grad_error"]),

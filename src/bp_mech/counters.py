@@ -1,0 +1,85 @@
+"""What a training step does, counted rather than assumed: forward calls and saved tensors.
+
+* ``ForwardCounter`` counts forward calls of each decoder layer and of its attention and MLP with
+  module pre-hooks, which fire on every call, including the recompute ``torch.utils.checkpoint``
+  runs in backward (Part 02 · 19);
+* ``SavedBytesCounter`` counts what autograd saves for backward with counting-only
+  ``saved_tensors_hooks`` (Part 02 · 19 and 42).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ForwardCounter:
+    """Forward calls of each decoder layer and of its attention and MLP, via module pre-hooks.
+
+    Module hooks fire on every ``__call__``, including the recompute ``torch.utils.checkpoint``
+    runs in backward, so ``calls`` and ``recomputes`` are measured, not assumed.
+    """
+
+    def __init__(self, model):
+        layers = model.model.layers
+        unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731  (checkpoint_mlp's wrapper)
+        self.modules = {"layer": list(layers), "attn": [l.self_attn for l in layers],
+                        "mlp": [unwrap(l.mlp) for l in layers]}
+        self.calls = {part: [0] * len(layers) for part in self.modules}  # part -> calls per layer
+        self._handles = []
+
+    def __enter__(self):
+        for part, mods in self.modules.items():
+            for i, m in enumerate(mods):
+                self._handles.append(m.register_forward_pre_hook(self._hook(part, i)))
+        return self
+
+    def _hook(self, part, i):
+        def hook(module, args):
+            self.calls[part][i] += 1
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def recomputes(self) -> int:
+        """Sublayer (attention, MLP) forward executions beyond the first one."""
+        return sum(c - 1 for part in ("attn", "mlp") for c in self.calls[part] if c > 0)
+
+
+class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
+    """Counting-only saved-tensor hooks: what autograd keeps for backward; nothing is moved.
+
+    ``storages`` maps each distinct non-parameter storage to its bytes (views of one storage count
+    once: that is the memory they hold); ``tensor_bytes`` is the per-tensor sum a naive copier
+    moves (views and parameters included); ``param_saves`` counts saves of parameters (or views).
+    Nested hooks do not stack: inside a checkpointed region ``torch.utils.checkpoint``'s own hooks
+    win, so under checkpointing this counts what stays saved *outside* the recomputed regions.
+    """
+
+    def __init__(self, params=()):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}  # storage data_ptr -> nbytes
+        self.tensors = self.tensor_bytes = self.param_saves = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.tensors += 1
+        self.tensor_bytes += t.numel() * t.element_size()
+        if t.layout == torch.strided:
+            st = t.untyped_storage()  # pack returns t, so no counted storage dies and reuses its address
+            if st.data_ptr() in self._param_ptrs:
+                self.param_saves += 1
+            elif st.nbytes():
+                self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def bytes_at_least(self, n: int) -> int:
+        """Bytes of the saved storages of at least ``n`` bytes (what an offloader skipping tiny ones moves)."""
+        return sum(b for b in self.storages.values() if b >= n)
