@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers.generation  # noqa: F401  (it reads torch.cuda.Stream at import: before cpu_only replaces it)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +61,17 @@ def cpu_only(monkeypatch):
     for name in CUDA_CALLS:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: pytest.fail(f"torch.cuda.{_n} on the CPU"))
     monkeypatch.setitem(sys.modules, "jsonschema", None)
+
+
+ALLOCATOR_CALLS = ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated",
+                   "max_memory_reserved", "empty_cache")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's allocator calls replaced by a log of their names; each returns the log's length:
+    the CUDA paths of the trackers exercised on the CPU."""
+    log = []
+    for name in ALLOCATOR_CALLS:
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: log.append(_n) or len(log))
+    return log

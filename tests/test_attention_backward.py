@@ -1,6 +1,7 @@
 """Tests of bp_mech.attention_backward: values against autograd, finite differences and
-transformers; saved bytes against the formula; the experiment contract; and mutants that the
-exercise checks (tests/checks/ex10.py) must catch."""
+transformers (through the experiment's comparisons); saved bytes against the formula; and mutants
+that the exercise checks (tests/checks/ex10.py) must catch. The run, its plan and the conformance
+row: tests/experiments/test_attention_backward.py."""
 
 import math
 import types
@@ -8,28 +9,28 @@ import types
 import pytest
 import torch
 
-from bp_mech import attention_backward as ab
-from bp_mech import registry, results
-from bp_mech.measure import PeakMemory
+from bp_mech import attention_backward
+from bp_mech.experiments import attention_backward as experiment
+from bp_mech.tracking import PeakMemory
 from checks import ex10
 
-CFG = ab.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
+CFG = attention_backward.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
 
 
 def test_both_strategies_match_autograd_float64_and_sdpa_float32():
-    errs = ab.errors(CFG, 21)  # 21: the last tile is short
-    for name in ab.STRATEGIES:
-        assert max(errs[name]["float64_vs_autograd"].values()) <= ab.TOL64, errs[name]
-        assert max(errs[name]["float32_vs_sdpa"].values()) <= ab.TOL32, errs[name]
+    errs = experiment.errors(CFG, 21)  # 21: the last tile is short
+    for name in attention_backward.STRATEGIES:
+        assert max(errs[name]["float64_vs_autograd"].values()) <= experiment.TOL64, errs[name]
+        assert max(errs[name]["float32_vs_sdpa"].values()) <= experiment.TOL32, errs[name]
         assert errs[name]["finite"]
 
 
-@pytest.mark.parametrize("strategy", list(ab.STRATEGIES))
+@pytest.mark.parametrize("strategy", list(attention_backward.STRATEGIES))
 def test_hand_attention_gradcheck(strategy):
     """Finite differences, independent of any autograd formula (RoPE, GQA, mask, scale)."""
-    cfg = ab.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
-    (q, k, v, cos, sin), _ = ab.make_inputs(cfg, 5, torch.float64, seed=3)
-    fn = ab.attention_fn(strategy, cfg.block)
+    cfg = attention_backward.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
+    (q, k, v, cos, sin), _ = experiment.make_inputs(cfg, 5, torch.float64, seed=3)
+    fn = attention_backward.attention_fn(strategy, cfg.block)
     assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, cos, sin),
                                     [t.requires_grad_() for t in (q, k, v)])
 
@@ -43,23 +44,23 @@ def test_rope_tables_match_transformers():
     d, T = cfg.hidden_size // cfg.num_attention_heads, 64
     x = torch.zeros(1, T, cfg.hidden_size)
     cos_ref, sin_ref = Qwen2RotaryEmbedding(cfg)(x, torch.arange(T)[None])
-    cos, sin = ab.rope_cos_sin(T, d, cfg.rope_parameters["rope_theta"])
+    cos, sin = attention_backward.rope_cos_sin(T, d, cfg.rope_parameters["rope_theta"])
     torch.testing.assert_close(cos, cos_ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(sin, sin_ref[0], atol=1e-5, rtol=0)
 
 
 def test_saved_bytes_match_formula_and_grow_as_claimed():
-    cfg = ab.AttnConfig.from_arch("tiny", 1)
+    cfg = attention_backward.AttnConfig.from_arch("tiny", 1)
     Ts = (64, 128, 256)
-    swept = ab.sweep_saved_bytes(cfg, Ts)
-    for s in ab.STRATEGIES:
-        assert [swept[s][T] for T in Ts] == [ab.saved_bytes_formula(cfg, T, s) for T in Ts]
+    swept = experiment.sweep_saved_bytes(cfg, Ts)
+    for s in attention_backward.STRATEGIES:
+        assert [swept[s][T] for T in Ts] == [attention_backward.saved_bytes_formula(cfg, T, s) for T in Ts]
     rec, probs = swept["recompute"], swept["saved_probs"]
     assert rec[128] == 2 * rec[64] and rec[256] == 2 * rec[128]  # linear in T
     quad = cfg.batch * cfg.heads * 4  # bytes per T^2 of P (float32)
     assert probs[128] - 2 * probs[64] == quad * (128**2 - 2 * 64**2)  # exactly one T^2 term
     assert swept["autograd"][256] > probs[256] > rec[256]
-    assert ab.growth_exponent(rec) == pytest.approx(1.0)
+    assert experiment.growth_exponent(rec) == pytest.approx(1.0)
 
 
 def test_saved_bytes_counts_each_storage_once():
@@ -74,25 +75,25 @@ def test_saved_bytes_counts_each_storage_once():
             return g * 2
 
     x = torch.zeros(10)
-    assert ab.saved_bytes(lambda q, k, v: Twice.apply(q), (x, x, x)) == 40
+    assert attention_backward.saved_bytes(lambda q, k, v: Twice.apply(q), (x, x, x)) == 40
 
 
 def test_recompute_never_holds_a_full_score_matrix():
-    cfg = ab.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
+    cfg = attention_backward.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
     T = 512  # long enough that one (H, T, T) matrix outweighs all the (H, T, d) tensors
-    inputs, dO = ab.make_inputs(cfg, T, torch.float32)
+    inputs, dO = experiment.make_inputs(cfg, T, torch.float32)
     full = cfg.batch * cfg.heads * T * T * 4
     peaks = {}
-    for s in ab.STRATEGIES:
+    for s in attention_backward.STRATEGIES:
         with PeakMemory("cpu") as pm:
-            ab.grads(ab.attention_fn(s, cfg.block), inputs, dO)
+            experiment.grads(attention_backward.attention_fn(s, cfg.block), inputs, dO)
         peaks[s] = pm.peak_allocated
     assert peaks["recompute"] < full / 4 < full <= peaks["saved_probs"], peaks
 
 
-@pytest.mark.parametrize("strategy", list(ab.STRATEGIES))
+@pytest.mark.parametrize("strategy", list(attention_backward.STRATEGIES))
 def test_whole_qwen2_attention_layer(strategy):
-    assert ab.qwen2_module_error(strategy, T=40, block=16) <= ab.TOL_MODULE
+    assert experiment.qwen2_module_error(strategy, T=40, block=16) <= experiment.TOL_MODULE
 
 
 def test_eager_qwen2_attention_with_explicit_mask():
@@ -111,54 +112,19 @@ def test_eager_qwen2_attention_with_explicit_mask():
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     with torch.no_grad():
-        y, dx, g = ab.qwen2_attention_backward(x, attn, cos, sin, dy, "recompute", block=4)
+        y, dx, g = attention_backward.qwen2_attention_backward(x, attn, cos, sin, dy, "recompute", block=4)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx, x.grad, atol=1e-5, rtol=1e-5)
     for n, p in attn.named_parameters():
         torch.testing.assert_close(g[n], p.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_run_writes_valid_records(monkeypatch, tmp_path):
-    monkeypatch.setattr(ab, "SWEEP_T", (32, 64))
-    monkeypatch.setattr(ab, "TIME_STEPS", 3)
-    monkeypatch.setattr(ab, "TIME_WARMUP", 1)
-    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: pytest.fail(f"torch.cuda.{_n} on a CPU run"))
-    ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "cpu", "tiny-b1s48")
-    recs = ab.run(ctx)
-    assert [r.candidate for r in recs] == list(ab.CANDIDATES)
-    by = {r.candidate: r for r in recs}
-    for r in recs:
-        results.validate(results.load_record(results.save_record(r, tmp_path)).to_dict())
-        assert r.step_median_s > 0 and r.warmup_excluded == 1 and r.memory_source == "tracked-cpu"
-    for n in ("saved_probs", "recompute", "sdpa"):
-        assert by[n].decision == "accept" and by[n].grad_error <= ab.TOL64
-    assert by["autograd"].decision is None and by["autograd"].grad_error is None
-    assert by["recompute"].recompute_count == ab.n_recomputed_tiles(48, 64) == 1
-    assert by["saved_probs"].metrics["saved_ratio_vs_recompute"]["64"] > 1
-    assert by["recompute"].metrics["saved_bytes"] == by["recompute"].metrics["saved_bytes_formula"]
-    assert by["autograd"].metrics["backward_time_ratio_vs_autograd"] == 1.0
-
-
-def test_plan_for_qwen05():
-    ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "dry_run", "qwen05-b2s512")
-    p = registry.plan(ctx)
-    assert (p["attention"]["heads"], p["attention"]["kv_heads"], p["attention"]["head_dim"]) == (14, 2, 64)
-    assert p["saved_bytes_formula_float32"]["saved_probs"] > p["saved_bytes_formula_float32"]["recompute"]
-
-
-def test_conformance_row_passes():
-    row = ab.conformance()
-    assert row.passed, row.detail
-    assert row.semantic_id == "TRAIN-ATTENTION-BACKWARD"
-
-
 # --- the exercise checks catch the classic mistakes ------------------------------------
 
 ANSWERS = types.SimpleNamespace(
-    softmax_backward=ab.softmax_backward, gqa_reduce=ab.gqa_reduce, blockwise_backward=ab.blockwise_backward,
-    rope_backward=ab.rope_backward,
-    attention_head_backward=lambda q, k, v, dO: ab.attention_backward(q, k, v, ab.attention_forward(q, k, v)[1], dO))
+    softmax_backward=attention_backward.softmax_backward, gqa_reduce=attention_backward.gqa_reduce, blockwise_backward=attention_backward.blockwise_backward,
+    rope_backward=attention_backward.rope_backward,
+    attention_head_backward=lambda q, k, v, dO: attention_backward.attention_backward(q, k, v, attention_backward.attention_forward(q, k, v)[1], dO))
 
 
 def mutant(**overrides):
@@ -170,7 +136,7 @@ def _head_with_mask(mask_fn):
         T, scale = q.shape[0], q.shape[-1] ** -0.5
         s = (q @ k.T * scale).masked_fill(~mask_fn(T), float("-inf"))
         P = torch.softmax(s, -1)
-        return ab.attention_backward(q, k, v, P, dO)
+        return attention_backward.attention_backward(q, k, v, P, dO)
     return head
 
 
@@ -183,20 +149,20 @@ def _no_scale(fn):
 
 def _blockwise_with_mask(mask):
     def wrong(*args):
-        orig = ab.causal_mask
-        ab.causal_mask = mask
+        orig = attention_backward.causal_mask
+        attention_backward.causal_mask = mask
         try:
-            return ab.blockwise_backward(*args)
+            return attention_backward.blockwise_backward(*args)
         finally:
-            ab.causal_mask = orig
+            attention_backward.causal_mask = orig
     return wrong
 
 
 def _full_matrix_backward(q, k, v, o, lse, dO, block):  # right values, but a (T, T) matrix
     s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     T = q.shape[-2]
-    P = torch.exp(s - lse[..., None]).masked_fill(~ab.causal_mask(T, T), 0.0)
-    return ab.attention_backward(q, k, v, P, dO)
+    P = torch.exp(s - lse[..., None]).masked_fill(~attention_backward.causal_mask(T, T), 0.0)
+    return attention_backward.attention_backward(q, k, v, P, dO)
 
 
 def _arange_mask(offset):
@@ -221,7 +187,7 @@ MUTANTS = {
     "gqa: first head of each group only": (ex10.check_gqa_reduce, mutant(
         gqa_reduce=lambda dx, h: dx[:, :: dx.shape[1] // h])),
     "blockwise: missing 1/sqrt(d)": (ex10.check_blockwise_backward,
-                                     mutant(blockwise_backward=_no_scale(ab.blockwise_backward))),
+                                     mutant(blockwise_backward=_no_scale(attention_backward.blockwise_backward))),
     "blockwise: mask hides the diagonal": (ex10.check_blockwise_backward,
                                            mutant(blockwise_backward=_blockwise_with_mask(_arange_mask(-1)))),
     "blockwise: mask shows one future key": (ex10.check_blockwise_backward,
@@ -229,7 +195,7 @@ MUTANTS = {
     "blockwise: builds the full T x T matrix": (ex10.check_blockwise_memory,
                                                 mutant(blockwise_backward=_full_matrix_backward)),
     "rope: R^T taken as +R": (ex10.check_rope_backward,
-                              mutant(rope_backward=lambda dy, c, s: dy * c + ab.rotate_half(dy * s))),
+                              mutant(rope_backward=lambda dy, c, s: dy * c + attention_backward.rotate_half(dy * s))),
 }
 
 

@@ -1,54 +1,43 @@
-"""Part 02 · 09: the hand-written backwards agree with float64 autograd and with finite
-differences, and the exercise checks catch the classic mistakes."""
+"""Part 02 · 09: the hand-written backwards of bp_mech.local_backward agree with float64 autograd
+and with finite differences (through the experiment's ``compare_op``), and the exercise checks
+catch the classic mistakes. The run, its records and the conformance row:
+tests/experiments/test_local_backward.py."""
 
 import types
 
 import pytest
 import torch
 
-from bp_mech import local_backward as lb
+from bp_mech import local_backward
+from bp_mech.experiments import local_backward as experiment
 from checks import ex09
 
 pytestmark = pytest.mark.ch09
 
 
-@pytest.mark.parametrize("op", list(lb.OPS))
+@pytest.mark.parametrize("op", list(experiment.OPS))
 def test_every_op_matches_autograd_and_finite_differences(op):
-    c = lb.compare_op(op, shape=(2, 6, 12), inter=20, vocab=30, seed=3)
-    assert c["output_error"] <= lb.TOL64
-    assert max(c["grad_errors"].values()) <= lb.TOL64
-    assert max(c["fd_errors"].values()) <= lb.TOL_FD
+    c = experiment.compare_op(op, shape=(2, 6, 12), inter=20, vocab=30, seed=3)
+    assert c["output_error"] <= experiment.TOL64
+    assert max(c["grad_errors"].values()) <= experiment.TOL64
+    assert max(c["fd_errors"].values()) <= experiment.TOL_FD
     # float32 is rounding, not exactness: small but clearly above float64's errors
     assert 1e-9 < max(c["fp32_hand"].values()) < 1e-4
 
 
 def test_block_backward_is_the_composition_of_local_backwards():
-    x, w, Wg, Wu, Wd = lb.make_inputs("mlp_block", (1, 4, 8), 16, 10)
+    x, w, Wg, Wu, Wd = experiment.make_inputs("mlp_block", (1, 4, 8), 16, 10)
     dy = torch.randn_like(x, dtype=torch.float64)
-    dx, dw, *_ = lb.mlp_block_backward(x, w, Wg, Wu, Wd, dy)
-    dh, *_ = lb.swiglu_mlp_backward(lb.rmsnorm_forward(x, w), Wg, Wu, Wd, dy)
-    assert torch.allclose(dx, dy + lb.rmsnorm_backward(x, w, dh)[0], rtol=0, atol=0)
-
-
-def test_run_gives_one_accepted_record_per_op():
-    from bp_mech.registry import make_context
-
-    recs = lb.run(make_context("TRAIN-LOCAL-BACKWARD", "cpu", "tiny-b1s16"))
-    assert [r.candidate for r in recs] == list(lb.OPS)
-    assert all(r.decision == "accept" and r.grad_error <= lb.TOL64 for r in recs)
-    assert all(r.metrics["fp32_hand"] and r.metrics["fd_errors"] for r in recs)
-
-
-def test_conformance_against_transformers_modules():
-    row = lb.conformance()
-    assert row.passed, row.detail
+    dx, dw, *_ = local_backward.mlp_block_backward(x, w, Wg, Wu, Wd, dy)
+    dh, *_ = local_backward.swiglu_mlp_backward(local_backward.rmsnorm_forward(x, w), Wg, Wu, Wd, dy)
+    assert torch.allclose(dx, dy + local_backward.rmsnorm_backward(x, w, dh)[0], rtol=0, atol=0)
 
 
 # --- the exercise checks catch the classic mistakes (mutants of a correct solution) ---
 
 def _solutions(**overrides):
     names = ["linear_backward", "silu_backward", "rmsnorm_backward", "swiglu_mlp_backward", "cross_entropy_backward"]
-    m = types.SimpleNamespace(**{n: getattr(lb, n) for n in names})
+    m = types.SimpleNamespace(**{n: getattr(local_backward, n) for n in names})
     for k, v in overrides.items():
         setattr(m, k, v)
     return m
@@ -60,7 +49,7 @@ def test_checks_pass_on_a_correct_solution():
 
 
 def _linear_missing_transpose(x, W, dy):
-    dx, dW, db = lb.linear_backward(x, W, dy)
+    dx, dW, db = local_backward.linear_backward(x, W, dy)
     return dy @ W.T if W.shape[0] == W.shape[1] else dx, dW.T if W.shape[0] == W.shape[1] else dW, db
 
 
@@ -71,13 +60,13 @@ def _rmsnorm_dropped_term(x, w, dy, eps=1e-6):
 
 def _ce_mean_over_all_rows(logits, targets, ignore_index=-100):
     valid = targets != ignore_index
-    return lb.cross_entropy_backward(logits, targets, ignore_index) * valid.sum() / len(targets)
+    return local_backward.cross_entropy_backward(logits, targets, ignore_index) * valid.sum() / len(targets)
 
 
 def _mlp_forgets_one_branch(x, Wg, Wu, Wd, dy):
-    dx, dWg, dWu, dWd = lb.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
+    dx, dWg, dWu, dWd = local_backward.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
     g = x @ Wg.T
-    dh = (dy @ Wd) * lb.silu_forward(g)
+    dh = (dy @ Wd) * local_backward.silu_forward(g)
     return dx - dh @ Wu, dWg, dWu, dWd  # drops the up-branch's contribution to dx
 
 

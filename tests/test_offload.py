@@ -1,6 +1,8 @@
-"""Part 02 · 42: offload leaves loss and every gradient equal; the hooks' D2H/H2D byte counts agree
-with an independent count of the saved activations; parameters and tiny tensors stay; the pool is
-reused; the records validate; and the ex42 checks catch the classic mistakes (mutants)."""
+"""Part 02 · 42, the mechanism: offload leaves loss and every gradient equal; the hooks' D2H/H2D byte
+counts agree with an independent count of the saved activations, with real and with fake tensors;
+parameters and tiny tensors stay; the pool is reused; the side-stream protocol holds (simulated
+streams); and the ex42 checks catch the classic mistakes (mutants). The experiment's tests:
+tests/experiments/test_offload.py."""
 
 import contextlib
 import weakref
@@ -8,17 +10,15 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bp_mech import checkpointing as ck
-from bp_mech import offload as of
-from bp_mech import registry
+from bp_mech import checkpointing, counters, offload
 from bp_mech.experiments import harness
-from bp_mech.measure import PeakMemory
-from bp_mech.results import load_record, save_record
-from bp_mech.workload import build_model, make_batches, parse_workload
+from bp_mech.tracking import PeakMemory
+from bp_mech.workload import build_model, make_batches, parse_workload, qwen2_config
 from checks import ex42
 
-MIN = of.CPU_MIN_BYTES
+MIN = offload.CPU_MIN_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,20 @@ def tiny():
     return build_model(w), make_batches(w, 2)
 
 
+def _count_saved(model, batch, setup="plain") -> counters.SavedBytesCounter:
+    """The independent count: a counting-only hooks pass (nothing moved), under ``setup``'s checkpointing."""
+    counter = counters.SavedBytesCounter(model.parameters())
+    with checkpointing.configure(model, setup), counter:
+        model(**batch).loss
+    return counter
+
+
 def test_offload_leaves_loss_and_every_gradient_bitwise_equal(tiny):
     model, batches = tiny
     ref = harness.probe(model, batches[0], "cpu")
-    for hooks, setup in ((of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN)), "plain"),
-                         (of.CountingSaveOnCpu(), "plain"),
-                         (of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN)), "checkpoint-all")):
-        with ck.configure(model, setup):
+    ours = lambda: offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))  # noqa: E731
+    for hooks, setup in ((ours(), "plain"), (offload.CountingSaveOnCpu(), "plain"), (ours(), "checkpoint-all")):
+        with checkpointing.configure(model, setup):
             got = harness.probe(model, batches[0], "cpu", hooks)
         c = harness.compare(ref, got)
         assert c["bitwise"] and c["grad_error"] == 0.0, (type(hooks).__name__, setup, c)
@@ -42,9 +49,9 @@ def test_offload_leaves_loss_and_every_gradient_bitwise_equal(tiny):
 @pytest.mark.parametrize("setup", ["plain", "checkpoint-all"])
 def test_d2h_bytes_equal_the_independently_counted_saved_activations(tiny, setup):
     model, batches = tiny
-    counted = of.count_saved(model, batches[0], setup)
-    off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN))
-    with ck.configure(model, setup):
+    counted = _count_saved(model, batches[0], setup)
+    off = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))
+    with checkpointing.configure(model, setup):
         harness.train_step(model, batches[0], off)
     assert off.d2h_bytes == counted.bytes_at_least(MIN) > 0
     assert 0 < counted.bytes - off.d2h_bytes <= off.kept_small_bytes  # the rest: tiny ones (kept per saved tensor)
@@ -54,8 +61,8 @@ def test_d2h_bytes_equal_the_independently_counted_saved_activations(tiny, setup
 
 def test_save_on_cpu_copies_every_saved_tensor(tiny):
     model, batches = tiny
-    counted = of.count_saved(model, batches[0])
-    soc = of.CountingSaveOnCpu()
+    counted = _count_saved(model, batches[0])
+    soc = offload.CountingSaveOnCpu()
     harness.train_step(model, batches[0], soc)
     assert soc.d2h_bytes == soc.h2d_bytes == counted.tensor_bytes  # parameters and each view included
     assert soc.d2h_bytes > counted.bytes
@@ -63,7 +70,7 @@ def test_save_on_cpu_copies_every_saved_tensor(tiny):
 
 def test_parameters_views_and_tiny_tensors():
     w = nn.Parameter(torch.randn(64, 64))
-    off = of.ActivationOffload([w], of.OffloadConfig(min_bytes=1024))
+    off = offload.ActivationOffload([w], offload.OffloadConfig(min_bytes=1024))
     for t in (w, w.t(), torch.randn(8)):
         assert off._unpack(off._pack(t)) is t
     assert off.d2h_bytes == 0 and off.kept_params == 2 and off.kept_small == 1
@@ -79,7 +86,7 @@ def test_parameters_views_and_tiny_tensors():
 
 def test_host_pool_is_reused_across_steps(tiny):
     model, batches = tiny
-    off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN))
+    off = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))
     harness.train_step(model, batches[0], off)
     allocs, allocated = off.pool.allocations, off.pool.allocated
     for i in range(3):
@@ -91,8 +98,8 @@ def test_host_pool_is_reused_across_steps(tiny):
 def test_cpu_peak_is_the_device_side_and_host_bytes_are_reported(tiny):
     model, batches = tiny
     peaks = {}
-    for name, hooks in (("resident", None), ("offload", of.ActivationOffload(model.parameters(),
-                                                                             of.OffloadConfig(min_bytes=MIN)))):
+    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))
+    for name, hooks in (("resident", None), ("offload", ours)):
         with PeakMemory("cpu", resident=[model.parameters()]) as pm:
             harness.train_step(model, batches[0], hooks)
         peaks[name] = pm.peak_allocated
@@ -101,38 +108,65 @@ def test_cpu_peak_is_the_device_side_and_host_bytes_are_reported(tiny):
 
 
 def test_nullcontext_when_off(tiny):
-    assert isinstance(of.offload_activations([], enabled=False), contextlib.nullcontext)
-    assert isinstance(of.offload_activations([]), of.ActivationOffload)
+    assert isinstance(offload.offload_activations([], enabled=False), contextlib.nullcontext)
+    assert isinstance(offload.offload_activations([]), offload.ActivationOffload)
 
 
-def test_run_writes_valid_records(tmp_path, cpu_only):
-    ctx = registry.make_context("TRAIN-OFFLOAD", "cpu", "tiny-b2s32")
-    bw = {"h2d": 2.0e10, "d2h": 1.5e10}  # stands for measure_bandwidth: the GPU-only metrics, on the CPU
-    recs = of.run(ctx, bandwidth=bw)
-    assert [r.candidate for r in recs] == list(of.CANDIDATES)
-    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
-    assert by["resident"].transfer_bytes is None and by["resident"].decision is None
-    for name in of.CANDIDATES[1:]:
-        r = by[name]
-        assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"] and r.all_finite
-        assert r.metrics["d2h_matches_count"] and r.transfer_bytes["d2h"] == r.metrics["expected_d2h_bytes"]
-        assert r.peak_allocated < by["resident"].peak_allocated
-        assert r.metrics["held_after_forward_bytes"] < by["resident"].metrics["held_after_forward_bytes"]
-        t = r.transfer_bytes
-        assert r.metrics["transfer_bound_s"] == pytest.approx(t["d2h"] / bw["d2h"] + t["h2d"] / bw["h2d"])
-    assert by["offload"].transfer_bytes["d2h"] < by["save_on_cpu"].transfer_bytes["d2h"]
-    assert by["offload-checkpoint"].transfer_bytes["d2h"] < by["offload"].transfer_bytes["d2h"]
+# --- fake tensors: storages told apart by identity (every fake data_ptr() is 0) -------------
 
 
-def test_link_metrics():
-    m = of.link_metrics(3 * 10**9, 2 * 10**9, {"d2h": 1e9, "h2d": 2e9}, median_s=5.0, base_median_s=1.0)
-    assert m["transfer_bound_s"] == 4.0 and m["overhead_s"] == 4.0 and m["overhead_over_bound"] == 1.0
-    assert m["implementation_s"] == 0.0
-    hidden = of.link_metrics(10**9, 10**9, {"d2h": 1e9, "h2d": 1e9}, median_s=1.5, base_median_s=1.0)
-    assert hidden["overhead_over_bound"] == 0.25 and hidden["implementation_s"] == 0.0  # copies hidden
-    slow = of.link_metrics(10**9, 0, {"d2h": 1e9, "h2d": 1e9}, median_s=4.0, base_median_s=1.0)
-    assert slow["implementation_s"] == 2.0
-    assert of.link_metrics(0, 0, {"d2h": 1e9, "h2d": 1e9}, 1.0, 1.0)["overhead_over_bound"] is None
+def _known_saves_step():
+    """One forward + backward whose saves are known: x*2 and the parameter w (matmul), a view of h's
+    storage (b), sigmoid's output twice (sigmoid and mul)."""
+    x = torch.randn(64, 64, requires_grad=True)
+    w = nn.Parameter(torch.randn(64, 64))
+    off = offload.ActivationOffload([w], offload.OffloadConfig(min_bytes=1024))
+    with off:
+        h = (x * 2) @ w  # saves x*2 (16 KiB) and w (a parameter: stays)
+        a, b = h.chunk(2, -1)  # two views of h's storage (16 KiB)
+        loss = (a.sigmoid() * b).sum()  # sigmoid saves its output (8 KiB); mul saves it again, and b
+    loss.backward()
+    return off
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake-tensors"])
+def test_offload_packs_per_storage_with_real_and_fake_tensors(fake):
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        off = _known_saves_step()
+    n = 64 * 64 * 4
+    assert off.d2h_bytes == off.h2d_bytes == n + n + n // 2  # x*2, h (once, for b), sigmoid's output (once)
+    assert off.kept_params == 1 and off.offloaded == 4 and off.shared_views == 1 and len(off._order) == 3
+
+
+def _qwen2_step(fake: bool, setup: str):
+    """The tiny Qwen2 (random init; under ``FakeTensorMode`` nothing is allocated): the offload's and the
+    counting pass's view of one forward (+ backward for the offload)."""
+    from transformers import Qwen2ForCausalLM
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(qwen2_config("tiny")).train()
+        ids = torch.randint(0, 256, (2, 32))
+        batch = dict(input_ids=ids, labels=ids.clone(), attention_mask={"full_attention": None})  # causal, no mask
+        counted = _count_saved(model, batch, setup)
+        off = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))
+        with checkpointing.configure(model, setup):
+            with off:
+                loss = model(**batch).loss
+            loss.backward()
+    return off, counted
+
+
+@pytest.mark.parametrize("setup", ["plain", "checkpoint-all"])
+def test_offload_of_a_fake_qwen2_moves_what_the_real_one_moves(setup):
+    real, real_counted = _qwen2_step(False, setup)
+    fake, fake_counted = _qwen2_step(True, setup)
+    assert fake.d2h_bytes == fake_counted.bytes_at_least(MIN) == real.d2h_bytes == real_counted.bytes_at_least(MIN) > 0
+    assert fake_counted.storages and sorted(fake_counted.storages.values()) == sorted(real_counted.storages.values())
+    def fates(off):  # saved tensors by fate, and the bytes copied back
+        return off.offloaded, off.shared_views, off.kept_params, off.kept_small, off.kept_small_bytes, off.h2d_bytes
+
+    assert fates(fake) == fates(real) and real.shared_views > 0 and real.kept_params > 0
 
 
 # --- the CUDA stream protocol, simulated on the CPU -------------------------------------
@@ -207,20 +241,20 @@ class FakeStreams:
             self.queue[self.ran], self.ran = None, self.ran + 1
 
 
-class _Watched(of.ActivationOffload):
+class _Watched(offload.ActivationOffload):
     def _reset(self):
         super()._reset()
         self.most_in_flight = 0
 
-    def _offload(self, st, version):
-        slot = super()._offload(st, version)
+    def _offload(self, storage, version):
+        slot = super()._offload(storage, version)
         self.most_in_flight = max(self.most_in_flight, len(self._stash))
         return slot
 
 
 def _on_fake_streams(cls, model, monkeypatch, **cfg):
     fake = FakeStreams(monkeypatch)
-    off = cls(model.parameters(), of.OffloadConfig(min_bytes=MIN, **cfg))
+    off = cls(model.parameters(), offload.OffloadConfig(min_bytes=MIN, **cfg))
     off.stream = fake.side  # the CUDA branch of every hook, on the CPU
     return fake, off
 
@@ -230,7 +264,7 @@ def test_stream_protocol_leaves_every_gradient_bitwise_equal(tiny, monkeypatch, 
     model, batches = tiny
     ref = harness.probe(model, batches[0], "cpu")
     fake, off = _on_fake_streams(_Watched, model, monkeypatch, inflight=2, prefetch=2)
-    with ck.configure(model, setup):
+    with checkpointing.configure(model, setup):
         for i in range(2):  # the host pool is reused from the second step on
             harness.train_step(model, batches[(i + 1) % 2], off)
             assert fake.ran == len(fake.queue) and not off._stash  # no copy left behind after a step
@@ -250,7 +284,7 @@ def test_stream_protocol_catches_a_buffer_used_before_its_copy(tiny, monkeypatch
     model, batches = tiny
     ref = harness.probe(model, batches[0], "cpu")
 
-    class NoWaitBeforeUse(of.ActivationOffload):
+    class NoWaitBeforeUse(offload.ActivationOffload):
         def _fetch(self, slot):
             super()._fetch(slot)
             slot.event = _Event(fake, pos=0)  # already complete: covers nothing
@@ -265,7 +299,7 @@ def test_stream_protocol_catches_a_source_dropped_before_its_copy(tiny, monkeypa
     """Mutant: the D2H sources are dropped without the compute stream waiting for their copies."""
     model, batches = tiny
 
-    class DropsSources(of.ActivationOffload):
+    class DropsSources(offload.ActivationOffload):
         def _drain(self, keep):
             self._stash.clear()
 
@@ -274,22 +308,12 @@ def test_stream_protocol_catches_a_source_dropped_before_its_copy(tiny, monkeypa
         harness.train_step(model, batches[0], off)
 
 
-def test_seed_reference_gives_the_seed_decision():
-    s = of.SEED_REFERENCE
-    assert harness.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "tune"
-
-
-def test_conformance_passes():
-    row = of.conformance()
-    assert row.passed, row.detail
-
-
 # --- the package's offload passes the exercise checks; the checks catch the mistakes ------
 
 
-class _PackageOffload(of.ActivationOffload):
+class _PackageOffload(offload.ActivationOffload):
     def __init__(self, params, min_bytes=1024):
-        super().__init__(params, of.OffloadConfig(min_bytes=min_bytes))
+        super().__init__(params, offload.OffloadConfig(min_bytes=min_bytes))
         self.pack, self.unpack = self._pack, self._unpack
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bp_mech import registry, results
+from bp_mech import provenance, registry, results
 
 RESULTS = Path(__file__).resolve().parents[1] / "book" / "results"
 FILES = sorted(RESULTS.glob("*.json"))
@@ -48,10 +48,10 @@ def test_record_validates(path):
 def test_STALE_record_matches_the_current_code(path):
     data = _raw(path)
     module = registry.get(data["semantic_id"]).module
-    current = results.code_hash(module)
+    current = provenance.code_hash(module)
     assert data["code_hash"] == current, (
         f"STALE: {path.name} has code_hash {data['code_hash']}, the code now hashes to {current} "
-        f"({', '.join(results.code_modules(module))}); rerun {data['semantic_id']}")
+        f"({', '.join(provenance.code_modules(module))}); rerun {data['semantic_id']}")
 
 
 @records

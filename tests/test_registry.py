@@ -1,6 +1,7 @@
 import dataclasses
 
-from bp_mech import registry, results
+from bp_mech import provenance, registry, results
+from bp_mech.report import ROOT
 
 DESIGN_IDS = ["TRAIN-LOCAL-BACKWARD", "TRAIN-ATTENTION-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION",
               "TRAIN-SCHEDULER-CLOCK", "TRAIN-UPDATE-DYNAMICS", "TRAIN-CONTINUAL-PRETRAIN", "TRAIN-AMP-BACKWARD",
@@ -54,16 +55,32 @@ def test_a_record_carries_numerics_for_its_workload_and_no_invented_updates(cpu_
     assert r.numerics == environment.numerics("cpu", shape)
     assert r.numerics["sdpa_kernel"]["float32"] == environment.sdpa_kernel("cpu", dtype="float32", **shape)
     assert r.updates is None and r.skipped_updates is None  # 09 runs no optimizer
-    assert r.git_commit == results.git_commit() and r.code_hash == results.code_hash("bp_mech.local_backward")
+    assert r.git_commit == provenance.git_commit() and r.code_hash == provenance.code_hash("bp_mech.experiments.local_backward")
     results.validate(r.to_dict())  # without jsonschema, as on the GPU machine
 
 
 def test_scheduler_records_count_applied_updates_and_skips_apart():
     """``updates`` = optimizer steps that ran; ``skipped_updates`` = calls that changed nothing."""
-    from bp_mech.scheduler import ClockRun, WSDConfig, run
+    from bp_mech.experiments.scheduler import ClockRun, run
+    from bp_mech.scheduler import WSDConfig
 
     run_cfg = ClockRun(schedule=WSDConfig(warmup=1, stable=1, decay=1), overflow_calls=(1,), explicit_skip_calls=(3,))
     for r in run(registry.make_context("TRAIN-SCHEDULER-CLOCK", "cpu", "tiny-b1s8"), run_cfg):
         applied = r.metrics["applied_per_call"]
         assert len(applied) == 5 and applied == [True, False, True, False, True]
         assert (r.updates, r.skipped_updates, r.update_count) == (3, 2, 3)
+
+
+def test_the_chapter_map_points_at_files_that_exist():
+    """chapter -> mechanism module -> experiment module -> exercise -> tests, for every implemented
+    Part 02 experiment: the mechanism apart from its experiment, each with its files."""
+    import importlib.util
+
+    rows = {r["semantic_id"]: r for r in registry.chapter_map(ROOT)}
+    for e in registry.EXPERIMENTS.values():
+        if not e.implemented or ".projects." in e.module:
+            continue
+        r = rows[e.semantic_id]
+        assert r["experiment"].startswith("bp_mech.experiments.") and importlib.util.find_spec(r["mechanism"]), r
+        assert (ROOT / r["chapter"]).exists() and r["exercise"] and r["tests"], r
+        assert all((ROOT / f).exists() for f in r["exercise"] + r["tests"]), r

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 from pathlib import Path
 
-from bp_mech import results
+from bp_mech import provenance, results
 from bp_mech.registry import make_context
 from bp_mech.results import FIELDS, Record, RecordError, check_mergeable, load_record, load_records, save_record
 
@@ -84,8 +84,8 @@ def test_records_of_different_commits_or_workloads_never_merge(tmp_path):
 
 def test_stale_code_hash_is_detected():
     r = _record()
-    assert not results.is_stale(r, "bp_mech.local_backward")
-    assert results.is_stale(dataclasses.replace(r, code_hash="0" * 16), "bp_mech.local_backward")
+    assert not provenance.is_stale(r, "bp_mech.experiments.local_backward")
+    assert provenance.is_stale(dataclasses.replace(r, code_hash="0" * 16), "bp_mech.experiments.local_backward")
 
 
 def test_record_filename_is_one_file_per_candidate_and_run():
@@ -129,8 +129,8 @@ def test_updates_is_null_unless_the_experiment_says_how_many_ran():
 
 def _edited(monkeypatch, name: str, edit):
     """Make ``module_source(name)`` return ``edit(real source)``; the real files stay untouched."""
-    real = results.module_source
-    monkeypatch.setattr(results, "module_source", lambda n: edit(real(n)) if n == name else real(n))
+    real = provenance.module_source
+    monkeypatch.setattr(provenance, "module_source", lambda n: edit(real(n)) if n == name else real(n))
 
 
 def _replace_once(old: str, new: str):
@@ -141,19 +141,19 @@ def _replace_once(old: str, new: str):
 
 
 def test_code_modules_follow_imports_and_skip_presentation():
-    amp = results.code_modules("bp_mech.amp")
-    assert {"bp_mech.amp", "bp_mech.scheduler", "bp_mech.measure", "bp_mech.workload"} <= set(amp)
+    amp = provenance.code_modules("bp_mech.experiments.amp")
+    assert {"bp_mech.experiments.amp", "bp_mech.amp", "bp_mech.scheduler", "bp_mech.measure", "bp_mech.workload"} <= set(amp)
     assert not set(amp) & {"bp_mech.results", "bp_mech.registry", "bp_mech.environment", "bp_mech.report"}
-    assert "bp_mech.workload" in results.code_modules("bp_mech.local_backward")  # imported inside run()
-    assert "bp_mech.experiments.harness" in results.code_modules("bp_mech.checkpointing")  # from bp_mech import x as y
-    assert "bp_mech.report" not in results.code_modules("bp_mech.ledger")  # imported, but presentation only
-    assert "bp_mech.measure" not in results.code_modules("bp_mech.scheduler")
+    assert "bp_mech.workload" in provenance.code_modules("bp_mech.experiments.local_backward")
+    assert "bp_mech.experiments.harness" in provenance.code_modules("bp_mech.experiments.checkpointing")  # from bp_mech.x import y
+    assert "bp_mech.report" not in provenance.code_modules("bp_mech.experiments.ledger")  # imported, but presentation only
+    assert "bp_mech.measure" not in provenance.code_modules("bp_mech.scheduler")
 
 
 def test_code_modules_keeps_explicit_code_modules(monkeypatch):
-    assert "bp_mech.ledger_formula" not in results.code_modules("bp_mech.scheduler")
-    _edited(monkeypatch, "bp_mech.scheduler", lambda s: s + '\nCODE_MODULES = ("bp_mech.ledger_formula",)\n')
-    assert "bp_mech.ledger_formula" in results.code_modules("bp_mech.scheduler")
+    assert "bp_mech.ledger_measure" not in provenance.code_modules("bp_mech.scheduler")
+    _edited(monkeypatch, "bp_mech.scheduler", lambda s: s + '\nCODE_MODULES = ("bp_mech.ledger_measure",)\n')
+    assert "bp_mech.ledger_measure" in provenance.code_modules("bp_mech.scheduler")
 
 
 def _docstrings_and_comments_changed(src: str) -> str:
@@ -173,78 +173,80 @@ def _docstrings_and_comments_changed(src: str) -> str:
 
 
 @pytest.mark.parametrize("experiment, dependency", [
-    ("bp_mech.amp", "bp_mech.scheduler"), ("bp_mech.amp", "bp_mech.measure"), ("bp_mech.amp", "bp_mech.amp"),
-    ("bp_mech.attention_backward", "bp_mech.measure"), ("bp_mech.checkpointing", "bp_mech.experiments.harness"),
+    ("bp_mech.experiments.amp", "bp_mech.scheduler"), ("bp_mech.experiments.amp", "bp_mech.measure"),
+    ("bp_mech.experiments.amp", "bp_mech.amp"),
+    ("bp_mech.experiments.attention_backward", "bp_mech.measure"),
+    ("bp_mech.experiments.checkpointing", "bp_mech.experiments.harness"),
 ])
 def test_docstring_and_comment_edits_keep_the_hash(monkeypatch, experiment, dependency):
-    before, source = results.code_hash(experiment), results.module_source(dependency)
+    before, source = provenance.code_hash(experiment), provenance.module_source(dependency)
     _edited(monkeypatch, dependency, _docstrings_and_comments_changed)
-    assert results.module_source(dependency) != source and results.code_hash(experiment) == before
+    assert provenance.module_source(dependency) != source and provenance.code_hash(experiment) == before
 
 
 @pytest.mark.parametrize("experiment, dependency, old, new", [
-    ("bp_mech.amp", "bp_mech.scheduler", "self.updates += 1", "self.updates += 2"),
-    ("bp_mech.amp", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\ndef percentile("),
-    ("bp_mech.attention_backward", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
+    ("bp_mech.experiments.amp", "bp_mech.scheduler", "self.updates += 1", "self.updates += 2"),
+    ("bp_mech.experiments.amp", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\ndef percentile("),
+    ("bp_mech.experiments.attention_backward", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
                                                                       "def percentile("),
-    ("bp_mech.update_dynamics", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
+    ("bp_mech.experiments.update_dynamics", "bp_mech.measure", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
                                                                    "def percentile("),
-    ("bp_mech.local_backward", "bp_mech.workload", "PAD_ID = 0", "PAD_ID = 1"),
+    ("bp_mech.experiments.local_backward", "bp_mech.workload", "PAD_ID = 0", "PAD_ID = 1"),
 ])
 def test_a_code_change_in_a_dependency_changes_the_hash(monkeypatch, experiment, dependency, old, new):
-    before = results.code_hash(experiment)
+    before = provenance.code_hash(experiment)
     _edited(monkeypatch, dependency, _replace_once(old, new))
-    assert results.code_hash(experiment) != before
+    assert provenance.code_hash(experiment) != before
 
 
 @pytest.mark.parametrize("experiment, unrelated", [
-    ("bp_mech.amp", "bp_mech.offload"), ("bp_mech.amp", "bp_mech.environment"), ("bp_mech.ledger", "bp_mech.report"),
-    ("bp_mech.local_backward", "bp_mech.measure"), ("bp_mech.scheduler", "bp_mech.registry"),
+    ("bp_mech.experiments.amp", "bp_mech.offload"), ("bp_mech.experiments.amp", "bp_mech.environment"), ("bp_mech.experiments.ledger", "bp_mech.report"),
+    ("bp_mech.local_backward", "bp_mech.measure"), ("bp_mech.experiments.scheduler", "bp_mech.registry"),
 ])
 def test_a_change_in_an_unrelated_module_keeps_the_hash(monkeypatch, experiment, unrelated):
-    before = results.code_hash(experiment)
+    before = provenance.code_hash(experiment)
     _edited(monkeypatch, unrelated, lambda s: s + "\n\ndef _added_function():\n    return 42\n")
-    assert results.code_hash(experiment) == before
+    assert provenance.code_hash(experiment) == before
 
 
 def test_canonical_form_has_no_positions_docstrings_or_empty_fields():
     """The exact text: fields sorted, empty ones (``type_params`` on 3.12+, ``type_comment``) dropped,
     so Python 3.10 to 3.13 give the same hash; blank lines and docstrings do not reach it."""
-    a = results.canonical(ast.parse('def f(a, *, b=None):\n    """doc"""\n    return a + 1.5'))
-    b = results.canonical(ast.parse('\n\n# comment\ndef f(a, *, b=None):\n    return a + 1.5  # why'))
+    a = provenance.canonical(ast.parse('def f(a, *, b=None):\n    """doc"""\n    return a + 1.5'))
+    b = provenance.canonical(ast.parse('\n\n# comment\ndef f(a, *, b=None):\n    return a + 1.5  # why'))
     assert a == b == ("Module(body=[FunctionDef(args=arguments(args=[arg(arg=str:'a')],kw_defaults=[Constant()],"
                       "kwonlyargs=[arg(arg=str:'b')]),body=[Return(value=BinOp(left=Name(ctx=Load(),id=str:'a'),"
                       "op=Add(),right=Constant(value=float:1.5)))],name=str:'f')])")
-    assert results.canonical(ast.parse("x = 1")) != results.canonical(ast.parse("x = 1.0"))
-    assert results.canonical(ast.parse("x = 'a'")) != results.canonical(ast.parse("x = 'b'"))  # strings in code count
+    assert provenance.canonical(ast.parse("x = 1")) != provenance.canonical(ast.parse("x = 1.0"))
+    assert provenance.canonical(ast.parse("x = 'a'")) != provenance.canonical(ast.parse("x = 'b'"))  # strings in code count
 
 
 # --- git commit --------------------------------------------------------------------------
 
 @pytest.fixture
 def fresh_git_commit():
-    results.git_commit.cache_clear()
-    yield results.git_commit
-    results.git_commit.cache_clear()
+    provenance.git_commit.cache_clear()
+    yield provenance.git_commit
+    provenance.git_commit.cache_clear()
 
 
 def test_git_commit_falls_back_to_the_environment_without_git(fresh_git_commit, monkeypatch):
     def no_git(*a, **k):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(results.subprocess, "run", no_git)
-    monkeypatch.setenv(results.GIT_COMMIT_ENV, "abc123")
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, "abc123")
     assert fresh_git_commit() == "abc123"
     fresh_git_commit.cache_clear()
-    monkeypatch.delenv(results.GIT_COMMIT_ENV)
+    monkeypatch.delenv(provenance.GIT_COMMIT_ENV)
     assert fresh_git_commit() is None
 
 
 def test_git_commit_ignores_a_repository_around_a_copied_tree(fresh_git_commit, monkeypatch, tmp_path):
     """A .git above the tree's root (the tree copied into some other checkout) is not this code's history."""
-    monkeypatch.setattr(results.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(provenance.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, f"{tmp_path}\n{'f' * 40}\n", ""))
-    monkeypatch.setenv(results.GIT_COMMIT_ENV, "from-the-suite-script")
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, "from-the-suite-script")
     assert fresh_git_commit() == "from-the-suite-script"
 
 

@@ -1,5 +1,6 @@
-"""Part 02 · 12 — TRAIN-SCHEDULER-CLOCK: values, the clock under skips, the run, and that the
-exercise checks catch the classic mistakes (mutants)."""
+"""Part 02 · 12 — TRAIN-SCHEDULER-CLOCK, the mechanism: values, the clock under skips, skip detection,
+and that the exercise checks catch the classic mistakes (mutants). The run, its plan and the
+conformance row: tests/experiments/test_scheduler.py."""
 
 import dataclasses
 import types
@@ -8,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bp_mech import registry, results
-from bp_mech.scheduler import (DECAY_TYPES, ClockRun, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers,
-                               conformance, scaler_step, summarize, train_with_clock, wsd_lr)
+from bp_mech.scheduler import (DECAY_TYPES, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers, scaler_step,
+                               wsd_lr)
 from checks import ex12
 from conftest import load_solution
 
@@ -67,47 +67,6 @@ def test_scaler_step_detects_a_skip_with_public_api():
     scaler.set_backoff_factor(1.0)  # GradScaler's constructor refuses this; the setter does not
     with pytest.raises(ValueError):
         scaler_step(scaler, opt)
-
-
-def test_run_boundary_shifts_and_records(tmp_path):
-    ctx = registry.make_context("TRAIN-SCHEDULER-CLOCK", "cpu", "tiny-b1s16")
-    recs = {r.candidate: r for r in registry.run(ctx)}
-    run_cfg = ClockRun()
-    n_skips = len(run_cfg.overflow_calls) + len(run_cfg.explicit_skip_calls)
-    for r in recs.values():
-        results.load_record(results.save_record(r, tmp_path))
-        assert r.update_count == run_cfg.schedule.total and r.skipped_updates == n_skips
-        assert r.metrics["skipped_calls"] == sorted(run_cfg.overflow_calls + run_cfg.explicit_skip_calls)
-        assert r.metrics["params_unchanged_on_skip"] and r.metrics["transformers_max_abs_diff"] == 0.0
-        assert r.all_finite
-    good, naive = recs["update-clock"].metrics, recs["naive-clock"].metrics
-    assert good["shifts"] == {"warmup_end": 0, "decay_start": 0, "end": 0} and good["lr_error_max"] == 0.0
-    # skips (2, 3) before warmup end, 11 before decay start, 22 before the end: shifts of 2, 3, 4
-    assert naive["shifts"] == {"warmup_end": -2, "decay_start": -3, "end": -4}
-    assert good["boundaries_calls"] == {"warmup_end": 8, "decay_start": 19, "end": 28}
-    assert naive["updates_past_end"] == 4 and good["updates_past_end"] == 0 and naive["lr_error_max"] > 0
-    assert (recs["update-clock"].decision, recs["naive-clock"].decision) == ("accept", "reject")
-    assert good["final_lr"] == pytest.approx(run_cfg.schedule.base_lr * run_cfg.schedule.min_lr_ratio)
-
-
-def test_naive_trace_matches_transformers_stepped_every_call():
-    ctx = registry.make_context("TRAIN-SCHEDULER-CLOCK", "cpu", "tiny-b1s16")
-    run_cfg = ClockRun(schedule=WSDConfig(warmup=3, stable=2, decay=3, decay_type="linear"), overflow_calls=(1,),
-                       explicit_skip_calls=(5,))
-    t = train_with_clock("naive-clock", ctx, run_cfg)
-    s = summarize(t, run_cfg.schedule)
-    # call 5 (the skip) is the naive decay-start call itself, so only call 1 precedes that boundary
-    assert s["transformers_max_abs_diff"] == 0.0 and s["shifts"] == {"warmup_end": -1, "decay_start": -1, "end": -2}
-
-
-def test_conformance_passes():
-    row = conformance()
-    assert row.passed, row.detail
-
-
-def test_dry_run_plan():
-    p = registry.plan(registry.make_context("TRAIN-SCHEDULER-CLOCK", "dry_run"))
-    assert p["candidates"] == ["naive-clock", "update-clock"] and p["optimizer_calls"] == 28
 
 
 # --- the exercise checks catch the classic mistakes ------------------------------------

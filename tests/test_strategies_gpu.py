@@ -5,10 +5,9 @@ records of the full experiments. Skipped without CUDA."""
 import pytest
 import torch
 
-from bp_mech import checkpointing as ck
-from bp_mech import offload as of
-from bp_mech import registry
+from bp_mech import checkpointing, offload, registry
 from bp_mech.experiments import harness
+from bp_mech.experiments.offload import count_saved
 from bp_mech.results import load_record, save_record
 from bp_mech.workload import build_model, make_batches, parse_workload
 
@@ -35,11 +34,11 @@ def _equal(ref, got):
 def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setup):
     model, batches = gpu_model
     ref = harness.probe(model, batches[0], "cuda")
-    counted = of.count_saved(model, batches[0], setup)
-    off = of.ActivationOffload(model.parameters(), of.OffloadConfig(min_bytes=MIN_BYTES), "cuda")
+    counted = count_saved(model, batches[0], setup)
+    off = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN_BYTES), "cuda")
     assert off.pool.pin and off.stream is not None
     for _ in range(3):  # the host pool is reused from the second step on
-        with ck.configure(model, setup):
+        with checkpointing.configure(model, setup):
             got = harness.probe(model, batches[0], "cuda", off)
         ok, c = _equal(ref, got)
         assert ok, c
@@ -50,8 +49,8 @@ def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setu
 def test_checkpointing_on_cuda_is_equal_within_the_stated_tolerance(gpu_model):
     model, batches = gpu_model
     ref = harness.probe(model, batches[0], "cuda")
-    for name in ck.CANDIDATES[1:]:
-        with ck.configure(model, name):
+    for name in checkpointing.CONFIGURATIONS[1:]:
+        with checkpointing.configure(model, name):
             got = harness.probe(model, batches[0], "cuda")
         ok, c = _equal(ref, got)
         assert ok and got["recomputes"] > 0, (name, c)

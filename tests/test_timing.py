@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bp_mech import registry
-from bp_mech.experiments import harness
+from bp_mech.experiments import harness, strategies
 from bp_mech.measure import MAX_RATIO_SPREAD, Timing, time_interleaved, timing_noise
 
 
@@ -60,11 +60,11 @@ def test_noise_rule():
 
 
 def test_a_noisy_ratio_gives_no_decision_from_time():
-    assert harness.decide(True, 0.30, 1.1) == ("accept", None)
-    decision, nxt = harness.decide(True, 0.30, 1.1, noise="P95 ratio differs")
+    assert strategies.decide(True, 0.30, 1.1) == ("accept", None)
+    decision, nxt = strategies.decide(True, 0.30, 1.1, noise="P95 ratio differs")
     assert decision is None and "noise" in nxt
-    assert harness.decide(True, 0.10, 1.1, noise="x")[0] == "tune"  # saves too little: memory decides, not time
-    assert harness.decide(False, 0.30, 1.1, noise="x")[0] == "reject"  # correctness decides, not time
+    assert strategies.decide(True, 0.10, 1.1, noise="x")[0] == "tune"  # saves too little: memory decides, not time
+    assert strategies.decide(False, 0.30, 1.1, noise="x")[0] == "reject"  # correctness decides, not time
 
 
 @pytest.fixture

@@ -1,3 +1,17 @@
-"""bp_mech: backpropagation and the training mechanisms of LLMs, measured."""
+"""bp_mech: backpropagation and the training mechanisms of LLMs, measured.
+
+The package follows the book, one concept per module:
+
+* ``bp_mech.<mechanism>``: what a chapter teaches (``local_backward``, ``attention_backward``,
+  ``accumulation``, ``scheduler``, ``amp``, ``checkpointing``, ``offload``, ``ledger``,
+  ``update_dynamics``), what the exercise answers re-export;
+* ``bp_mech.experiments.<mechanism>``: that chapter's experiment (candidates, plan, decision rule,
+  records), all on ``bp_mech.experiments.harness``;
+* shared tools: ``workload`` (models, text, batches), ``measure`` (the timing protocol, the OOM
+  guard), ``tracking`` (the storage tracker, ``PeakMemory``), ``counters`` (forward calls, saved
+  tensors), ``results`` (the record), ``provenance`` (code hash, commit), ``registry`` (the IDs and
+  ``chapter_map``: chapter -> mechanism -> experiment -> exercise -> tests), ``environment``,
+  ``report`` and ``plots`` (what the chapters show), ``cli``.
+"""
 
 __version__ = "0.1.0"

@@ -18,19 +18,19 @@ Two hand-written strategies differ only in what the forward keeps for the backwa
 
 Both run inside one ``torch.autograd.Function`` whose forward calls ``ctx.save_for_backward``
 on exactly what the strategy keeps, so ``saved_bytes`` can count it with saved-tensor hooks.
+The experiment that checks and measures them is ``bp_mech.experiments.attention_backward``.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bp_mech.local_backward import linear_backward, linear_forward, rel_err
-from bp_mech.measure import PeakMemory, all_finite, free, summarize
+from bp_mech.counters import SavedBytesCounter
+from bp_mech.local_backward import linear_backward, linear_forward
 
 
 @dataclass(frozen=True)
@@ -239,73 +239,38 @@ def sdpa_attention(q, k, v, cos, sin):
                                           is_causal=True, enable_gqa=True)
 
 
-CANDIDATES = ("autograd", "saved_probs", "recompute", "sdpa")
+FRAMEWORK = {"autograd": autograd_attention, "sdpa": sdpa_attention}
 
 
 def attention_fn(name: str, block: int = 64):
+    """The attention ``(q, k, v, cos, sin) -> O`` called ``name``: a hand-written strategy under autograd
+    (``HandAttention``, tiles of ``block``) or one of the framework's versions."""
     if name in STRATEGIES:
         return lambda q, k, v, cos, sin: HandAttention.apply(q, k, v, cos, sin, name, block)
-    return {"autograd": autograd_attention, "sdpa": sdpa_attention}[name]
+    return FRAMEWORK[name]
 
 
-# --- measuring ------------------------------------------------------------------------
-
-def make_inputs(cfg: AttnConfig, T: int, dtype=torch.float64, seed=0, device="cpu"):
-    """((q, k, v, cos, sin), dO) with q, dO (B, H, T, d) and k, v (B, Hkv, T, d)."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
-    B, H, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
-    q, k, v, dO = r(B, H, T, d), r(B, Hkv, T, d), r(B, Hkv, T, d), r(B, H, T, d)
-    return (q, k, v, *rope_cos_sin(T, d, cfg.rope_theta, dtype, device)), dO
-
-
-def grads(fn, inputs, dO):
-    """(O, (dq, dk, dv)) of ``fn`` under autograd, with fresh leaves q, k, v."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs[:3]]
-    o = fn(*leaves, *inputs[3:])
-    return o.detach(), torch.autograd.grad(o, leaves, dO)
-
+# --- what a strategy saves: counted and by formula --------------------------------------
 
 def saved_bytes(fn, inputs) -> int:
-    """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack hook sees."""
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()  # views of one storage count once
-        storages[st.data_ptr()] = st.nbytes()
-        return t  # the graph keeps t alive, so no address is reused while we count
-
+    """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack hook sees
+    (``bp_mech.counters.SavedBytesCounter``: views of one storage count once)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs[:3]]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = fn(*leaves, *inputs[3:])
-    del o
-    return sum(storages.values())
+    counter = SavedBytesCounter()
+    with counter:  # the graph keeps every saved storage alive while fn runs
+        fn(*leaves, *inputs[3:])
+    return counter.bytes
 
 
 def saved_bytes_formula(cfg: AttnConfig, T: int, strategy: str, itemsize: int = 4) -> int:
     """What each hand-written strategy saves, by formula (the cross-check of ``saved_bytes``)."""
     B, H, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
     common = B * H * T * d + 2 * B * Hkv * T * d + 2 * T * d  # RoPE'd q, k; v; cos, sin
-    extra = B * H * T * T if strategy == "saved_probs" else B * H * T * d + B * H * T  # P | O, L
-    return (common + extra) * itemsize
+    probs_or_output = B * H * T * T if strategy == "saved_probs" else B * H * T * d + B * H * T  # P | O, L
+    return (common + probs_or_output) * itemsize
 
 
-def backward_times(names, cfg: AttnConfig, T: int, steps: int, warmup: int, device="cpu") -> dict:
-    """Backward time per candidate (float32), interleaved step by step so all see the same load."""
-    inputs, dO = make_inputs(cfg, T, torch.float32, 1, device)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    samples = {n: [] for n in names}
-    for _ in range(steps):
-        for n in names:
-            leaves = [t.clone().requires_grad_() for t in inputs[:3]]
-            o = attention_fn(n, cfg.block)(*leaves, *inputs[3:])
-            sync()
-            t0 = time.perf_counter()
-            o.backward(dO)
-            sync()
-            samples[n].append(time.perf_counter() - t0)
-    return {n: summarize(s, warmup) for n, s in samples.items()}
-
+# --- a whole Qwen2 attention layer by hand ----------------------------------------------
 
 def qwen2_attention_backward(x, attn, cos, sin, dy, strategy: str, block: int = 64):
     """A whole ``Qwen2Attention`` by hand: projections (chapter 09's linear pair), RoPE, GQA, softmax.
@@ -325,136 +290,3 @@ def qwen2_attention_backward(x, attn, cos, sin, dy, strategy: str, block: int = 
         dxn, out[f"{n}.weight"], out[f"{n}.bias"] = linear_backward(x, getattr(attn, n).weight, flat(g))
         dx = dx + dxn  # x feeds three projections: their gradients add
     return y, dx, out
-
-
-def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 48, block: int = 16,
-                       seed: int = 0, device="cpu") -> float:
-    """Max relative error (float32) of the hand-written layer vs transformers' Qwen2Attention (SDPA,
-    causal) under autograd, over the output, dx and the 7 parameter gradients."""
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
-
-    from bp_mech.workload import qwen2_config
-
-    cfg = qwen2_config(arch)
-    torch.manual_seed(seed)
-    attn = Qwen2Attention(cfg, layer_idx=0).to(device)
-    x = torch.randn(B, T, cfg.hidden_size, device=device, requires_grad=True)
-    cos, sin = Qwen2RotaryEmbedding(cfg).to(device)(x, torch.arange(T, device=device)[None].expand(B, T))
-    y_ref, _ = attn(x, (cos, sin), None)  # attention_mask=None: transformers' SDPA path is causal
-    dy = torch.randn_like(y_ref)
-    y_ref.backward(dy)
-    with torch.no_grad():
-        y, dx, g = qwen2_attention_backward(x, attn, cos, sin, dy, strategy, block)
-    ref = dict(attn.named_parameters())
-    return max([rel_err(y, y_ref), rel_err(dx, x.grad)] + [rel_err(g[n], ref[n].grad) for n in g])
-
-
-# --- the experiment -------------------------------------------------------------------
-
-# Decision rule for a checked candidate: accept when its float64 output and dQ/dK/dV are within
-# TOL64 of float64 autograd, its float32 ones within TOL32 of float32 SDPA, the whole hand-written
-# layer within TOL_MODULE of transformers' Qwen2Attention, and the growth exponent of its saved
-# bytes (log-log slope over the last two sweep lengths) is below LINEAR_MAX when it claims linear
-# state (recompute, sdpa); otherwise reject. autograd is the reference and gets no decision.
-TOL64, TOL32, TOL_MODULE, LINEAR_MAX = 1e-10, 1e-5, 1e-5, 1.1
-SWEEP_T = (128, 256, 512, 1024, 2048)  # sequence lengths of the saved-state sweep
-TIME_STEPS, TIME_WARMUP = 20, 3  # timed backward passes per candidate, leading ones dropped
-
-
-def sweep_saved_bytes(cfg: AttnConfig, Ts=SWEEP_T, names=CANDIDATES, device="cpu") -> dict:
-    """{candidate: {T: saved bytes}} in float32, measured through saved-tensor hooks."""
-    out = {n: {} for n in names}
-    for T in Ts:
-        inputs, _ = make_inputs(cfg, T, torch.float32, 0, device)
-        for n in names:
-            out[n][T] = saved_bytes(attention_fn(n, cfg.block), inputs)
-    return out
-
-
-def errors(cfg: AttnConfig, T: int, names=CANDIDATES, device="cpu") -> dict:
-    """{candidate: {"float64_vs_autograd": {...}, "float32_vs_sdpa": {...}, "finite": bool}}, errors
-    of the output, dq, dk, dv."""
-    out = {n: {"finite": True} for n in names}
-    for dtype, ref, key in ((torch.float64, "autograd", "float64_vs_autograd"),
-                            (torch.float32, "sdpa", "float32_vs_sdpa")):
-        inputs, dO = make_inputs(cfg, T, dtype, 0, device)
-        o_ref, g_ref = grads(attention_fn(ref), inputs, dO)
-        for n in names:
-            o, g = grads(attention_fn(n, cfg.block), inputs, dO)
-            out[n][key] = {"output": rel_err(o, o_ref), **{f"d{c}": rel_err(a, b) for c, a, b in zip("qkv", g, g_ref)}}
-            out[n]["finite"] &= all_finite([o, *g])
-    return out
-
-
-def growth_exponent(by_T: dict) -> float:
-    """log-log slope of saved bytes between the two largest lengths (1 linear, 2 quadratic)."""
-    (t0, b0), (t1, b1) = sorted(by_T.items())[-2:]
-    return math.log(b1 / b0) / math.log(t1 / t0)
-
-
-def plan(ctx) -> dict:
-    cfg = AttnConfig.from_arch(ctx.workload.arch, ctx.workload.batch)
-    T = ctx.workload.seq
-    return dict(attention=asdict(cfg), sweep_T=list(SWEEP_T), timed_T=T,
-                timing=f"{TIME_STEPS} backward passes per candidate, interleaved, first {TIME_WARMUP} dropped",
-                tolerances=dict(float64=TOL64, float32_vs_sdpa=TOL32, qwen2_module=TOL_MODULE),
-                saved_bytes_formula_float32={s: saved_bytes_formula(cfg, T, s) for s in STRATEGIES})
-
-
-def run(ctx) -> list:
-    """One record per candidate on ``ctx.device``; ``--mode real_gpu`` (not in the GPU suite) runs the
-    same checks with CUDA kernels (float32 matmuls without TF32, torch's default) and allocator peaks."""
-    cfg = AttnConfig.from_arch(ctx.workload.arch, ctx.workload.batch)
-    T, dev = ctx.workload.seq, ctx.device
-    errs = errors(cfg, T, device=dev)
-    swept = sweep_saved_bytes(cfg, sorted(set(SWEEP_T) | {T}), device=dev)
-    times = backward_times(CANDIDATES, cfg, T, TIME_STEPS, TIME_WARMUP, dev)
-    ta, recs = times["autograd"], []
-    for n in ctx.progress(CANDIDATES, desc="candidates"):
-        inputs, dO = make_inputs(cfg, T, torch.float32, 2, dev)
-        free(dev)  # earlier candidates' cached blocks would count in this one's reserved peak
-        with PeakMemory(dev, resident=[inputs, dO]) as pm:  # one forward + backward
-            grads(attention_fn(n, cfg.block), inputs, dO)
-        e64, e32 = (max(errs[n][k].values()) for k in ("float64_vs_autograd", "float32_vs_sdpa"))
-        module = qwen2_module_error(n, ctx.workload.arch, device=dev) if n in STRATEGIES else None
-        slope, t, ref = growth_exponent(swept[n]), times[n], n == "autograd"
-        failed = [k for k, bad in (("float64", e64 > TOL64), ("float32", e32 > TOL32),
-                                   ("qwen2_module", module is not None and module > TOL_MODULE),
-                                   ("linear_state", n in ("recompute", "sdpa") and slope > LINEAR_MAX)) if bad]
-        recs.append(ctx.record(
-            n, output_error=None if ref else errs[n]["float64_vs_autograd"]["output"],
-            grad_error=None if ref else max(errs[n]["float64_vs_autograd"][g] for g in ("dq", "dk", "dv")),
-            all_finite=errs[n]["finite"], peak_allocated=pm.peak_allocated, peak_reserved=pm.peak_reserved,
-            memory_source=pm.memory_source, step_median_s=t.median_s, step_p95_s=t.p95_s,
-            warmup_excluded=t.warmup_excluded,
-            recompute_count={"recompute": n_recomputed_tiles(T, cfg.block), "saved_probs": 0}.get(n),
-            decision=None if ref else ("reject" if failed else "accept"),
-            next_step=f"failed checks: {', '.join(failed)}" if failed and not ref else None,
-            metrics=dict(
-                errors=errs[n], error_note="output_error, grad_error: float64 vs float64 autograd (reference)",
-                qwen2_module_error=module, attention=asdict(cfg),
-                saved_bytes={str(k): v for k, v in swept[n].items()}, saved_bytes_at_T=swept[n][T],
-                saved_ratio_vs_recompute={str(k): v / swept["recompute"][k] for k, v in swept[n].items()},
-                saved_growth_exponent=slope, saved_bytes_formula={str(k): saved_bytes_formula(cfg, k, n)
-                                                                  for k in swept[n]} if n in STRATEGIES else None,
-                backward_time_ratio_vs_autograd=t.median_s / ta.median_s,
-                backward_p95_ratio_vs_autograd=t.p95_s / ta.p95_s, timed_T=T, timed_steps=TIME_STEPS,
-                tolerances=dict(float64=TOL64, float32_vs_sdpa=TOL32, qwen2_module=TOL_MODULE)),
-        ))
-    return recs
-
-
-def conformance():
-    """Hand-written (both strategies) vs float64 autograd, vs float32 SDPA, vs transformers' Qwen2Attention."""
-    from bp_mech.registry import ConformanceRow
-
-    cfg = AttnConfig.from_arch("tiny", 2, block=16)
-    errs = errors(cfg, 72, names=tuple(STRATEGIES))
-    e64 = max(max(e["float64_vs_autograd"].values()) for e in errs.values())
-    e32 = max(max(e["float32_vs_sdpa"].values()) for e in errs.values())
-    em = max(qwen2_module_error(s) for s in STRATEGIES)
-    ok = e64 <= TOL64 and e32 <= TOL32 and em <= TOL_MODULE
-    return ConformanceRow("Part 02 · 10", "TRAIN-ATTENTION-BACKWARD",
-                          "autograd (float64), F.scaled_dot_product_attention, transformers Qwen2Attention",
-                          ok, f"max rel. error: {e64:.1e} vs autograd (tol {TOL64:g}), {e32:.1e} vs SDPA "
-                          f"(tol {TOL32:g}, float32), {em:.1e} vs Qwen2Attention (tol {TOL_MODULE:g}, float32)")

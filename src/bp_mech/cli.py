@@ -16,9 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
-from bp_mech import registry, results
+from bp_mech import provenance, registry, results
 from bp_mech.environment import ProfileError, check_profile, cuda_available, preflight
-from bp_mech.measure import SMOKE_SCHEDULE, free
+from bp_mech.measure import SMOKE_SCHEDULE, release_memory
 from bp_mech.workload import WorkloadError, model_commit, parse_workload
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (src layout)
@@ -188,7 +188,7 @@ def run_suite(a) -> int:
             print(f"bp-mech: {e.semantic_id} failed:", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
             failed.append(e.semantic_id)
-        free("cuda" if mode == "real_gpu" else "cpu")  # after the except block: the traceback is gone
+        release_memory("cuda" if mode == "real_gpu" else "cpu")  # after the except block: the traceback is gone
         print(f"== {e.semantic_id} {'FAILED' if e.semantic_id in failed else 'done'} in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if failed:
@@ -212,7 +212,7 @@ def cmd_results(a) -> int:
         print(f"{len(items)} record(s) valid in {d}")
         return 0
     for p, r in items:
-        stale = results.is_stale(r, registry.get(r.semantic_id).module) if registry.get(r.semantic_id).implemented else True
+        stale = provenance.is_stale(r, registry.get(r.semantic_id).module) if registry.get(r.semantic_id).implemented else True
         print(f"{p.name}  {r.evidence_level}  {r.workload_id}  {r.candidate}{'  STALE' if stale else ''}")
     return 0
 

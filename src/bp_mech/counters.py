@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class ForwardCounter:
@@ -55,13 +56,15 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
     ``storages`` maps each distinct non-parameter storage to its bytes (views of one storage count
     once: that is the memory they hold); ``tensor_bytes`` is the per-tensor sum a naive copier
     moves (views and parameters included); ``param_saves`` counts saves of parameters (or views).
+    Storages are keyed by identity (``StorageWeakRef``, as in ``bp_mech.offload``), not by
+    ``data_ptr()``, which is 0 for every fake tensor (``FakeTensorMode``).
     Nested hooks do not stack: inside a checkpointed region ``torch.utils.checkpoint``'s own hooks
     win, so under checkpointing this counts what stays saved *outside* the recomputed regions.
     """
 
     def __init__(self, params=()):
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}  # storage data_ptr -> nbytes
+        self._param_storages = {StorageWeakRef(p.untyped_storage()) for p in params}
+        self.storages: dict[StorageWeakRef, int] = {}  # storage -> nbytes
         self.tensors = self.tensor_bytes = self.param_saves = 0
         super().__init__(self._pack, lambda t: t)
 
@@ -69,11 +72,12 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         self.tensors += 1
         self.tensor_bytes += t.numel() * t.element_size()
         if t.layout == torch.strided:
-            st = t.untyped_storage()  # pack returns t, so no counted storage dies and reuses its address
-            if st.data_ptr() in self._param_ptrs:
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage)  # identity: no other storage takes its address while the key lives
+            if key in self._param_storages:
                 self.param_saves += 1
-            elif st.nbytes():
-                self.storages[st.data_ptr()] = st.nbytes()
+            elif storage.nbytes():
+                self.storages[key] = storage.nbytes()
         return t
 
     @property

@@ -1,269 +1,266 @@
-"""Part 02 · 43 — TRAIN-STATE-LEDGER: where a training step's memory goes, stage by stage.
+"""Part 02 · 43 — the training-state ledger: what a ledger is, and what it should hold by formula.
 
-The experiment fills one ledger (lifecycle stage x object class, ``bp_mech.ledger_formula``)
-per strategy from three independent sources and asks whether they agree:
+A ledger splits the memory of one steady-state training step (AdamW, its moments already
+allocated by a warm-up step) by **lifecycle stage** (``STAGES``) and by **object class**
+(``CLASSES``). This module defines that table (``Ledger``) and fills it from theory:
+``theoretical`` derives every line for the Qwen2 block (SwiGLU, RMSNorm, GQA, fused SDPA,
+tied embeddings, fp32 logits) from what each operator saves for backward. The exercise
+answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
+``block_saved_bytes``) are its building blocks.
 
-* ``theoretical``: the formula for the Qwen2 block (``bp_mech.ledger_formula``);
-* ``track(..., fake=True)``: the step under ``FakeTensorMode``, storages counted by the
-  tracker of ``bp_mech.ledger_tracker`` (``fake-tensor``);
-* ``track(..., fake=False)``: the step run for real, storages tracked (``tracked-cpu``) or,
-  on CUDA, the caching allocator's counters beside them (``cuda-allocator``).
-
-The strategies are the book's own mechanisms (checkpointing of Part 02 · 19, the offload of
-Part 02 · 42, ``workload.make_adamw``'s AdamW), so ``gpu_references`` can put the GPU records of
-those chapters beside the formula, each through an explicit entry of ``GPU_COUNTERPARTS``.
-
-The chapter's names are re-exported here (``__all__``), so ``from bp_mech import ledger as L``
-reaches them all.
+``bp_mech.ledger_measure`` fills the same table from a real or a fake-tensor step (the storage
+tracker of ``bp_mech.tracking``); ``bp_mech.experiments.ledger`` compares the three sources
+(TRAIN-STATE-LEDGER).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 
-from bp_mech.ledger_formula import (
-    CLASS_LABELS, CLASSES, STAGE_LABELS, STAGES, STRATEGIES, Ledger, LedgerConfig, adam_state_bytes,
-    attention_probs_bytes, block_saved_bytes, gpt_activation_bytes, grad_bytes, layer_saved_storages, param_bytes,
-    theoretical)
-from bp_mech.ledger_tracker import _Tracker, make_optimizer, track, train_step
-
-__all__ = ["CANDIDATES", "CLASSES", "CLASS_LABELS", "CLASS_TOL", "GPU_COUNTERPARTS", "GPU_EXPERIMENTS",
-           "LARGE_CLASSES", "LARGE_SHARE",
-           "STAGES", "STAGE_LABELS", "TOL", "Ledger", "LedgerConfig", "adam_state_bytes", "attention_probs_bytes",
-           "block_saved_bytes", "class_errors", "conformance", "gpt_activation_bytes", "gpu_references", "grad_bytes",
-           "layer_saved_storages", "make_optimizer", "param_bytes", "plan", "run", "stage_errors", "theoretical",
-           "track", "train_step"]  # the chapter's names, from this module and its two parts
-
-CANDIDATES = STRATEGIES
-CODE_MODULES = ("bp_mech.ledger_formula", "bp_mech.ledger_tracker")  # hashed into code_hash with this one
-
-# Decision rule: the formula is accepted for a strategy when, against the measured (or the estimated)
-# ledger, every stage total (and the peak) agrees within TOL and every large line within CLASS_TOL;
-# otherwise "tune", with the worst stage or line named in next_step.
-TOL = 0.05  # stage totals and the peak
-CLASS_TOL = 0.03  # each large line
-LARGE_CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss")
-LARGE_SHARE = 0.05  # a line is large at a stage when it holds at least 5 % of that stage's total (either side)
+STAGES = ("load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
+CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
+STRATEGIES = ("plain", "checkpoint", "offload", "amp", "accumulation")
+STAGE_LABELS = dict(load="after model load", forward="after forward", backward_peak="peak in backward",
+                    backward="after backward", optimizer_peak="in the optimizer step", zero_grad="after zero_grad")
+CLASS_LABELS = dict(parameters="parameters", gradients="gradients", optimizer_states="optimizer states",
+                    saved_activations="saved activations", logits_loss="logits & loss", other="other temporaries")
 
 
-def stage_errors(ledger: Ledger, reference: Ledger) -> dict[str, float]:
-    """Relative error of ``ledger`` against ``reference``, per stage and for the peak."""
-    out = {s: ledger.total(s) / reference.total(s) - 1 for s in STAGES}
-    out["peak"] = ledger.peak / reference.peak - 1
-    return out
+ADAMW_FLAVOURS = ("fused", "foreach")  # AdamW implementations the ledger knows (torch.optim.AdamW flags)
 
 
-def class_errors(ledger: Ledger, reference: Ledger) -> dict[str, float]:
-    """Relative error of ``ledger`` against ``reference`` per large line, keyed ``"stage/class"``: the
-    classes of ``LARGE_CLASSES`` at the stages where the line holds at least ``LARGE_SHARE`` of the
-    stage's total in either ledger (a line the reference lacks is an infinite error)."""
-    out = {}
-    for s in STAGES:
-        for c in LARGE_CLASSES:
-            got, ref = ledger.stages[s][c], reference.stages[s][c]
-            if max(got / ledger.total(s), ref / reference.total(s)) >= LARGE_SHARE:
-                out[f"{s}/{c}"] = got / ref - 1 if ref else float("inf")
-    return out
+@dataclass(frozen=True)
+class LedgerConfig:
+    strategy: str = "plain"  # one of STRATEGIES
+    micro_batches: int = 2  # accumulation: micro-batches per update (must divide the batch)
+    amp_dtype: str = "float16"  # autocast dtype of the amp strategy
+    adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
+    offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
+    lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown ledger strategy {self.strategy!r}; known: {', '.join(STRATEGIES)}")
+        if self.adamw not in (None, *ADAMW_FLAVOURS):
+            raise ValueError(f"unknown AdamW flavour {self.adamw!r}; known: {', '.join(ADAMW_FLAVOURS)}")
+
+    @property
+    def checkpoint(self) -> str:
+        """The Part 02 · 19 candidate (``checkpointing.configure``) the model runs under."""
+        return "checkpoint-all" if self.strategy == "checkpoint" else "plain"
+
+    def for_device(self, device) -> "LedgerConfig":
+        """This config with its defaults resolved for ``device``: the AdamW flavour of
+        ``workload.make_adamw`` and Part 02 · 42's offload threshold ``offload.min_bytes``."""
+        from bp_mech.offload import min_bytes
+
+        cuda = torch.device(device).type == "cuda"
+        return dataclasses.replace(
+            self, adamw=self.adamw or ("fused" if cuda else "foreach"),
+            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes)
 
 
-def _worst(errors: dict[str, float]) -> tuple[str, float]:
-    k = max(errors, key=lambda k: abs(errors[k]))
-    return k, errors[k]
+@dataclass
+class Ledger:
+    """Device bytes per stage and class (+ host bytes of offloaded activations)."""
+
+    source: str  # formula | fake-tensor | tracked-cpu | cuda-allocator
+    strategy: str
+    stages: dict[str, dict[str, int]]  # stage -> class -> bytes
+    host: dict[str, int] = field(default_factory=dict)  # stage -> host bytes in use (the offload pool's)
+    forward_peak: int = 0  # peak inside the forward (not a ledger stage, counts for the peak)
+    allocator: dict[str, int] = field(default_factory=dict)  # CUDA only: stage -> allocator bytes
+    rounded: dict[str, int] = field(default_factory=dict)  # stage -> bytes in 512-byte allocator blocks
+    finite: bool | None = None  # the step's loss was finite (None: fake tensors have no values)
+    moment: str | None = None  # formula only: which candidate moment is the backward peak
+    updates: int = 0  # optimizer steps run, warm-up included (0: formula)
+    skipped: int | None = None  # amp: of those, the ones the GradScaler skipped (inf/NaN)
+
+    def total(self, stage: str) -> int:
+        return sum(self.stages[stage].values())
+
+    def totals(self) -> dict[str, int]:
+        return {s: self.total(s) for s in STAGES}
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, *self.totals().values())
+
+    @property
+    def peak_stage(self) -> str:
+        """The stage holding the peak ("forward_peak" if it lies inside the forward)."""
+        best = max(STAGES, key=self.total)
+        return "forward_peak" if self.forward_peak > self.total(best) else best
 
 
-def _judge(formula: Ledger, led: Ledger) -> tuple[str, str | None, dict]:
-    """(decision, next step, metrics) of the formula against ``led`` by the rule above."""
-    stage, line = stage_errors(formula, led), class_errors(formula, led)
-    (ws, es), (wl, el) = _worst(stage), _worst(line)
-    metrics = dict(formula_error=stage, formula_class_error=line, worst_stage=ws, worst_line=wl)
-    if abs(es) <= TOL and abs(el) <= CLASS_TOL:
-        return "accept", None, metrics
-    why = []
-    if abs(es) > TOL:
-        why.append(f"stage {ws} is off by {es:+.1%} (tolerance {TOL:.0%})")
-    if abs(el) > CLASS_TOL:
-        why.append(f"line {wl} is off by {el:+.1%} (tolerance {CLASS_TOL:.0%})")
-    return "tune", "find what the formula misses: " + "; ".join(why), metrics
+# --- the theoretical ledger -----------------------------------------------------------
+
+def _dims(cfg) -> dict:
+    """Sizes of a Qwen2 config (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict)."""
+    g = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    C, H, KV = g("hidden_size"), g("num_attention_heads"), g("num_key_value_heads")
+    return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"), V=g("vocab_size"),
+                L=g("num_hidden_layers"), tied=bool(g("tie_word_embeddings")))
 
 
-def _metrics(led: Ledger) -> dict:
-    return dict(source=led.source, stages=led.stages, totals=led.totals(), forward_peak=led.forward_peak,
-                host=led.host, rounded_512=led.rounded, allocator=led.allocator, moment=led.moment)
+def _layer_params(d) -> int:
+    """q/k/v (with bias), o, gate/up/down, two RMSNorm gains."""
+    C, Ckv, I = d["C"], d["Ckv"], d["I"]
+    return (C * C + C) + 2 * (C * Ckv + Ckv) + C * C + 3 * C * I + 2 * C
 
 
-def run(ctx) -> list:
-    """Per strategy: the measured ledger (CPU tracker or CUDA allocator), the fake-tensor estimate
-    and the formula, each its own record; decision: does the formula hold (``_judge``)?
-
-    ``updates`` counts the optimizer steps that ran for a measurement (the warm-up ones included;
-    ``skipped_updates``: those the GradScaler skipped, amp only). ``--mode real_gpu`` (not in the
-    GPU suite) measures on CUDA: the record's peaks are the allocator's, per phase; the estimate
-    stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy
-    that runs out of memory is that strategy's failure."""
-    from bp_mech.measure import free, guarded
-    from bp_mech.workload import ARCHITECTURES
-
-    w, recs, gpu = ctx.workload, [], ctx.device == "cuda"
-    for s in ctx.progress(CANDIDATES, desc="strategies"):
-        cfg = LedgerConfig(strategy=s).for_device(ctx.device)
-        if s == "accumulation" and w.batch % cfg.micro_batches:
-            why = f"batch {w.batch} is not divisible into {cfg.micro_batches} micro-batches"
-            recs.append(ctx.record(s, failure=why, next_step="pick a batch the micro-batches divide"))
-            continue
-        formula = theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, cfg, ctx.device)
-        est = track(w, cfg, fake=True)  # on the CPU, with the settings of ctx.device (cfg is resolved)
-        free(ctx.device)  # the last strategy's model and cached blocks out: these peaks are this one's own
-        meas, failure = guarded(track, w, cfg, ctx.device)
-        if meas is None:
-            recs.append(ctx.record(s, failure=failure, memory_source=ctx.memory_source,
-                                   next_step="does not fit: see the failure"))
-        else:
-            al = meas.allocator
-            decision, next_step, m = _judge(formula, meas)
-            recs.append(ctx.record(
-                s, all_finite=meas.finite, updates=meas.updates, update_count=meas.updates - (meas.skipped or 0),
-                skipped_updates=meas.skipped, memory_source=ctx.memory_source,
-                peak_allocated=max(v for k, v in al.items() if k.endswith("_peak")) if gpu else meas.peak,
-                peak_reserved=max(v for k, v in al.items() if k.endswith("_reserved")) if gpu else None,
-                decision=decision, next_step=next_step, metrics=dict(_metrics(meas), **m)))
-        decision, next_step, m = _judge(formula, est)
-        recs.append(ctx.record(f"{s}-estimated", evidence_level="estimated", memory_source="fake-tensor",
-                               updates=est.updates, peak_allocated=est.peak, decision=decision, next_step=next_step,
-                               metrics=dict(_metrics(est), **m)))
-        recs.append(ctx.record(f"{s}-formula", evidence_level="theoretical", memory_source="formula",
-                               peak_allocated=formula.peak, metrics=_metrics(formula)))
-    return recs
+def param_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """Unique parameters: embedding (once if tied to lm_head), L layers, final norm."""
+    d = _dims(cfg)
+    n = d["V"] * d["C"] * (1 if d["tied"] else 2) + d["L"] * _layer_params(d) + d["C"]
+    return n * bytes_per_value
 
 
-def plan(ctx) -> dict:
-    """The dry-run plan: what is measured where, and the formula's peak per strategy (no model)."""
-    from bp_mech.workload import ARCHITECTURES
-
-    w = ctx.workload
-    peaks = {dev: {s: theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, LedgerConfig(strategy=s), dev).peak
-                   for s in CANDIDATES} for dev in ("cpu", "cuda")}
-    return dict(sources=["measured (" + ctx.memory_source + ")", "estimated (fake-tensor)", "theoretical (formula)"],
-                stages=list(STAGES), classes=list(CLASSES), tolerance=TOL, class_tolerance=CLASS_TOL,
-                large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
-                mechanisms=dict(checkpoint="checkpointing.configure(model, 'checkpoint-all')",
-                                offload="offload.ActivationOffload(min_bytes=offload.min_bytes(device))",
-                                adamw="workload.make_adamw (fused on CUDA, foreach on the CPU)"),
-                steps_per_strategy="1 warm-up update (retried while the GradScaler skips it) + 1 measured update",
-                formula_peak_bytes_cpu=peaks["cpu"], formula_peak_bytes_cuda=peaks["cuda"],
-                records_per_strategy=["<strategy>", "<strategy>-estimated", "<strategy>-formula"])
+def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """One gradient per unique parameter (a tied weight has one .grad)."""
+    return param_bytes(cfg, bytes_per_value)
 
 
-def conformance():
-    """The tracker against PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` on the
-    same steady-state plain step of tiny-b2s64: the model's forward peak, its state when backward
-    starts (our "after forward"), its backward peak and its state after backward."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import build_model, make_batches, parse_workload
-
-    w, cfg = parse_workload("tiny-b2s64"), LedgerConfig()
-    led = track(w, cfg)
-    model, batch = build_model(w), make_batches(w, 1)[0]
-    opt = make_optimizer(model.parameters(), cfg, "cpu")
-    train_step(model, opt, batch, cfg, _Tracker("cpu"))  # warm-up, as in track()
-    mt = MemTracker()
-    mt.track_external(model, opt)
-    with mt:
-        train_step(model, opt, batch, cfg, _Tracker("cpu"))
-    snap = {k: v[-1][torch.device("cpu")]["Total"] for k, v in mt.memory_tracking[model].snapshots.items()}
-    pairs = {"forward_peak": (led.forward_peak, snap[_ModState.PEAK_FW]),
-             "forward": (led.total("forward"), snap[_ModState.PRE_BW]),
-             "backward_peak": (led.total("backward_peak"), snap[_ModState.PEAK_BW]),
-             "backward": (led.total("backward"), snap[_ModState.POST_BW])}
-    errs = {k: a / b - 1 for k, (a, b) in pairs.items()}
-    worst = max(errs, key=lambda k: abs(errs[k]))
-    return ConformanceRow("Part 02 · 43", "TRAIN-STATE-LEDGER", "torch MemTracker (module snapshots, plain step)",
-                          abs(errs[worst]) <= 1e-3, f"max rel. difference {errs[worst]:+.1e} at {worst} "
-                          f"({pairs[worst][0]} B vs {pairs[worst][1]} B) over 4 snapshots (tol 1e-3)")
+def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
+    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter; the step counters come on top."""
+    return 2 * param_bytes(cfg, bytes_per_value)
 
 
-# --- the GPU records of the chapters that own the strategies ------------------------------
+def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
+    """Bytes one Qwen2 decoder layer saves for backward (fused SDPA), its input included, its
+    weights and the shared RoPE cos/sin excluded. ``half``: under fp16/bf16 autocast.
 
-# Every candidate of the GPU experiments, mapped to the ledger configuration that counts the same
-# state, or to the reason it has none. Their GPU runs measure the full step (zero_grad, forward,
-# backward, AdamW update with its moments allocated by a warm-up update), as the ledger does, so
-# the formula's peak and the record's ``peak_allocated`` both hold parameters, gradients and AdamW's
-# moments. A record whose (experiment, candidate) is not here is an error (``gpu_references``).
-GPU_COUNTERPARTS: dict[tuple[str, str], LedgerConfig | str] = {
-    ("TRAIN-CHECKPOINT", "plain"): LedgerConfig("plain"),
-    ("TRAIN-CHECKPOINT", "checkpoint-all"): LedgerConfig("checkpoint"),
-    ("TRAIN-CHECKPOINT", "checkpoint-every2"):
-        "no ledger counterpart: the formula checkpoints every decoder layer or none",
-    ("TRAIN-CHECKPOINT", "checkpoint-mlp"):
-        "no ledger counterpart: the formula has no selective (MLP-only) checkpointing",
-    ("TRAIN-OFFLOAD", "resident"): LedgerConfig("plain"),
-    ("TRAIN-OFFLOAD", "save_on_cpu"):
-        "no ledger counterpart: save_on_cpu copies every saved tensor (views and parameters apart) and copies "
-        "each back per node; the ledger's offload is Part 02 · 42's ActivationOffload",
-    ("TRAIN-OFFLOAD", "offload"): LedgerConfig("offload"),
-    ("TRAIN-OFFLOAD", "offload-checkpoint"):
-        "no ledger counterpart: the formula does not combine strategies (Part 02 · 76 does)",
-    ("TRAIN-AMP-BACKWARD", "fp32"): LedgerConfig("plain"),
-    ("TRAIN-AMP-BACKWARD", "fp16-amp"): LedgerConfig("amp", amp_dtype="float16"),
-    ("TRAIN-AMP-BACKWARD", "bf16-amp"): LedgerConfig("amp", amp_dtype="bfloat16"),
-    ("TRAIN-AMP-BACKWARD", "fp16-overflow"):
-        "no ledger counterpart: overflow samples (injected inf/NaN steps), no peak is measured",
-    ("TRAIN-GRADIENT-ACCUMULATION", "full"): LedgerConfig("plain"),
-    ("TRAIN-GRADIENT-ACCUMULATION", "micro2"): LedgerConfig("accumulation", micro_batches=2),
-    ("TRAIN-GRADIENT-ACCUMULATION", "micro4"): LedgerConfig("accumulation", micro_batches=4),
-}
-GPU_EXPERIMENTS = ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION",
-                   "TRAIN-MEMORY-STRATEGY")
+    fp32, n = B*T tokens: 4 n (8C + 2Ckv + 4I + 2) + 4 B H T, from
+      RMSNorm x2: input x, 1/rms (n,1), x/rms, normed output (the q/k/v or gate/up input): 3C + 1 each
+      attention: RoPE'd q (C) and k (Ckv), v (Ckv), SDPA output (C, also o_proj's input), lse (B,H,T)
+      residual sum entering the second norm is that norm's x (counted above)
+      SwiGLU: gate out, silu out, up out, their product (down_proj's input): 4 I
+    autocast: the norms stay fp32 (x, x/rms, 1/rms), each linear saves its own half-precision
+    copy of its input (q, k, v: 3 copies; gate, up: 2), SDPA saves half q/k/v/out, the MLP is half:
+      n (30C + 4Ckv + 8I + 8) + 4 B H T.
+    """
+    d, n = _dims(cfg), batch * seq
+    C, Ckv, I, lse = d["C"], d["Ckv"], d["I"], 4 * batch * d["H"] * seq
+    if half:
+        return n * (30 * C + 4 * Ckv + 8 * I + 8) + lse
+    return 4 * n * (8 * C + 2 * Ckv + 4 * I + 2) + lse
 
 
-def _describe(cfg: LedgerConfig) -> str:
-    extra = {"accumulation": f" x{cfg.micro_batches}", "amp": f" {cfg.amp_dtype}",
-             "offload": f" (min {cfg.offload_min_bytes} B)"}.get(cfg.strategy, "")
-    return f"{cfg.strategy}{extra}, {cfg.adamw} AdamW"
+def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
+    """``block_saved_bytes`` (float32) storage by storage, in bytes: what an offload that moves whole
+    storages and keeps the small ones (Part 02 · 42) sees. n = B*T tokens:
+    two RMSNorms (x, x/rms, normed output: 4nC each; 1/rms: 4n), attention (RoPE'd q 4nC and k 4nC_kv,
+    v 4nC_kv, SDPA output 4nC, log-sum-exp 4BHT), SwiGLU (gate, SiLU, up, product: 4nI each)."""
+    d, n = _dims(cfg), batch * seq
+    C, Ckv, I = d["C"], d["Ckv"], d["I"]
+    return [4 * n * C] * 6 + [4 * n] * 2 + [4 * n * C, 4 * n * Ckv, 4 * n * Ckv, 4 * n * C,
+                                           4 * batch * d["H"] * seq] + [4 * n * I] * 4
 
 
-def gpu_references(results_dir=None) -> list[dict]:
-    """The cached GPU records of 11, 19, 42, AMP and 76 beside the formula, one row per record.
+def _outer_saved_storages(d, batch: int, seq: int) -> list[int]:
+    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm (x, x/rms,
+    normed output, 1/rms)."""
+    n = batch * seq
+    return [4 * seq * d["hd"]] * 2 + [4 * n * d["C"]] * 3 + [4 * n]
 
-    Each record goes through ``GPU_COUNTERPARTS``: a ledger configuration (the formula's peak at the
-    record's effective batch and sequence, on CUDA, against its ``peak_allocated``) or a stated reason
-    it has none. Raises ``ValueError`` naming the record when its candidate is in neither, or when it
-    ran no optimizer update (its peak would lack the AdamW state the formula counts)."""
-    from bp_mech import registry, report
-    from bp_mech.workload import ARCHITECTURES, parse_workload
 
-    results_dir = report.RESULTS_DIR if results_dir is None else results_dir
-    rows = []
-    for sid in GPU_EXPERIMENTS:
-        if not registry.get(sid).implemented:
-            continue  # no module, so no records yet (Part 02 · 76)
-        cached = report.cached(sid, results_dir)
-        for label, recs in cached.gpu().items():
-            for r in (r for r in recs if r.evidence_level == "gpu-measured"):
-                name = f"{sid} record {r.filename} (run label {label}, candidate {r.candidate!r})"
-                entry = GPU_COUNTERPARTS.get((sid, r.candidate))
-                if entry is None:
-                    raise ValueError(f"{name}: no entry in ledger.GPU_COUNTERPARTS; map the candidate to a "
-                                     "LedgerConfig or to 'no ledger counterpart: <why>'")
-                row = dict(experiment=sid, run_label=label, candidate=r.candidate, workload=r.workload_id,
-                           stale=label in cached.stale, ledger=None, peak_allocated=r.peak_allocated,
-                           peak_reserved=r.peak_reserved, formula_peak=None, formula_error=None,
-                           formula_peak_stage=None, formula_optimizer_states=None, note=None)
-                if isinstance(entry, str):
-                    rows.append(dict(row, note=entry))
-                    continue
-                if not r.updates:
-                    raise ValueError(f"{name}: updates={r.updates!r}, so its step ran no AdamW update and its peak "
-                                     "has no optimizer state, which the formula counts; rerun it with a full step")
-                w = parse_workload(r.workload_id)
-                batch, seq = r.effective_batch or w.batch, (r.input_shape or [None, w.seq])[1]
-                cfg = entry.for_device("cuda")
-                f = theoretical(ARCHITECTURES[w.arch], batch, seq, cfg, "cuda")
-                at = f.peak_stage if f.peak_stage in f.stages else "forward"  # (a peak inside the forward)
-                row.update(ledger=_describe(cfg), formula_peak=f.peak, formula_peak_stage=f.peak_stage,
-                           formula_optimizer_states=f.stages[at]["optimizer_states"],
-                           formula_error=f.peak / r.peak_allocated - 1 if r.peak_allocated else None,
-                           note=r.failure)
-                rows.append(row)
-    return rows
+def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
+    """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al. 2022, eq. 2):
+    16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the materialised s x s scores."""
+    d = _dims(cfg)
+    return seq * batch * d["C"] * (34 + 5 * d["H"] * seq / d["C"])
+
+
+def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -> int:
+    """What one layer adds if SDPA falls back to its math kernel: the (B, H, T, T) probabilities."""
+    return batch * _dims(cfg)["H"] * seq * seq * bytes_per_value
+
+
+def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), device="cpu") -> Ledger:
+    """The formula ledger of one steady-state step (derivation in the chapter), ``cfg`` resolved for
+    ``device`` (``LedgerConfig.for_device``: AdamW flavour, offload threshold).
+
+    n = B T / k tokens per micro-batch, W = ``param_bytes``, M = 2W (+ 4-byte steps), E = 4 V C:
+      after load       W (+ the RoPE buffers)
+      after forward    W + M + batch + saved + log-softmax output 4 n V (+ targets, scalars)
+      peak in backward the largest of: the log-softmax backward (saved + 3 x 4 n V); each layer's
+                       MLP backward (gradients so far + its live tensors); with tied embeddings the
+                       end (all gradients + lm_head's, held by the engine, + the embedding's)
+      after backward   W + M + W (gradients)
+      optimizer step   + W with the foreach AdamW (one temporary per tensor, all at once); + 0 fused
+      after zero_grad  W + M
+    saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); with
+    offload only the saved storages under ``cfg.offload_min_bytes`` (``layer_saved_storages``), which
+    Part 02 · 42's ``ActivationOffload`` leaves on the device (parameters it keeps cost nothing extra).
+    """
+    d = _dims(arch)
+    C, Ckv, I, V, L, hd = d["C"], d["Ckv"], d["I"], d["V"], d["L"], d["hd"]
+    strategy = cfg.strategy
+    k = cfg.micro_batches if strategy == "accumulation" else 1
+    b, n, amp = batch // k, batch * seq // k, strategy == "amp"  # per micro-batch
+    W = param_bytes(arch)  # weights = gradients (fp32)
+    n_tensors = 2 + L * 12 + (0 if d["tied"] else 1)
+    params = W + 4 * hd  # + RoPE inv_freq buffers
+    wl = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * I) if amp else 0  # autocast's half weight copies, per layer
+    wcopy = L * wl + (2 * V * C if amp else 0)  # + lm_head's; each is freed by its layer's backward
+    cfg = cfg.for_device(device)
+    fused = cfg.adamw == "fused"
+    on_cpu = torch.device(device).type == "cpu"
+    # two moments + a 4-byte step per tensor, on the device (CPU, or fused), a host scalar (foreach on CUDA)
+    M = 2 * W + (4 * n_tensors if on_cpu or fused else 0)
+    batch_b = 16 * batch * seq  # input_ids + labels, int64
+    E = 4 * V * C  # embedding / lm_head weight (tied)
+    A = block_saved_bytes(arch, b, seq, amp)
+    R = 8 * seq * hd  # RoPE cos + sin, fp32, shared by the layers
+    F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
+    Pl = 4 * _layer_params(d)
+    stay = lambda sizes: sum(x for x in sizes if x < cfg.offload_min_bytes)  # noqa: E731 (offload keeps them)
+    saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F,
+             "offload": L * stay(layer_saved_storages(arch, b, seq)) + stay(_outer_saved_storages(d, b, seq))
+             }.get(strategy, L * A + R + F)
+    logits_saved = [4 * n * V, 8 * n, 4]  # log-softmax output, targets (int64), a scalar
+    logits_fwd = (stay(logits_saved) if strategy == "offload" else sum(logits_saved)) + 4 + (2 * n * C if amp else 0)
+    g_prev = W if k > 1 else 0  # accumulation: the last micro-batch starts with gradients
+    losses = 4 * k
+    opt_tmp = 0 if fused else W  # foreach: one temporary per tensor at once; fused: in place
+
+    def row(**kw):
+        return {c: kw.get(c, 0) for c in CLASSES}
+
+    base = dict(parameters=params + wcopy, optimizer_states=M, gradients=g_prev)
+    stages = {"load": row(parameters=params),
+          "forward": row(**base, saved_activations=saved, logits_loss=logits_fwd + losses - 4, other=batch_b),
+          "backward": row(parameters=params, optimizer_states=M, gradients=W, logits_loss=losses, other=batch_b),
+          "optimizer_peak": row(parameters=params, optimizer_states=M, gradients=W, logits_loss=losses,
+                                other=batch_b + opt_tmp),
+          "zero_grad": row(parameters=params, optimizer_states=M, logits_loss=losses, other=batch_b)}
+    # backward peak: the largest of the candidate moments
+    half = 2 if amp else 4
+    events = {"the log-softmax backward": row(**base, saved_activations=saved, other=batch_b,
+                                              logits_loss=12 * n * V + losses + (2 * n * C if amp else 0))}
+    for l in range(L):  # layer l's MLP backward (mul node): dy, d(a*u), da, du alive
+        # gradients so far (with k > 1 each new one is added in place into .grad and freed)
+        grads = W + E + 4 * C * I if k > 1 else E + 4 * C + (L - 1 - l) * Pl + 4 * C * I
+        g = dict(base, gradients=grads, parameters=params + (l + 1) * wl - (4 * C * I if amp else 0))
+        if strategy == "checkpoint":
+            sv, tmp = (l + 1) * 4 * n * C + 8 * seq + R + A - 4 * n * C - 4 * n * I, 4 * n * C + 12 * n * I
+        elif strategy == "offload":  # the small storages of layers 0..l stay; a and u come back (unpacked)
+            sv, tmp = (l + 1) * stay(layer_saved_storages(arch, b, seq)), 4 * n * C + 20 * n * I
+            # RoPE cos/sin: saved by every layer, so back on the device from the top layer's attention
+            # backward to layer 0's (the copy lives while a saved view of it waits)
+            rope = [x for x in _outer_saved_storages(d, b, seq)[:2] if x >= cfg.offload_min_bytes]
+            sv, tmp = sv + stay(_outer_saved_storages(d, b, seq)[:2]), tmp + (sum(rope) if l < L - 1 else 0)
+        else:  # (amp: half-precision MLP gradients, approximate; the log-softmax moment dominates)
+            sv, tmp = (l + 1) * A + R - half * n * I, 4 * n * C + 3 * half * n * I
+        events[f"layer {l}'s MLP backward"] = row(**g, saved_activations=sv, other=batch_b + tmp, logits_loss=losses)
+    if d["tied"]:  # the end: lm_head's gradient (held by the engine) + the embedding's + their sum
+        events["the end of the backward (tied embedding)"] = row(
+            **dict(base, parameters=params, gradients=W + 2 * E + (E if k > 1 else 0)), other=batch_b,
+            logits_loss=losses)
+    moment = max(events, key=lambda e: sum(events[e].values()))
+    stages["backward_peak"] = events[moment]
+    fpeak = sum(stages["forward"].values()) + 4 * n * V + 8 * b * (seq + 1) + (2 * n * V if amp else 0)
+    return Ledger("formula", strategy, {x: stages[x] for x in STAGES}, forward_peak=fpeak, moment=moment)

@@ -3,12 +3,11 @@
 * ``time_steps`` runs a step function repeatedly, drops the warm-up steps (the first step
   pays for allocator growth and lazy initialisation) and reports the median and P95 of the
   rest, with the count excluded.
-* ``PeakMemory`` is one context manager for both devices. On CUDA it reads the caching
-  allocator (``max_memory_allocated`` / ``max_memory_reserved``). On the CPU there is no
-  allocator to ask, so it tracks every tensor storage created inside the block through a
-  ``TorchDispatchMode`` and weak storage references: the live bytes are the storages not
-  yet freed, the peak is their maximum after any operator. The result is deterministic
-  (a function of the program, not of timing) and its ``memory_source`` says which it is.
+* ``measure_steps`` gives the peak (``PeakMemory`` of ``bp_mech.tracking``: the CUDA allocator, or
+  on the CPU the storage tracker) and the step time of a repeated step.
+* ``time_interleaved`` is the CPU timing protocol; ``timing_noise`` says when a ratio is noise.
+* ``oom_as_failure`` turns an allocation failure into a candidate's failure; ``release_memory``
+  returns memory between candidates.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_leaves
+
+from bp_mech.tracking import PeakMemory
 
 
 @dataclass
@@ -163,131 +161,6 @@ def grads_finite(model: torch.nn.Module) -> bool:
     return all_finite(p.grad for p in model.parameters())
 
 
-class _StorageTracker(TorchDispatchMode):
-    """Tracks the bytes of every storage an operator outputs while the mode is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[tuple[int, int], tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-        self.current = 0
-
-    def add(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
-            return
-        st = t.untyped_storage()
-        key = _key(t)
-        if st.nbytes() == 0 or (key in self.live and not self.live[key][0].expired()):
-            return
-        self.live[key] = (StorageWeakRef(st), st.nbytes())
-
-    def refresh(self) -> int:
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
-            del self.live[k]
-        self.current = sum(n for _, n in self.live.values())
-        self.peak = max(self.peak, self.current)
-        return self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # an output sharing an input's storage (a view, an in-place op) allocated nothing:
-        # if that storage is untracked it existed before the block and is not counted
-        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and _key(t) in inputs and _key(t) not in self.live:
-                continue
-            self.add(t)
-        self.refresh()
-        return out
-
-
-def _key(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return (st.data_ptr(), st.nbytes())
-
-
-@contextlib.contextmanager
-def host_side():
-    """Allocations inside are not tracked: host-side copies of an offload on the CPU, which
-    the CUDA allocator would not count either. A mode with its own host column (a ``host_depth``
-    counter: the ledger's tracker) stays on and is told instead, so that it books them as host
-    bytes; it must, under ``FakeTensorMode``, which disabling would disable too."""
-    stack = _get_current_dispatch_mode_stack()
-    told = [m for m in stack if hasattr(m, "host_depth")]
-    if not told and stack and all(isinstance(m, _StorageTracker) for m in stack):
-        with _disable_current_modes():
-            yield
-        return
-    for m in told:
-        m.host_depth += 1
-    try:
-        yield
-    finally:
-        for m in told:
-            m.host_depth -= 1
-
-
-class PeakMemory:
-    """Peak memory of a block of code, on CUDA (allocator) or CPU (tracked storages).
-
-    Usage::
-
-        with PeakMemory(device, resident=[model.parameters()]) as pm:
-            loss = model(**batch).loss; loss.backward()
-        pm.peak_allocated, pm.peak_reserved, pm.memory_source
-
-    ``resident`` lists tensors that exist before the block and count towards the peak
-    (parameters, optimizer state); on the CPU they are tracked like the rest, on CUDA the
-    allocator already sees them. ``mark(name)`` records the live bytes at a point, which the
-    ledger uses for its lifecycle stages.
-    """
-
-    def __init__(self, device="cpu", resident: Iterable = ()) -> None:
-        self.device = torch.device(device)
-        self.resident = list(resident)
-        self.peak_allocated: int | None = None
-        self.peak_reserved: int | None = None
-        self.marks: dict[str, int] = {}
-        self._mode: _StorageTracker | None = None
-
-    @property
-    def memory_source(self) -> str:
-        return "cuda-allocator" if self.device.type == "cuda" else "tracked-cpu"
-
-    def current(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return self._mode.refresh() if self._mode else 0
-
-    def mark(self, name: str) -> int:
-        self.marks[name] = self.current()
-        return self.marks[name]
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._mode = _StorageTracker()
-            for group in self.resident:
-                for t in tree_leaves(list(group) if not isinstance(group, torch.Tensor) else group):
-                    self._mode.add(t)
-            self._mode.refresh()
-            self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
-            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
-        else:
-            self._mode.__exit__(*exc)
-            self.peak_allocated = self._mode.peak
-            self.peak_reserved = None
-
-
 def mib(n: int | float | None) -> float | None:
     return None if n is None else n / 2**20
 
@@ -377,8 +250,3 @@ def oom_as_failure(fn: Callable, *args, **kwargs):
                    else f"allocation failed ({type(e).__name__}): {first}")
     release_memory("cuda" if torch.cuda.is_available() else "cpu")
     return None, failure
-
-
-# Old names, kept until every module has moved to the new ones (issue 9): remove then.
-guarded = oom_as_failure
-free = release_memory

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from bp_mech import results
+from bp_mech import provenance, results
 from bp_mech.environment import attention_shape, environment_fields, numerics
 from bp_mech.workload import Workload, parse_workload, workload_fields
 
@@ -69,36 +69,36 @@ class Experiment:
 
 # GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76.
 EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
-    Experiment("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.amp", "book/part02/12b-amp-backward.md",
+    Experiment("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.experiments.amp", "book/part02/12b-amp-backward.md",
        "FP32 → AMP, plus overflow samples", "finiteness, loss scale, skipped steps, peak, step time", True),
-    Experiment("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.accumulation",
+    Experiment("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.experiments.accumulation",
        "book/part02/11-gradient-accumulation.md", "full batch → 2 / 4 micro-batches accumulated",
        "param/loss difference, absolute and incremental peak, step median/P95", True,
        gpu_workload="qwen05-b2s256"),
-    Experiment("TRAIN-CHECKPOINT", "Part 02 · 19", "19", "bp_mech.checkpointing", "book/part02/19-checkpointing.md",
+    Experiment("TRAIN-CHECKPOINT", "Part 02 · 19", "19", "bp_mech.experiments.checkpointing", "book/part02/19-checkpointing.md",
        "plain saving → native gradient checkpointing", "loss / grad-norm equality, peak, step time, recompute count",
        True),
-    Experiment("TRAIN-OFFLOAD", "Part 02 · 42", "42", "bp_mech.offload", "book/part02/42-offload.md",
+    Experiment("TRAIN-OFFLOAD", "Part 02 · 42", "42", "bp_mech.experiments.offload", "book/part02/42-offload.md",
        "GPU-resident → host offload of saved activations", "loss / grad-norm equality, D2H/H2D bytes, peak, step time",
        True),
-    Experiment("TRAIN-UPDATE-DYNAMICS", "Part 02 · 55", "55", "bp_mech.update_dynamics", "book/part02/55-update-dynamics.md",
+    Experiment("TRAIN-UPDATE-DYNAMICS", "Part 02 · 55", "55", "bp_mech.experiments.update_dynamics", "book/part02/55-update-dynamics.md",
        "base LR / high LR no clip / high LR with clip",
        "finiteness, grad norm, clip coefficient, parameter delta, peak, step median/P95", True),
-    Experiment("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.continual_pretrain",
+    Experiment("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.experiments.continual_pretrain",
        "book/part02/56-continual-pretrain.md", "0-update baseline → fixed-step full-sequence domain training",
        "domain / holdout token loss, finiteness, checkpoint fields, peak, step median/P95", True),
     Experiment("TRAIN-MEMORY-STRATEGY", "Part 02 · 76", "76", "bp_mech.projects.memory_strategy",
        "book/projects/76-memory-strategy.md", "single and combined strategies (checkpoint, offload, AMP)",
        "quality–capacity–time decision", True),
-    Experiment("TRAIN-LOCAL-BACKWARD", "Part 02 · 09", "09", "bp_mech.local_backward", "book/part02/09-local-backward.md",
+    Experiment("TRAIN-LOCAL-BACKWARD", "Part 02 · 09", "09", "bp_mech.experiments.local_backward", "book/part02/09-local-backward.md",
        "hand-written local gradients → autograd", "output, input grad, parameter grads, error", False),
-    Experiment("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.attention_backward",
+    Experiment("TRAIN-ATTENTION-BACKWARD", "Part 02 · 10", "10", "bp_mech.experiments.attention_backward",
        "book/part02/10-attention-backward.md", "hand-written attention backward → autograd",
        "dQ/dK/dV, saved state (bytes), numeric error", False, cpu_workload="tiny-b1s512"),
-    Experiment("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.scheduler", "book/part02/12-scheduler-clock.md",
+    Experiment("TRAIN-SCHEDULER-CLOCK", "Part 02 · 12", "12", "bp_mech.experiments.scheduler", "book/part02/12-scheduler-clock.md",
        "WSD clock under successful and skipped updates", "warmup/stable/decay boundaries, effective update count",
        False),
-    Experiment("TRAIN-STATE-LEDGER", "Part 02 · 43", "43", "bp_mech.ledger", "book/part02/43-state-ledger.md",
+    Experiment("TRAIN-STATE-LEDGER", "Part 02 · 43", "43", "bp_mech.experiments.ledger", "book/part02/43-state-ledger.md",
        "baseline lifecycle → lifecycle after a strategy", "residency per stage, peak objects, theoretical peak",
        False),
     Experiment("TRAIN-BASELINE", "Part 02 · 73", "73", "bp_mech.projects.baseline", "book/projects/73-baseline.md",
@@ -174,7 +174,7 @@ class RunContext:
             self._base = dict(
                 **workload_fields(self.workload),
                 **environment_fields(self.profile, self.device),
-                **results.provenance(self.experiment.module),
+                **provenance.provenance(self.experiment.module),
             )
             # the settings that decide the numbers, with the SDPA kernel of this workload's attention shape
             self._base["numerics"] = numerics(self.device, attention_shape(self.workload))
@@ -218,6 +218,24 @@ def run(ctx: RunContext) -> list[results.Record]:
     return mod.run(ctx)
 
 
+# --- the map: chapter -> mechanism -> experiment -> exercise -> tests ---------------------
+
+def chapter_map(root: Path) -> list[dict]:
+    """Where each chapter lives, in book order: its page, the mechanism module the chapter teaches,
+    the experiment module that measures it, the exercise file and the test files (those that exist)."""
+    def rel(paths):
+        return [str(p.relative_to(root)) for p in paths]
+
+    rows = []
+    for e in sorted(EXPERIMENTS.values(), key=lambda e: e.doc):
+        name = e.mechanism.rsplit(".", 1)[1]
+        tests = sorted((root / "tests").glob(f"test_{name}.py")) + sorted((root / "tests").glob(f"*/test_{name}.py"))
+        rows.append(dict(semantic_id=e.semantic_id, page=e.page, chapter=e.doc, mechanism=e.mechanism,
+                         experiment=e.module, exercise=rel(sorted((root / "exercises").glob(f"ex{e.number}_*.py" if e.number.isdigit() else f"ex_{e.number}_*.py"))),
+                         tests=rel(tests)))
+    return rows
+
+
 # --- status, computed ---------------------------------------------------------------
 
 @dataclass
@@ -236,14 +254,14 @@ def status(e: Experiment, root: Path, results_dir: Path) -> str:
     if not (root / e.doc).exists():
         return "in progress (no chapter yet)"
     recs = [r for _, r in results.load_records(results_dir, e.semantic_id) if r.failure is None]
-    fresh = [r for r in recs if not results.is_stale(r, e.module)]
+    fresh = [r for r in recs if not provenance.is_stale(r, e.module)]
     cpu = any(r.evidence_level == "cpu-mechanism" for r in fresh)
     gpu = [r for r in recs if r.evidence_level == "gpu-measured"]
     text = "complete CPU mechanism" if cpu else "CPU mechanism (no current CPU record cached)"
     if e.gpu:
         if not gpu:
             text += "; no GPU record cached yet"
-        elif any(not results.is_stale(r, e.module) for r in gpu):
+        elif any(not provenance.is_stale(r, e.module) for r in gpu):
             text += " + GPU cached"
         else:
             text += " + GPU cached (stale: code changed since)"

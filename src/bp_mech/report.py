@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bp_mech import registry, results
+from bp_mech import provenance, registry, results
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "book" / "results"
@@ -49,7 +49,7 @@ def cached(semantic_id: str, results_dir: Path = RESULTS_DIR) -> Cached:
     stale = set()
     for label, items in groups.items():
         results.check_mergeable(items)
-        if any(results.is_stale(r, exp.module) for _, r in items):
+        if any(provenance.is_stale(r, exp.module) for _, r in items):
             stale.add(label)
     return Cached(semantic_id, {k: [r for _, r in v] for k, v in groups.items()}, stale)
 

@@ -2,7 +2,7 @@
 
 References: float64 autograd through ``torch.softmax``, ``F.scaled_dot_product_attention``
 (causal) and transformers' ``repeat_kv`` / ``apply_rotary_pos_emb``; the blockwise backward's
-memory through ``bp_mech.measure.PeakMemory`` (tracked CPU storages). Head widths d > 1 make a
+memory through ``bp_mech.tracking.PeakMemory`` (tracked CPU storages). Head widths d > 1 make a
 missing 1/sqrt(d) visible; H/Hkv > 1 with several KV groups makes a wrong GQA reduction
 visible; short sequences and row 0 make an off-by-one causal mask visible.
 """
@@ -80,7 +80,7 @@ def check_blockwise_backward(m):
 
 
 def check_blockwise_memory(m):
-    from bp_mech.measure import PeakMemory
+    from bp_mech.tracking import PeakMemory
 
     lead, T, d, block = (2, 2), 256, 8, 16
     g = torch.Generator().manual_seed(50)

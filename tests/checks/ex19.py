@@ -2,7 +2,7 @@
 
 References: plain float64 autograd on an identical copy of the block (gradients to 1e-12); the
 bytes a plain block keeps alive after forward, measured with the package's storage tracker
-(``bp_mech.measure.PeakMemory``); and counters the checks place *inside* the modules' own
+(``bp_mech.tracking.PeakMemory``); and counters the checks place *inside* the modules' own
 ``forward``, which count real executions however a solution calls them.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech.measure import PeakMemory
+from bp_mech.tracking import PeakMemory
 
 TOL = 1e-12  # float64: the recompute repeats the same operations
 C, I = 16, 512  # block width and its wide inner width: the intermediates dominate the memory

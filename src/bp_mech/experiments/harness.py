@@ -5,13 +5,14 @@
   gradient errors against a baseline, NaN never equal;
 * ``measure_candidates``: the candidates of a memory strategy on one shared model and optimizer
   (warm-up, interleaved timing on one CPU thread, a peak step each, probes from the same weights);
-* ``decide``: the accept / tune / reject / no-decision rule from the peak saving and the time ratio;
-* ``make_records``: one record per candidate, ratios against the baseline, the noise verdict;
 * ``schedule`` / ``estimate_seconds`` / ``plan_modes``: the steps and the planning estimate of
   ``--mode dry_run``.
+* ``measure_separate`` / ``plan_separate``: the same for experiments whose candidates each train their
+  own model (AMP, Part 02 · 11, Part 02 · 55): interleaved on the CPU, one after another on CUDA.
 
 The strategies come in as ``Candidate(setup, saving)``: a configuration context (checkpointing) and
-saved-tensor hooks (offload); this module imports no strategy.
+saved-tensor hooks (offload); this module imports no strategy. Their decision rule and records are in
+``bp_mech.experiments.strategies``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Callable
 import torch
 
 from bp_mech.counters import ForwardCounter, SavedBytesCounter
-from bp_mech.measure import CPU_TIMING_THREADS, SMOKE_SCHEDULE, PeakMemory, release_memory, oom_as_failure, time_interleaved, timing_noise
-from bp_mech.results import json_safe
+from bp_mech.measure import (CPU_TIMING_THREADS, SMOKE_SCHEDULE, StepStats, measure_steps, oom_as_failure,
+                             release_memory, time_interleaved)
+from bp_mech.tracking import PeakMemory
 from bp_mech.update_dynamics import global_grad_norm
 from bp_mech.workload import PLAN_BUILD_S, make_adamw, param_count, plan_seconds
 
@@ -95,32 +97,6 @@ def compare(ref: dict, got: dict) -> dict:
 # Equality with the plain run: (loss, gradient) relative tolerances by device type.
 EQUAL_TOL = {"cpu": (0.0, 0.0),  # CPU kernels are deterministic here: bitwise equality is required
        "cuda": (1e-6, 1e-4)}  # fp32 CUDA: a recompute may pick other kernels, backward may reassociate
-
-# Decision rule, from ratios against the plain (resident) run of the same invocation:
-#   reject  if loss or gradients are not finite or differ beyond EQUAL_TOL, or the peak drops by less than MIN_USEFUL_SAVING;
-#   tune    if the peak drops by less than MIN_PEAK_SAVING (it saves too little, whatever the time);
-#   none    if the time ratio is noise (``measure.timing_noise``): the time decides nothing, the chapter says so;
-#   accept  if the peak drops by at least MIN_PEAK_SAVING at a median step time of at most MAX_TIME_RATIO x;
-#   tune    otherwise: it saves memory, but at too high a time cost.
-MIN_PEAK_SAVING = 0.20
-MAX_TIME_RATIO = 1.50
-MIN_USEFUL_SAVING = 0.05
-
-
-def decide(equal: bool, peak_saving: float, time_ratio: float, noise: str | None = None) -> tuple[str | None, str | None]:
-    """(decision, next step) by the rule above."""
-    if not equal:
-        return "reject", "loss or gradients differ from the plain run (or are not finite): find the wrong op or race"
-    if peak_saving < MIN_USEFUL_SAVING:
-        return "reject", "the peak barely moves: the memory is not in the saved activations"
-    if peak_saving < MIN_PEAK_SAVING:
-        return "tune", "saves too little: cover more of the saved activations"
-    if noise is not None:
-        return None, f"the time ratio is noise ({noise}): time it on the target GPU or a quiet machine"
-    if time_ratio <= MAX_TIME_RATIO:
-        return "accept", None
-    return "tune", "saves memory but costs too much time: recompute or move less"
-
 
 # --- measuring the candidates, planning ------------------------------------------------
 
@@ -233,52 +209,101 @@ def measure_candidates(model, batches, device, candidates: dict[str, Candidate],
     return {n: (None, failures[n]) if n in failures else (out[n], None) for n in candidates}
 
 
-def more_work(r: dict, base: dict) -> bool:
-    """Does the candidate do strictly more work than the baseline: counted recomputes or transfers?"""
-    return r["recomputes"] > base["recomputes"] or r.get("hooks", {}).get("d2h", 0) > 0
+# --- one model copy per candidate: AMP, Part 02 · 11, Part 02 · 55 ---------------------------
+# Where the candidates change the arithmetic (precision, micro-batches, learning rate) they cannot
+# share one model and one optimizer as in ``measure_candidates``: each candidate trains its own.
 
 
-def make_records(ctx, results: dict, baseline: str, experiment_fields=lambda name, r: ({}, {})) -> list:
-    """One record per candidate from ``{name: (measurement, failure)}``; ratios against ``baseline``.
+def separate_steps(device, rounds: int, warmup: int) -> int:
+    """Training steps ``measure_separate`` runs per candidate: warm-up and timed steps, plus on the CPU
+    the tracked step that gives the peak."""
+    return warmup + rounds + (torch.device(device).type == "cpu")
 
-    ``experiment_fields(name, r)`` returns (record fields, metrics) that an experiment adds. Non-finite
-    numbers are stored as null (records are strict JSON); ``all_finite`` says why.
+
+def resident_bytes(resident) -> int:
+    """Bytes of the storages of ``resident`` (an iterable of iterables of tensors)."""
+    return sum(t.untyped_storage().nbytes() for group in resident for t in group)
+
+
+def measure_separate(prepare: Callable, names, device, rounds: int, warmup: int, finish: Callable | None = None,
+                     progress=None, interleave: bool | None = None) -> dict[str, tuple[dict | None, str | None]]:
+    """Measure full training steps of candidates that each own their model, optimizer (and scaler).
+
+    * ``prepare(name, together) -> (step, resident)``: the candidate's state, ready to train (a warm-up
+      update that allocates the optimizer's state is the experiment's choice). ``step(i)`` is one full
+      training step of round ``i`` (``-1``: the tracked step); ``resident`` (iterables of tensors) is what
+      exists before a step (parameters, optimizer state): the CPU tracker counts it as resident.
+      ``together`` is True when every candidate is alive at once, so each needs its own model copy;
+      False when it runs alone, so it may reuse the one model.
+    * ``finish(name, step, stats) -> dict``, optional: what the experiment reads from the candidate after
+      its steps, while its state is alive (an eval loss, a trace); ``step`` is ``prepare``'s, so a step
+      object can carry that state.
+
+    CPU (``interleave``, the default there): every candidate prepared and alive together; one tracked step
+    each gives its peak (``PeakMemory``), then ``measure.time_interleaved``: ``warmup`` untimed and
+    ``rounds`` timed rounds, one step of every candidate per round, one intra-op thread. CUDA: one
+    candidate after another, alone on the device (the GPU is not shared): ``measure.measure_steps`` over
+    ``warmup + rounds`` steps, the allocator's peak covering them, its memory released before the next.
+
+    Returns ``{name: (dict(stats=StepStats, resident_bytes, steps, **finish(...)), None)}``, ``steps`` being
+    ``separate_steps``, or ``(None, failure)`` for a candidate that could not allocate (``oom_as_failure``);
+    the others go on.
     """
-    base = results[baseline][0]
-    tol = EQUAL_TOL[torch.device(ctx.device).type]
-    recs = []
-    for name, (r, failure) in results.items():
-        if failure is not None:
-            recs.append(ctx.record(name, failure=failure, memory_source=ctx.memory_source,
-                                   next_step="does not fit: see the failure"))
-            continue
-        t = r["timing"]
-        fields, metrics = experiment_fields(name, r)
-        metrics = dict(loss=r["loss"], grad_norm=r["grad_norm"], forward_calls=r["calls"],
-                       held_after_forward_bytes=r["held_after_forward"], step_samples_s=t.samples,
-                       step="zero_grad + forward + backward + AdamW update (moments allocated beforehand)",
-                       probe="the same step without the update, every candidate from the same weights",
-                       tolerances=dict(loss=tol[0], grad=tol[1]), **metrics)
-        for k in ("saved_activation_bytes", "saved_tensors"):
-            if k in r:
-                metrics[k] = r[k]
-        cmp = decision = next_step = noise = None
-        if name != baseline and base is not None:
-            cmp = compare(base, r)
-            equal = r["finite"] and base["finite"] and cmp["loss_error"] <= tol[0] and cmp["grad_error"] <= tol[1]
-            bt = base["timing"]
-            peak_saving = 1 - r["peak_allocated"] / base["peak_allocated"]
-            ratio = t.median_s / bt.median_s
-            noise = timing_noise(t, bt, more_work(r, base))
-            decision, next_step = decide(equal, peak_saving, ratio, noise)
-            metrics.update(equal=equal, bitwise_equal=cmp["bitwise"], grad_norm_error=cmp["grad_norm_error"],
-                           peak_saving=peak_saving, time_ratio=ratio, p95_ratio=t.p95_s / bt.p95_s,
-                           more_work=more_work(r, base))
-        recs.append(ctx.record(
-            name, output_error=json_safe(cmp and cmp["loss_error"]), grad_error=json_safe(cmp and cmp["grad_error"]),
-            all_finite=r["finite"], peak_allocated=r["peak_allocated"], peak_reserved=r["peak_reserved"],
-            step_median_s=t.median_s, step_p95_s=t.p95_s, warmup_excluded=t.warmup_excluded, threads=t.threads,
-            timing_noise=noise, updates=r["updates"], skipped_updates=0, recompute_count=r["recomputes"],
-            memory_source=r["memory_source"], decision=decision, next_step=next_step, metrics=json_safe(metrics),
-            **fields))
-    return recs
+    together = torch.device(device).type == "cpu" if interleave is None else interleave
+
+    def result(name, step, stats, resident):
+        tracked = together or torch.device(device).type == "cpu"  # measure_steps tracks one more step on the CPU
+        return dict(stats=stats, resident_bytes=resident_bytes(resident), steps=warmup + rounds + tracked,
+                    **(finish(name, step, stats) if finish else {}))
+
+    out: dict[str, tuple[dict | None, str | None]] = {}
+    if not together:
+        def alone(name):
+            step, resident = prepare(name, False)
+            resident = [list(group) for group in resident]
+            release_memory(device)  # the reserved peak is this candidate's own
+            return result(name, step, measure_steps(step, warmup + rounds, warmup, device, resident=resident),
+                          resident)
+
+        for name in names:
+            out[name] = oom_as_failure(alone, name)
+            release_memory(device)
+        return out
+
+    def start(name):  # its own state; the peak of one tracked step
+        step, resident = prepare(name, True)
+        resident = [list(group) for group in resident]
+        with PeakMemory(device, resident=resident) as pm:
+            step(-1)
+        return step, resident, pm
+
+    started = {}
+    for name in names:
+        r, failure = oom_as_failure(start, name)
+        if failure:
+            out[name] = (None, failure)
+        else:
+            started[name] = r
+    if started:
+        timings, failure = oom_as_failure(time_interleaved, {n: s for n, (s, _, _) in started.items()}, rounds,
+                                          warmup, device, progress=progress)
+        for name, (step, resident, pm) in started.items():
+            stats = None if failure else StepStats(timings[name], pm.peak_allocated, pm.peak_reserved,
+                                                   pm.memory_source)
+            out[name] = (None, failure) if failure else oom_as_failure(result, name, step, stats, resident)
+    return {n: out[n] for n in names}
+
+
+def plan_separate(mode_plan: Callable[[str], tuple[int, int, dict]]) -> dict:
+    """``--mode dry_run`` of an experiment measured with ``measure_separate``, per mode (``cpu``, ``real_gpu``).
+
+    ``mode_plan(device type) -> (timed rounds, warm-up rounds, fields)``: the experiment's schedule on that
+    device and its own plan fields, ``estimated_seconds`` among them. Added here: the steps each candidate
+    makes in ``measure_separate`` and how they are timed (interleaved on one CPU thread; alone on CUDA).
+    """
+    out = {}
+    for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda")):
+        rounds, warmup, fields = mode_plan(dev)
+        out[mode] = dict(timed_rounds=rounds, warmup_rounds=warmup, measured_steps=separate_steps(dev, rounds, warmup),
+                         interleaved=dev == "cpu", threads=CPU_TIMING_THREADS if dev == "cpu" else None, **fields)
+    return out

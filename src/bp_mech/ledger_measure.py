@@ -1,8 +1,9 @@
-"""Part 02 · 43 — TRAIN-STATE-LEDGER: the ledger measured, by tracking every tensor storage.
+"""Part 02 · 43 — the ledger measured: one steady-state training step, its storages tracked.
 
 ``track`` runs one steady-state training step of a workload and fills a ``Ledger``
-(``bp_mech.ledger_formula``) from the storages alive at each lifecycle stage. The strategies are
-the book's own mechanisms, so a word means one thing everywhere: checkpointing is
+(``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and classified by
+the package's storage tracker (``bp_mech.tracking.StorageTracker``). The strategies are the book's
+own mechanisms, so a word means one thing everywhere: checkpointing is
 ``bp_mech.checkpointing.configure`` (Part 02 · 19), offload is ``bp_mech.offload.ActivationOffload``
 (Part 02 · 42) and AdamW is ``bp_mech.workload.make_adamw``'s, as in the GPU runs (fused on CUDA,
 foreach on the CPU).
@@ -12,141 +13,25 @@ foreach on the CPU).
 * ``fake=True``: the same step under ``FakeTensorMode`` (no memory is allocated, so the full
   qwen05 runs on any CPU in seconds): the estimate (``fake-tensor``).
 
-The tracker is a ``TorchDispatchMode`` that gives every storage an operator creates a
-class from where it was born (forward body, logits/loss, backward node, recomputation,
-optimizer) and promotes it when its role becomes known: alive at the end of the forward ->
-saved activation, ever a ``p.grad`` -> gradient, in ``optimizer.state`` -> optimizer state.
+``train_step`` is the step with its lifecycle marks: it opens the tracker's phases (forward,
+backward, optimizer, zero_grad), marks the stages, names the logits/loss region (from ``lm_head``
+on) and the autograd nodes of that region, and promotes gradients and optimizer state as they
+appear.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-import weakref
-from functools import partial
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from bp_mech import checkpointing
-from bp_mech.ledger_formula import CLASSES, STAGES, Ledger, LedgerConfig
-from bp_mech.measure import host_side
+from bp_mech.ledger import CLASSES, STAGES, Ledger, LedgerConfig
 from bp_mech.offload import ActivationOffload, OffloadConfig
+from bp_mech.tracking import StorageTracker
 
 
-class _Tracker(TorchDispatchMode):
-    """Live storage bytes by class; a snapshot of the live set at each phase's peak."""
-
-    def __init__(self, device) -> None:
-        super().__init__()
-        self.device = torch.device(device)
-        self.serial = WeakIdKeyDictionary()  # storage -> serial number
-        self.refs, self.nbytes, self.label = {}, {}, {}  # serial -> weakref / bytes / class
-        self.live, self.host = {}, {}  # serial -> bytes (device, host) of storages alive now
-        self.current = 0  # device bytes alive now
-        self.phase, self.region = "idle", "body"
-        self.host_depth = 0  # > 0 inside ``measure.host_side()``: what is allocated there is host memory
-        self.born: list[int] = []  # serials created in the current forward
-        self.peaks: dict[str, tuple[int, list]] = {}  # phase -> (bytes, serials alive)
-        self.marks: dict[str, tuple[int, list, int]] = {}  # stage -> (bytes, serials, host bytes in use)
-        self.loss_nodes: set = set()  # autograd nodes of lm_head + loss (kept alive: identity)
-        self.allocator: dict[str, int] = {}  # CUDA only: stage, "<phase>_peak", "<phase>_reserved" -> bytes
-
-    def _free(self, s, _ref) -> None:
-        self.refs.pop(s, None)
-        self.host.pop(s, None)
-        if self.live.pop(s, None) is not None:
-            self.current -= self.nbytes[s]
-
-    def add(self, t, label: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        st = t.untyped_storage()
-        if st in self.serial:
-            return
-        s = len(self.nbytes)
-        self.serial[st], self.nbytes[s], self.label[s] = s, st.nbytes(), label
-        self.refs[s] = weakref.ref(st, partial(self._free, s))
-        if self.host_depth or t.device.type != self.device.type:  # an offload's host buffer, or a host tensor
-            self.host[s] = st.nbytes()
-        else:
-            self.live[s] = st.nbytes()
-            self.current += st.nbytes()
-            if self.phase == "forward":
-                self.born.append(s)
-
-    def relabel(self, t, label: str) -> None:
-        s = self.serial.get(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
-        if s is not None:
-            self.label[s] = label
-
-    def _label(self, func, args) -> str:
-        if self.phase == "forward":
-            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if func is torch.ops.aten._to_copy.default and src is not None and \
-                    self.label.get(self.serial.get(src.untyped_storage())) == "parameters":
-                return "parameters"  # autocast's low-precision weight copy
-            return "logits_loss" if self.region == "loss" else "other"
-        if self.phase == "backward":
-            node = torch._C._current_autograd_node()
-            if node is not None and torch.is_grad_enabled():  # checkpointing re-runs a layer's forward
-                return "saved_activations"
-            return "logits_loss" if node in self.loss_nodes else "other"
-        return "other"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if tensors:
-            label = self._label(func, args)
-            for t in tensors:
-                self.add(t, label)
-            peak = self.peaks.get(self.phase)
-            if peak is None or self.current > peak[0]:
-                self.peaks[self.phase] = (self.current, list(self.live))
-        return out
-
-    # stages
-    def start(self, phase: str) -> None:
-        self._sync_peak()
-        self.phase, self.region = phase, "body"
-        self.peaks[phase] = max(self.peaks.get(phase, (0, [])), (self.current, list(self.live)), key=lambda p: p[0])
-        if phase == "forward":
-            self.born = []
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _sync_peak(self) -> None:
-        if self.device.type == "cuda" and self.phase != "idle":
-            torch.cuda.synchronize(self.device)
-            for key, val in ((f"{self.phase}_peak", torch.cuda.max_memory_allocated(self.device)),
-                             (f"{self.phase}_reserved", torch.cuda.max_memory_reserved(self.device))):
-                self.allocator[key] = max(self.allocator.get(key, 0), val)
-
-    def end_forward(self) -> None:
-        for s in self.born:  # what survives the forward is what autograd saved
-            if s in self.live and self.label[s] == "other":
-                self.label[s] = "saved_activations"
-
-    def mark(self, stage: str, host: int = 0) -> None:
-        """Snapshot the live device storages; ``host``: host bytes holding this step's state now."""
-        self.marks[stage] = (self.current, list(self.live), host)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.allocator[stage] = torch.cuda.memory_allocated(self.device)
-
-    def classify(self, serials) -> dict[str, int]:
-        out = dict.fromkeys(CLASSES, 0)
-        for s in serials:
-            out[self.label[s]] += self.nbytes[s]
-        return out
-
-
-def _walk_graph(loss: torch.Tensor, lm_input_node, tr: _Tracker) -> list:
+def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
     """Mark the autograd nodes between the loss and lm_head's input as the logits/loss part, and
     hook every node that sends a gradient to a parameter: what it sends is a gradient from then
     on (a tied weight's first gradient waits in the engine's input buffer for the second one).
@@ -170,54 +55,15 @@ def _walk_graph(loss: torch.Tensor, lm_input_node, tr: _Tracker) -> list:
     return handles
 
 
-class _FakeOffload(ActivationOffload):
-    """``ActivationOffload`` under fake tensors, whose storages all report ``data_ptr() == 0``: the
-    same rules (parameters and storages under ``min_bytes`` stay, one host copy per storage, views
-    rebuilt), storages told apart by identity (``StorageWeakRef.cdata``) instead of address."""
-
-    def _reset(self):
-        with warnings.catch_warnings():  # the parent reads the (meaningless) fake data_ptr of the parameters
-            warnings.simplefilter("ignore", UserWarning)
-            super()._reset()
-        self._param_ptrs = {StorageWeakRef(p.untyped_storage()).cdata for p in self.params}
-
-    def _keep(self, t) -> bool:
-        if (not isinstance(t, FakeTensor) or t.layout != torch.strided or t.is_conj() or t.is_neg()
-                or t.device.type != self.device.type):
-            return True
-        st = t.untyped_storage()
-        if isinstance(t, torch.nn.Parameter) or StorageWeakRef(st).cdata in self._param_ptrs:
-            self.kept_params += 1
-            return True
-        if st.nbytes() < self.cfg.min_bytes:
-            self.kept_small, self.kept_small_bytes = self.kept_small + 1, self.kept_small_bytes + st.nbytes()
-            return True
-        return False
-
-    def _pack(self, t):
-        if self._keep(t):
-            return t
-        st = t.untyped_storage()
-        ref, slot = self._by_storage.get(StorageWeakRef(st).cdata, (None, None))
-        if slot is None or ref.expired() or slot.version != t._version:
-            with host_side():
-                slot = self._offload(st, t._version)
-            self._by_storage[StorageWeakRef(st).cdata] = (StorageWeakRef(st), slot)
-        else:
-            self.shared_views += 1
-        slot.pending += 1
-        self.offloaded += 1
-        return slot, t.dtype, t.storage_offset(), t.size(), t.stride()
-
-
-def offload_hooks(model, cfg: LedgerConfig, device, fake: bool = False) -> ActivationOffload:
+def offload_hooks(model, cfg: LedgerConfig, device) -> ActivationOffload:
     """Part 02 · 42's offload for the ledger: ``min_bytes`` from ``cfg`` (``offload.min_bytes(device)``
-    unless set). Its pool is reused across steps, so a steady-state step allocates no host memory."""
-    kind = _FakeOffload if fake else ActivationOffload
-    return kind(model.parameters(), OffloadConfig(min_bytes=cfg.for_device(device).offload_min_bytes), device)
+    unless set). Its pool is reused across steps, so a steady-state step allocates no host memory. It
+    tells storages apart by identity, so the same class runs under fake tensors (the estimate)."""
+    return ActivationOffload(model.parameters(), OffloadConfig(min_bytes=cfg.for_device(device).offload_min_bytes),
+                             device)
 
 
-def train_step(model, opt, batch: dict, cfg: LedgerConfig, tr: _Tracker, scaler=None, hooks=None) -> torch.Tensor:
+def train_step(model, opt, batch: dict, cfg: LedgerConfig, tr: StorageTracker, scaler=None, hooks=None) -> torch.Tensor:
     """One update of ``cfg.strategy``: zero_grad is the previous step's last act, so the step starts
     with no gradients. Checkpointing is configured on the model beforehand (``track``); ``hooks`` are
     the offload's saved-tensor hooks (``offload_hooks``), entered around each forward. Calls
@@ -264,8 +110,8 @@ def train_step(model, opt, batch: dict, cfg: LedgerConfig, tr: _Tracker, scaler=
             scaler.update()
         else:
             opt.step()
-        for st in opt.state.values():
-            for v in st.values():
+        for state in opt.state.values():
+            for v in state.values():
                 tr.relabel(v, "optimizer_states")
         tr.start("zero_grad")
         opt.zero_grad(set_to_none=True)
@@ -330,7 +176,7 @@ def track(w, cfg: LedgerConfig = LedgerConfig(), device="cpu", fake: bool = Fals
         load_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         opt = make_optimizer(model.parameters(), cfg, device)
         scaler = torch.amp.GradScaler(device.type) if cfg.strategy == "amp" and not fake else None
-        hooks = offload_hooks(model, cfg, device, fake) if cfg.strategy == "offload" else None
+        hooks = offload_hooks(model, cfg, device) if cfg.strategy == "offload" else None
         count = dict(updates=0, skipped=0)
 
         def update(tracker):  # one train_step; a step the GradScaler skips (inf/NaN) lowers its scale
@@ -342,14 +188,14 @@ def track(w, cfg: LedgerConfig = LedgerConfig(), device="cpu", fake: bool = Fals
 
         with checkpointing.configure(model, cfg.checkpoint):  # Part 02 · 19's configuration ("plain": none)
             for _ in range(WARMUP_TRIES):  # warm-up: allocates AdamW's moments, unless the scaler skips it
-                update(_Tracker(device))
+                update(StorageTracker(device))
                 if opt.state:
                     break
-            tr = _Tracker(device)
+            tr = StorageTracker(device)
             for t in [*model.parameters(), *model.buffers()]:
                 tr.add(t, "parameters")
             tr.mark("load")
-            for t in (v for st in opt.state.values() for v in st.values()):
+            for t in (v for state in opt.state.values() for v in state.values()):
                 tr.add(t, "optimizer_states")
             for t in batch.values():
                 tr.add(t, "other")
@@ -361,7 +207,7 @@ def track(w, cfg: LedgerConfig = LedgerConfig(), device="cpu", fake: bool = Fals
     if load_alloc is not None:
         tr.allocator["load"] = load_alloc
     return Ledger("fake-tensor" if fake else ("cuda-allocator" if device.type == "cuda" else "tracked-cpu"),
-                  cfg.strategy, {s: tr.classify(snaps[s]) for s in STAGES},
+                  cfg.strategy, {s: tr.classify(snaps[s], CLASSES) for s in STAGES},
                   host={s: tr.marks[s][2] for s in tr.marks}, forward_peak=tr.peaks["forward"][0],
                   allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
                   skipped=count["skipped"] if scaler else None,

@@ -1,0 +1,294 @@
+"""Part 02 · 11 — TRAIN-GRADIENT-ACCUMULATION, the experiment: the full batch against 2 and 4
+micro-batches (``bp_mech.accumulation``) on the same padded data and the same initial weights, at two
+sequence lengths.
+
+Per candidate it records the loss, gradient and parameter differences to the full batch (both
+normalisations: the equivalence run), the absolute and incremental peak, and the step median/P95.
+The measurement is the shared harness's ``measure_separate``: on the CPU every candidate gets its own
+model copy and AdamW, alive together; one tracked update each gives its peak, then the candidates are
+timed interleaved on one intra-op thread. On CUDA they run one after another on the one model, each
+with only its own optimizer state (the GPU is not shared). A micro-batch candidate does strictly more
+work than the full batch (k passes for one update), so measuring it faster is noise
+(``measure.timing_noise``). ``updates`` counts the optimizer steps of a candidate's runs that
+completed: the token-weighted equivalence run, the naive one (micro-batch candidates) and the
+measurement (warm update, tracked update on the CPU, warm-up and timed steps);
+``metrics.updates_by_run`` splits them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bp_mech import accumulation
+from bp_mech.experiments import harness
+from bp_mech.measure import SMOKE_SCHEDULE, all_finite, oom_as_failure, timing_noise
+from bp_mech.results import json_safe
+from bp_mech.update_dynamics import global_grad_norm
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, Workload, build_model, make_adamw, plan_seconds
+
+CANDIDATES = ("full", "micro2", "micro4")
+MICRO = {"full": 1, "micro2": 2, "micro4": 4}  # micro-batches per update
+
+# Decision rule (per micro-batch candidate and sequence length, against the full batch):
+#   reject  if the token-weighted first gradient differs from the full batch's by more than
+#           EQUIV_TOL (relative, global L2);
+#   tune    if the peak saving (1 - peak / the full batch's peak) is below MIN_PEAK_SAVING (whatever the time);
+#   none    if the time ratio is noise (``measure.timing_noise``), or the candidate failed;
+#   accept  if the median step rises by at most MAX_TIME_COST;
+#   tune    otherwise: correct, but it saves too little memory for its time (use it only when
+#           the full batch does not fit).
+# The gradient, not the parameters: AdamW's first step is about lr * sign(g) per element, so an
+# element whose gradient is within rounding of zero may step 2 lr the other way; the parameter
+# difference this makes grows with the model (sqrt of the element count) and is only reported.
+EQUIV_TOL = {"cpu": 1e-5, "cuda": 1e-4}  # float32 ||g - g_full|| / ||g_full||, first update
+MAX_UPDATE_DIFF = 0.05  # parameters after AdamW, ||a - b|| / ||update||: an eps-level gradient may flip a 2 lr step
+MIN_PEAK_SAVING = 0.10
+MAX_TIME_COST = 0.50
+
+# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B; not this book's measurement).
+SEED_REFERENCE = dict(device="RTX 5070 Ti", model="Qwen2.5-0.5B", seq_long=256, peak_saving_max=0.173,
+                      median_increase=0.335, short_seq_decision="tune")
+
+
+@dataclass(frozen=True)
+class AccumConfig:
+    micro_max: int = 4  # finest split; effective batch E = workload.batch * micro_max
+    updates: int = 3  # updates of the equivalence run (same E-sequence batches for every candidate)
+    lr: float = 1e-3  # AdamW learning rate
+    timed: int = 60  # timed steps per candidate, one update each (CPU: interleaved rounds)
+    warmup: int = 3  # untimed steps (rounds) before them; the CPU runs one tracked update (the peak) first
+    max_pad_fraction: float = 0.75  # each row loses a random share in [0, this) of its tail to padding
+    short_divisor: int = 2  # the second sequence length is seq // short_divisor
+
+
+def config_for(device, smoke: bool = False) -> AccumConfig:
+    if smoke:
+        return AccumConfig(timed=SMOKE_SCHEDULE[0], warmup=SMOKE_SCHEDULE[1])
+    return AccumConfig(timed=20, warmup=2) if torch.device(device).type == "cuda" else AccumConfig()
+
+
+def seq_lengths(w: Workload, cfg: AccumConfig) -> list[int]:
+    return sorted({max(2, w.seq // cfg.short_divisor), w.seq})
+
+
+def rel_diff(tensors, ref: list[torch.Tensor], base: list[torch.Tensor] | None = None) -> float:
+    """||a - r|| / ||r - base|| over all tensors (the global L2 norm in float64); base None -> ||r||."""
+    pairs = list(zip(tensors, ref, base if base is not None else [None] * len(ref)))
+    f64 = lambda t, a: t.to(a.device, torch.float64)  # noqa: E731
+    num = global_grad_norm(a.detach().double() - f64(r, a) for a, r, _ in pairs).item()
+    den = global_grad_norm(f64(r, a) - (0 if b is None else f64(b, a)) for a, r, b in pairs).item()
+    return num / den if den > 0 else num
+
+
+# --- the equivalence run ---------------------------------------------------------------
+
+def train_updates(model, init: dict, batches, k: int, norm: str, cfg: AccumConfig, device) -> dict:
+    """``len(batches)`` updates from ``init``; the losses, the first update's gradient and the
+    parameters after update 1 (snapshots); the model holds the parameters after the last."""
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)  # after a failed candidate, stale gradients may remain
+    opt = make_adamw(model.parameters(), cfg.lr, device)
+    losses, finite, out = [], True, {}
+    for i, b in enumerate(batches):
+        losses.append(accumulation.accumulated_backward(model, b, k, norm).item())
+        finite &= all_finite(p.grad for p in model.parameters())
+        if i == 0:
+            out["grad"] = accumulation.snapshot(p.grad for p in model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            out["params_1"] = accumulation.snapshot(model.parameters())
+    out.update(losses=losses, finite=finite and all(math.isfinite(x) for x in losses))
+    return out
+
+
+def equivalence(model, init: dict, batches, cfg: AccumConfig, device) -> dict:
+    """Each candidate and normalisation against the full batch: {candidate: {norm: diffs}}."""
+    ref = train_updates(model, init, batches, 1, "token", cfg, device)
+    p0 = [init[n] for n, _ in model.named_parameters()]  # tied weights appear once
+    ref_last = accumulation.snapshot(model.parameters())
+    zero = dict.fromkeys(("loss_rel_diff", "grad_rel_diff", "param_rel_diff_1", "param_rel_diff",
+                          "param_diff_vs_update"), 0.0)
+    out = {"full": {"token": dict(zero, finite=ref["finite"], losses=ref["losses"]), "naive": None}}
+    for name in CANDIDATES[1:]:
+        out[name] = {}
+        for norm in ("token", "naive"):
+            r = train_updates(model, init, batches, MICRO[name], norm, cfg, device)
+            out[name][norm] = dict(
+                finite=r["finite"], losses=r["losses"],
+                loss_rel_diff=abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0]),
+                grad_rel_diff=rel_diff(r["grad"], ref["grad"]),
+                param_rel_diff_1=rel_diff(r["params_1"], ref["params_1"]),
+                param_rel_diff=rel_diff(model.parameters(), ref_last),
+                param_diff_vs_update=rel_diff(model.parameters(), ref_last, p0),
+            )
+    return out
+
+
+# --- the measured step ---------------------------------------------------------------
+
+def prepare_candidate(model, init: dict, batches, k: int, cfg: AccumConfig, device):
+    """Load ``init`` into ``model``, make its AdamW and run one warm update (k micro-batches,
+    token-weighted), which creates the optimizer state. Returns ``(step, resident)``.
+
+    resident = the parameters and the AdamW state (exp_avg, exp_avg_sq, step) that exist before a
+    step; the warm update's gradients are freed (set_to_none). incremental peak = absolute peak -
+    resident bytes: what the step itself adds (gradients, activations, logits, temporaries, the
+    batch, library workspaces).
+    """
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
+    opt = make_adamw(model.parameters(), cfg.lr, device)
+
+    def step(i: int) -> None:
+        accumulation.accumulated_backward(model, batches[i % len(batches)], k, "token")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)  # creates the optimizer state (lazy) before anything is measured
+    return step, [list(model.parameters()), [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]]
+
+
+def measure(model, init: dict, batches, cfg: AccumConfig, device, progress=None, interleave: bool | None = None):
+    """``harness.measure_separate`` of every candidate: on the CPU each its own copy of ``model``; on CUDA
+    the one model, reloaded from ``init``. ``{name: (dict(stats, resident_bytes, steps), None) | (None, failure)}``."""
+    def prepare(name, together):
+        return prepare_candidate(copy.deepcopy(model) if together else model, init, batches, MICRO[name], cfg, device)
+
+    return harness.measure_separate(prepare, CANDIDATES, device, cfg.timed, cfg.warmup, progress=progress,
+                                    interleave=interleave)
+
+
+def decide(equiv_diff: float | None, tol: float, peak_saving: float | None, time_ratio: float | None,
+           noise: str | None = None):
+    """The documented rule; returns (decision, next_step)."""
+    if equiv_diff is None or equiv_diff > tol:
+        return "reject", "the token-weighted gradient does not match the full batch's: fix the loss normalisation"
+    if peak_saving is None or time_ratio is None:
+        return None, "no full-batch measurement to compare with (it failed); see the failure field"
+    if peak_saving < MIN_PEAK_SAVING:
+        return "tune", "correct, but the peak barely falls: prefer the full batch while it fits"
+    if noise is not None:
+        return None, (f"correct and saves memory, but the time ratio is noise ({noise}): "
+                      "time it on the target GPU or a quiet machine")
+    if time_ratio - 1 <= MAX_TIME_COST:
+        return "accept", "use it when the full batch does not fit; it saves memory at a bounded time cost"
+    return "tune", "correct, but the saving does not pay for the time: prefer the full batch while it fits"
+
+
+def run(ctx) -> list:
+    cfg, dev = config_for(ctx.device, ctx.smoke), ctx.device
+    model = build_model(ctx.workload, dev)
+    init = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
+    recs = []
+    for seq in ctx.progress(seq_lengths(ctx.workload, cfg), desc="sequence lengths"):
+        w = ctx.workload.replace(seq=seq)  # its own workload_id and run label: never merged
+        sub = dataclasses.replace(ctx, workload=w, run_label=f"{ctx.run_label}-s{seq}", _base=None)
+        batches = [{k: v.to(dev) for k, v in b.items()}
+                   for b in accumulation.padded_batches(w, max(cfg.updates, 2), cfg.micro_max, cfg.max_pad_fraction)]
+        eq, eq_failure = oom_as_failure(equivalence, model, init, batches[:cfg.updates], cfg, dev)
+        measured = measure(model, init, batches, cfg, dev, progress=ctx.progress)
+        recs += [candidate_record(sub, name, cfg, batches, (eq or {}).get(name), measured[name][0],
+                                  measured["full"][0], measured[name][1] or eq_failure) for name in CANDIDATES]
+    return recs
+
+
+def candidate_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None, m: dict | None, base: dict | None,
+                     failure: str | None):
+    """One candidate's record: equivalence (token + naive), measurement, ratios against the full batch, decision."""
+    eq = json_safe(eq)
+    tok, stats = (eq or {}).get("token") or {}, m["stats"] if m else None
+    base_stats = base["stats"] if base else None
+    compared = stats is not None and base_stats is not None
+    peak_saving = 1 - stats.peak_allocated / base_stats.peak_allocated if compared else None
+    time_ratio = stats.timing.median_s / base_stats.timing.median_s if compared else None
+    noise = timing_noise(stats.timing, base_stats.timing, more_work=True) if compared and name != "full" else None
+    if name == "full":
+        decision, next_step = None, "the baseline: every other candidate is compared with it"
+    else:
+        decision, next_step = decide(tok.get("grad_rel_diff"), EQUIV_TOL[torch.device(ctx.device).type], peak_saving,
+                                     time_ratio, noise)
+    if failure:
+        decision, next_step = None, f"failed: {failure}"
+    k, E = MICRO[name], ctx.workload.batch * cfg.micro_max
+    by_run = dict(equivalence_token=cfg.updates if eq else None,
+                  equivalence_naive=(cfg.updates if eq else None) if name != "full" else 0,
+                  measurement=m and 1 + m["steps"])  # the warm update, then the measured steps
+    ran = [n for n in by_run.values() if n is not None]
+    return ctx.record(
+        name, input_shape=[E // k, ctx.workload.seq], effective_batch=E, updates=sum(ran) if ran else None,
+        update_count=cfg.updates if eq else None, output_error=tok.get("loss_rel_diff"),
+        grad_error=tok.get("grad_rel_diff"), all_finite=tok.get("finite"),
+        peak_allocated=stats and stats.peak_allocated, peak_reserved=stats and stats.peak_reserved,
+        step_median_s=stats and stats.timing.median_s, step_p95_s=stats and stats.timing.p95_s,
+        warmup_excluded=stats and stats.timing.warmup_excluded, threads=stats and stats.timing.threads,
+        timing_noise=noise, memory_source=ctx.memory_source if stats else None, failure=failure, decision=decision,
+        next_step=next_step,
+        metrics=dict(
+            micro_batches=k, micro_batch_size=E // k, seq=ctx.workload.seq, lr=cfg.lr, timed_steps=cfg.timed,
+            target_tokens=[[int(accumulation.count_targets(mb["labels"])) for mb in accumulation.split(b, k)]
+                           for b in batches],
+            resident_bytes=m and m["resident_bytes"],
+            incremental_peak=m and stats.peak_allocated - m["resident_bytes"], updates_by_run=by_run,
+            peak_saving=peak_saving, time_ratio=time_ratio,
+            p95_ratio=stats.timing.p95_s / base_stats.timing.p95_s if compared else None,
+            step_samples_s=stats and stats.timing.samples, interleaved=stats and stats.timing.interleaved,
+            token=tok or None, naive=(eq or {}).get("naive"),
+            rule=dict(EQUIV_TOL=EQUIV_TOL[torch.device(ctx.device).type], MIN_PEAK_SAVING=MIN_PEAK_SAVING,
+                      MAX_TIME_COST=MAX_TIME_COST)))
+
+
+def plan(ctx) -> dict:
+    """Workloads, steps and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+    w, seqs = ctx.workload, seq_lengths(ctx.workload, AccumConfig())
+
+    def mode_plan(dev):
+        cfg = config_for(dev, ctx.smoke)
+        E, updates = w.batch * cfg.micro_max, 1 + harness.separate_steps(dev, cfg.timed, cfg.warmup)  # warm + measured
+        # equivalence: full once, each micro candidate twice (token, naive); k micro-batch passes per update
+        passes = {c: MICRO[c] * (cfg.updates * (1 if c == "full" else 2) + updates) for c in CANDIDATES}
+        seconds = sum(plan_seconds(w.arch, E * s // MICRO[c], n, dev) for s in seqs for c, n in passes.items())
+        loads = 8 * len(seqs) * (0.5 if dev == "cuda" else 0.0)  # load_state_dict from the host copy
+        return cfg.timed, cfg.warmup, dict(equivalence_updates=cfg.updates,
+                                           estimated_seconds=round(PLAN_BUILD_S[dev] + seconds + loads, 1))
+
+    return dict(workloads=[w.replace(seq=s).workload_id for s in seqs],
+                run_labels=[f"{ctx.run_label}-s{s}" for s in seqs],
+                effective_batch=w.batch * AccumConfig.micro_max, micro_batches=dict(MICRO), optimizer="AdamW",
+                normalisations=["token-weighted", "naive mean of means"], lr=AccumConfig.lr,
+                modes=harness.plan_separate(mode_plan),
+                estimate_basis=PLAN_BASIS + "; + 0.5 s per state load from the host (cuda)",
+                rule=dict(EQUIV_TOL=EQUIV_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST))
+
+
+def conformance():
+    """The hand-written loop vs ``accumulation.accelerate_updates``: first gradient and final parameters."""
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    cfg = AccumConfig(updates=2)
+    batches = accumulation.padded_batches(w, cfg.updates, cfg.micro_max, cfg.max_pad_fraction)
+    model = build_model(w)
+    init = {n: t.clone() for n, t in model.state_dict().items()}
+    worst, update_worst, finite = 0.0, 0.0, True
+    p0 = [init[n] for n, _ in model.named_parameters()]
+    for k in (2, 4):
+        ours = train_updates(model, init, batches, k, "token", cfg, "cpu")
+        ours_params, finite = accumulation.snapshot(model.parameters()), finite and ours["finite"]
+        first_grad = accumulation.accelerate_updates(model, init, batches, k, cfg.lr)
+        worst = max(worst, rel_diff(first_grad, ours["grad"]))
+        # parameters relative to the update: our loss and Accelerate's are different float32 operations, and
+        # AdamW turns a reordering at an element with |g| ~ eps into a step of up to 2 lr (see the tests)
+        update_worst = max(update_worst, rel_diff(model.parameters(), ours_params, p0))
+    return ConformanceRow("Part 02 · 11", "TRAIN-GRADIENT-ACCUMULATION",
+                          "Accelerate Accelerator(gradient_accumulation_steps=k).accumulate + num_items_in_batch",
+                          worst <= EQUIV_TOL["cpu"] and update_worst <= MAX_UPDATE_DIFF and finite,
+                          f"first gradient, k = 2 and 4, padded uneven micro-batches: max rel. difference {worst:.2e} "
+                          f"(tol {EQUIV_TOL['cpu']:g}, float32); parameters after {cfg.updates} AdamW updates, "
+                          f"relative to the update: {update_worst:.2e} (tol {MAX_UPDATE_DIFF:g})")

@@ -1,0 +1,257 @@
+"""Part 02 · 43 — TRAIN-STATE-LEDGER, the experiment: do the three sources of the ledger agree?
+
+Per strategy, one ledger (lifecycle stage x object class, ``bp_mech.ledger``) from each source:
+
+* ``theoretical``: the formula for the Qwen2 block (``bp_mech.ledger.theoretical``);
+* ``track(..., fake=True)``: the step under ``FakeTensorMode``, storages counted by the storage
+  tracker (``bp_mech.ledger_measure``, ``fake-tensor``);
+* ``track(..., fake=False)``: the step run for real, storages tracked (``tracked-cpu``) or, on
+  CUDA, the caching allocator's counters beside them (``cuda-allocator``).
+
+The decision (``decide``): is the formula good enough for each strategy, against the measured
+and against the estimated ledger? ``conformance`` checks the tracker against PyTorch's
+``MemTracker``. The strategies are the book's own mechanisms (checkpointing of Part 02 · 19, the
+offload of Part 02 · 42, ``workload.make_adamw``'s AdamW), so ``gpu_references`` can put the GPU
+records of those chapters beside the formula, each through an explicit entry of ``GPU_COUNTERPARTS``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bp_mech import ledger, ledger_measure, tracking
+from bp_mech.ledger import STAGES, Ledger, LedgerConfig
+
+CANDIDATES = ledger.STRATEGIES
+
+# Decision rule: the formula is accepted for a strategy when, against the measured (or the estimated)
+# ledger, every stage total (and the peak) agrees within STAGE_TOL and every large line within
+# CLASS_TOL; otherwise "tune", with the worst stage or line named in next_step.
+STAGE_TOL = 0.05  # relative error of each stage total and of the peak
+CLASS_TOL = 0.03  # relative error of each large line
+LARGE_CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss")
+LARGE_SHARE = 0.05  # a line is large at a stage when it holds at least 5 % of that stage's total (either side)
+CONFORMANCE_TOL = 1e-3  # the tracker against MemTracker: relative difference of each snapshot
+
+
+def stage_errors(led: Ledger, reference: Ledger) -> dict[str, float]:
+    """Relative error of ``led`` against ``reference``, per stage and for the peak."""
+    out = {s: led.total(s) / reference.total(s) - 1 for s in STAGES}
+    out["peak"] = led.peak / reference.peak - 1
+    return out
+
+
+def class_errors(led: Ledger, reference: Ledger) -> dict[str, float]:
+    """Relative error of ``led`` against ``reference`` per large line, keyed ``"stage/class"``: the
+    classes of ``LARGE_CLASSES`` at the stages where the line holds at least ``LARGE_SHARE`` of the
+    stage's total in either ledger (a line the reference lacks is an infinite error)."""
+    out = {}
+    for s in STAGES:
+        for c in LARGE_CLASSES:
+            got, ref = led.stages[s][c], reference.stages[s][c]
+            if max(got / led.total(s), ref / reference.total(s)) >= LARGE_SHARE:
+                out[f"{s}/{c}"] = got / ref - 1 if ref else float("inf")
+    return out
+
+
+def _worst(errors: dict[str, float]) -> tuple[str, float]:
+    k = max(errors, key=lambda k: abs(errors[k]))
+    return k, errors[k]
+
+
+def decide(formula: Ledger, led: Ledger) -> tuple[str, str | None, dict]:
+    """(decision, next step, metrics) of the formula against ``led`` by the rule above."""
+    stage, line = stage_errors(formula, led), class_errors(formula, led)
+    (ws, es), (wl, el) = _worst(stage), _worst(line)
+    metrics = dict(formula_error=stage, formula_class_error=line, worst_stage=ws, worst_line=wl)
+    if abs(es) <= STAGE_TOL and abs(el) <= CLASS_TOL:
+        return "accept", None, metrics
+    why = []
+    if abs(es) > STAGE_TOL:
+        why.append(f"stage {ws} is off by {es:+.1%} (tolerance {STAGE_TOL:.0%})")
+    if abs(el) > CLASS_TOL:
+        why.append(f"line {wl} is off by {el:+.1%} (tolerance {CLASS_TOL:.0%})")
+    return "tune", "find what the formula misses: " + "; ".join(why), metrics
+
+
+def _metrics(led: Ledger) -> dict:
+    return dict(source=led.source, stages=led.stages, totals=led.totals(), forward_peak=led.forward_peak,
+                host=led.host, rounded_512=led.rounded, allocator=led.allocator, moment=led.moment)
+
+
+def run(ctx) -> list:
+    """Per strategy: the measured ledger (CPU tracker or CUDA allocator), the fake-tensor estimate
+    and the formula, each its own record; decision: does the formula hold (``decide``)?
+
+    ``updates`` counts the optimizer steps that ran for a measurement (the warm-up ones included;
+    ``skipped_updates``: those the GradScaler skipped, amp only). ``--mode real_gpu`` (not in the
+    GPU suite) measures on CUDA: the record's peaks are the allocator's, per phase; the estimate
+    stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy
+    that runs out of memory is that strategy's failure."""
+    from bp_mech.measure import oom_as_failure, release_memory
+    from bp_mech.workload import ARCHITECTURES
+
+    w, recs, gpu = ctx.workload, [], ctx.device == "cuda"
+    for s in ctx.progress(CANDIDATES, desc="strategies"):
+        cfg = LedgerConfig(strategy=s).for_device(ctx.device)
+        if s == "accumulation" and w.batch % cfg.micro_batches:
+            why = f"batch {w.batch} is not divisible into {cfg.micro_batches} micro-batches"
+            recs.append(ctx.record(s, failure=why, next_step="pick a batch the micro-batches divide"))
+            continue
+        formula = ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, cfg, ctx.device)
+        est = ledger_measure.track(w, cfg, fake=True)  # on the CPU, with the settings of ctx.device (cfg is resolved)
+        release_memory(ctx.device)  # the last strategy's model and cached blocks out: these peaks are this one's own
+        meas, failure = oom_as_failure(ledger_measure.track, w, cfg, ctx.device)
+        if meas is None:
+            recs.append(ctx.record(s, failure=failure, memory_source=ctx.memory_source,
+                                   next_step="does not fit: see the failure"))
+        else:
+            al = meas.allocator
+            decision, next_step, m = decide(formula, meas)
+            recs.append(ctx.record(
+                s, all_finite=meas.finite, updates=meas.updates, update_count=meas.updates - (meas.skipped or 0),
+                skipped_updates=meas.skipped, memory_source=ctx.memory_source,
+                peak_allocated=max(v for k, v in al.items() if k.endswith("_peak")) if gpu else meas.peak,
+                peak_reserved=max(v for k, v in al.items() if k.endswith("_reserved")) if gpu else None,
+                decision=decision, next_step=next_step, metrics=dict(_metrics(meas), **m)))
+        decision, next_step, m = decide(formula, est)
+        recs.append(ctx.record(f"{s}-estimated", evidence_level="estimated", memory_source="fake-tensor",
+                               updates=est.updates, peak_allocated=est.peak, decision=decision, next_step=next_step,
+                               metrics=dict(_metrics(est), **m)))
+        recs.append(ctx.record(f"{s}-formula", evidence_level="theoretical", memory_source="formula",
+                               peak_allocated=formula.peak, metrics=_metrics(formula)))
+    return recs
+
+
+def plan(ctx) -> dict:
+    """The dry-run plan: what is measured where, and the formula's peak per strategy (no model)."""
+    from bp_mech.workload import ARCHITECTURES
+
+    w = ctx.workload
+    peaks = {dev: {s: ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, LedgerConfig(strategy=s), dev).peak
+                   for s in CANDIDATES} for dev in ("cpu", "cuda")}
+    return dict(sources=["measured (" + ctx.memory_source + ")", "estimated (fake-tensor)", "theoretical (formula)"],
+                stages=list(STAGES), classes=list(ledger.CLASSES), stage_tolerance=STAGE_TOL,
+                class_tolerance=CLASS_TOL, large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
+                mechanisms=dict(checkpoint="checkpointing.configure(model, 'checkpoint-all')",
+                                offload="offload.ActivationOffload(min_bytes=offload.min_bytes(device))",
+                                adamw="workload.make_adamw (fused on CUDA, foreach on the CPU)"),
+                steps_per_strategy="1 warm-up update (retried while the GradScaler skips it) + 1 measured update",
+                formula_peak_bytes_cpu=peaks["cpu"], formula_peak_bytes_cuda=peaks["cuda"],
+                records_per_strategy=["<strategy>", "<strategy>-estimated", "<strategy>-formula"])
+
+
+def conformance():
+    """The tracker against PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` on the
+    same steady-state plain step of tiny-b2s64: the model's forward peak, its state when backward
+    starts (our "after forward"), its backward peak and its state after backward."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import build_model, make_batches, parse_workload
+
+    w, cfg = parse_workload("tiny-b2s64"), LedgerConfig()
+    led = ledger_measure.track(w, cfg)
+    model, batch = build_model(w), make_batches(w, 1)[0]
+    opt = ledger_measure.make_optimizer(model.parameters(), cfg, "cpu")
+    ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))  # warm-up, as in track()
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))
+    snap = {k: v[-1][torch.device("cpu")]["Total"] for k, v in mt.memory_tracking[model].snapshots.items()}
+    pairs = {"forward_peak": (led.forward_peak, snap[_ModState.PEAK_FW]),
+             "forward": (led.total("forward"), snap[_ModState.PRE_BW]),
+             "backward_peak": (led.total("backward_peak"), snap[_ModState.PEAK_BW]),
+             "backward": (led.total("backward"), snap[_ModState.POST_BW])}
+    errs = {k: a / b - 1 for k, (a, b) in pairs.items()}
+    worst = max(errs, key=lambda k: abs(errs[k]))
+    return ConformanceRow("Part 02 · 43", "TRAIN-STATE-LEDGER", "torch MemTracker (module snapshots, plain step)",
+                          abs(errs[worst]) <= CONFORMANCE_TOL, f"max rel. difference {errs[worst]:+.1e} at {worst} "
+                          f"({pairs[worst][0]} B vs {pairs[worst][1]} B) over 4 snapshots (tol {CONFORMANCE_TOL:g})")
+
+
+# --- the GPU records of the chapters that own the strategies ------------------------------
+
+# Every candidate of the GPU experiments, mapped to the ledger configuration that counts the same
+# state, or to the reason it has none. Their GPU runs measure the full step (zero_grad, forward,
+# backward, AdamW update with its moments allocated by a warm-up update), as the ledger does, so
+# the formula's peak and the record's ``peak_allocated`` both hold parameters, gradients and AdamW's
+# moments. A record whose (experiment, candidate) is not here is an error (``gpu_references``).
+GPU_COUNTERPARTS: dict[tuple[str, str], LedgerConfig | str] = {
+    ("TRAIN-CHECKPOINT", "plain"): LedgerConfig("plain"),
+    ("TRAIN-CHECKPOINT", "checkpoint-all"): LedgerConfig("checkpoint"),
+    ("TRAIN-CHECKPOINT", "checkpoint-every2"):
+        "no ledger counterpart: the formula checkpoints every decoder layer or none",
+    ("TRAIN-CHECKPOINT", "checkpoint-mlp"):
+        "no ledger counterpart: the formula has no selective (MLP-only) checkpointing",
+    ("TRAIN-OFFLOAD", "resident"): LedgerConfig("plain"),
+    ("TRAIN-OFFLOAD", "save_on_cpu"):
+        "no ledger counterpart: save_on_cpu copies every saved tensor (views and parameters apart) and copies "
+        "each back per node; the ledger's offload is Part 02 · 42's ActivationOffload",
+    ("TRAIN-OFFLOAD", "offload"): LedgerConfig("offload"),
+    ("TRAIN-OFFLOAD", "offload-checkpoint"):
+        "no ledger counterpart: the formula does not combine strategies (Part 02 · 76 does)",
+    ("TRAIN-AMP-BACKWARD", "fp32"): LedgerConfig("plain"),
+    ("TRAIN-AMP-BACKWARD", "fp16-amp"): LedgerConfig("amp", amp_dtype="float16"),
+    ("TRAIN-AMP-BACKWARD", "bf16-amp"): LedgerConfig("amp", amp_dtype="bfloat16"),
+    ("TRAIN-AMP-BACKWARD", "fp16-overflow"):
+        "no ledger counterpart: overflow samples (injected inf/NaN steps), no peak is measured",
+    ("TRAIN-GRADIENT-ACCUMULATION", "full"): LedgerConfig("plain"),
+    ("TRAIN-GRADIENT-ACCUMULATION", "micro2"): LedgerConfig("accumulation", micro_batches=2),
+    ("TRAIN-GRADIENT-ACCUMULATION", "micro4"): LedgerConfig("accumulation", micro_batches=4),
+}
+GPU_EXPERIMENTS = ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION",
+                   "TRAIN-MEMORY-STRATEGY")
+
+
+def _describe(cfg: LedgerConfig) -> str:
+    setting = {"accumulation": f" x{cfg.micro_batches}", "amp": f" {cfg.amp_dtype}",
+               "offload": f" (min {cfg.offload_min_bytes} B)"}.get(cfg.strategy, "")
+    return f"{cfg.strategy}{setting}, {cfg.adamw} AdamW"
+
+
+def gpu_references(results_dir=None) -> list[dict]:
+    """The cached GPU records of 11, 19, 42, AMP and 76 beside the formula, one row per record.
+
+    Each record goes through ``GPU_COUNTERPARTS``: a ledger configuration (the formula's peak at the
+    record's effective batch and sequence, on CUDA, against its ``peak_allocated``) or a stated reason
+    it has none. Raises ``ValueError`` naming the record when its candidate is in neither, or when it
+    ran no optimizer update (its peak would lack the AdamW state the formula counts)."""
+    from bp_mech import registry, report
+    from bp_mech.workload import ARCHITECTURES, parse_workload
+
+    results_dir = report.RESULTS_DIR if results_dir is None else results_dir
+    rows = []
+    for sid in GPU_EXPERIMENTS:
+        if not registry.get(sid).implemented:
+            continue  # no module, so no records yet (Part 02 · 76)
+        cached = report.cached(sid, results_dir)
+        for label, recs in cached.gpu().items():
+            for r in (r for r in recs if r.evidence_level == "gpu-measured"):
+                name = f"{sid} record {r.filename} (run label {label}, candidate {r.candidate!r})"
+                entry = GPU_COUNTERPARTS.get((sid, r.candidate))
+                if entry is None:
+                    raise ValueError(f"{name}: no entry in experiments.ledger.GPU_COUNTERPARTS; map the candidate to a "
+                                     "LedgerConfig or to 'no ledger counterpart: <why>'")
+                row = dict(experiment=sid, run_label=label, candidate=r.candidate, workload=r.workload_id,
+                           stale=label in cached.stale, ledger=None, peak_allocated=r.peak_allocated,
+                           peak_reserved=r.peak_reserved, formula_peak=None, formula_error=None,
+                           formula_peak_stage=None, formula_optimizer_states=None, note=None)
+                if isinstance(entry, str):
+                    rows.append(dict(row, note=entry))
+                    continue
+                if not r.updates:
+                    raise ValueError(f"{name}: updates={r.updates!r}, so its step ran no AdamW update and its peak "
+                                     "has no optimizer state, which the formula counts; rerun it with a full step")
+                w = parse_workload(r.workload_id)
+                batch, seq = r.effective_batch or w.batch, (r.input_shape or [None, w.seq])[1]
+                cfg = entry.for_device("cuda")
+                f = ledger.theoretical(ARCHITECTURES[w.arch], batch, seq, cfg, "cuda")
+                at = f.peak_stage if f.peak_stage in f.stages else "forward"  # (a peak inside the forward)
+                row.update(ledger=_describe(cfg), formula_peak=f.peak, formula_peak_stage=f.peak_stage,
+                           formula_optimizer_states=f.stages[at]["optimizer_states"],
+                           formula_error=f.peak / r.peak_allocated - 1 if r.peak_allocated else None,
+                           note=r.failure)
+                rows.append(row)
+    return rows

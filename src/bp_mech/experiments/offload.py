@@ -1,0 +1,143 @@
+"""Part 02 · 42 — TRAIN-OFFLOAD, the experiment: the resident step against PyTorch's ``save_on_cpu``,
+the package's ``ActivationOffload`` (``bp_mech.offload``) and that offload under checkpointing.
+
+Before the candidates, a counting-only pass (``counters.SavedBytesCounter``, no copies) counts the
+saved activations independently; each record says whether the hooks' D2H bytes equal what that
+count predicts. On CUDA the pinned host link is measured (``offload.measure_bandwidth``) and each
+record sets the step-time overhead against the transfer bound. Step, probe, peak, decision rule and
+records are the shared harness's (``bp_mech.experiments.harness``), as in Part 02 · 19.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bp_mech import checkpointing, counters, offload
+from bp_mech.experiments import harness, strategies
+from bp_mech.workload import build_model, make_batches
+
+CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
+
+# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
+SEED_REFERENCE = dict(run_label="b2s512_default1", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
+                      peak_saving=0.343, median_ratio=5.87, decision="tune")
+
+# Planning only (``--mode dry_run``): a candidate's step time in resident steps.
+TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}
+
+
+def plan(ctx) -> dict:
+    return dict(step="zero_grad + forward (under the candidate's hooks) + backward + AdamW update, interleaved",
+                counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
+                modes=harness.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke, min_bytes=offload.min_bytes,
+                                         bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
+                estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
+                rule=dict(MIN_PEAK_SAVING=strategies.MIN_PEAK_SAVING, MAX_TIME_RATIO=strategies.MAX_TIME_RATIO,
+                          MIN_USEFUL_SAVING=strategies.MIN_USEFUL_SAVING))
+
+
+def count_saved(model, batch, candidate="plain") -> counters.SavedBytesCounter:
+    """What autograd saves in one forward (counting only), under checkpointing configuration ``candidate``."""
+    counter = counters.SavedBytesCounter(model.parameters())
+    with checkpointing.configure(model, candidate), counter:
+        model(**batch).loss  # the graph is dropped at once; nothing is moved
+    return counter
+
+
+def make_hooks(name: str, model, cfg: offload.OffloadConfig, device):
+    """The saved-tensor hooks of a candidate (None: resident)."""
+    if name == "save_on_cpu":
+        return offload.CountingSaveOnCpu()
+    return offload.ActivationOffload(model.parameters(), cfg, device) if name.startswith("offload") else None
+
+
+def hook_stats(hooks) -> dict:
+    """What the hooks counted in the last step, as plain numbers (the hooks and their pool can go)."""
+    out = dict(d2h=hooks.d2h_bytes, h2d=hooks.h2d_bytes)
+    if isinstance(hooks, offload.ActivationOffload):
+        out.update(kept_small_bytes=hooks.kept_small_bytes, kept_param_saves=hooks.kept_params,
+                   shared_views=hooks.shared_views, offloaded_tensors=hooks.offloaded,
+                   host_pool_bytes=hooks.pool.allocated, host_peak_bytes=hooks.pool.high_water,
+                   pool_allocations=hooks.pool.allocations)
+    else:
+        out.update(host_peak_bytes=hooks.d2h_bytes)  # save_on_cpu holds every copy until backward
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        # the CUDA caching host allocator's own view of pinned memory, beside the pool's counters
+        out["cuda_host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
+                                         if isinstance(v, (int, float))}
+    return out
+
+
+def link_metrics(d2h: int, h2d: int, bandwidth: dict, median_s: float, base_median_s: float) -> dict:
+    """The transfer bound (bytes / measured bandwidth, nothing overlapped) against the step-time overhead
+    over the resident run; what exceeds the bound is, at least, the implementation's."""
+    bound = d2h / bandwidth["d2h"] + h2d / bandwidth["h2d"]
+    overhead = median_s - base_median_s
+    return dict(bandwidth_bytes_per_s=bandwidth, transfer_bound_s=bound, overhead_s=overhead,
+                overhead_over_bound=overhead / bound if bound else None,
+                implementation_s=max(0.0, overhead - bound))
+
+
+def run(ctx, bandwidth: dict | None = None) -> list:
+    """Every candidate; ``bandwidth`` ({"h2d", "d2h"} bytes/s) is measured on CUDA when not given."""
+    device = ctx.device
+    model = build_model(ctx.workload, device)
+    batches = make_batches(ctx.workload, 4, device=device)
+    counts = {c: count_saved(model, batches[0], c) for c in ("plain", "checkpoint-all")}
+    if bandwidth is None and torch.device(device).type == "cuda":
+        bandwidth = offload.measure_bandwidth(device)
+    cfg = offload.OffloadConfig(min_bytes=offload.min_bytes(device))
+    hooks = {name: make_hooks(name, model, cfg, device) for name in CANDIDATES}
+    configuration = {name: "checkpoint-all" if name == "offload-checkpoint" else "plain" for name in CANDIDATES}
+    candidates = {name: harness.Candidate(setup=lambda name=name: checkpointing.configure(model, configuration[name]),
+                                          saving=hooks[name]) for name in CANDIDATES}
+    results = harness.measure_candidates(model, batches, device, candidates, progress=ctx.progress, smoke=ctx.smoke)
+    for name, (r, _) in results.items():
+        if hooks[name] is not None and r is not None:  # the counters of their last step (the probe)
+            r["hooks"] = hook_stats(hooks[name])
+    del hooks, candidates  # frees the host pools
+    base = results["resident"][0]
+    plain = counts["plain"]
+
+    def experiment_fields(name, r):
+        metrics = dict(saved_activation_bytes=plain.bytes, saved_tensors=plain.tensors,
+                       saved_tensor_bytes_per_tensor=plain.tensor_bytes)
+        if name == "resident":
+            return {}, metrics
+        counted_by_hooks = dict(r["hooks"])
+        transfer = dict(d2h=counted_by_hooks.pop("d2h"), h2d=counted_by_hooks.pop("h2d"))
+        # what the counting pass predicts: distinct storages >= min_bytes for ours; every saved
+        # tensor (parameters and views included) for save_on_cpu
+        counted = counts[configuration[name]]
+        expected = counted.tensor_bytes if name == "save_on_cpu" else counted.bytes_at_least(cfg.min_bytes)
+        metrics.update(counted_by_hooks, expected_d2h_bytes=expected, d2h_matches_count=transfer["d2h"] == expected,
+                       saved_outside_checkpoint_bytes=counts["checkpoint-all"].bytes, min_bytes=cfg.min_bytes)
+        if bandwidth is not None and base is not None:
+            metrics.update(link_metrics(transfer["d2h"], transfer["h2d"], bandwidth, r["timing"].median_s,
+                                        base["timing"].median_s))
+        return {"transfer_bytes": transfer}, metrics
+
+    return strategies.make_records(ctx, results, "resident", experiment_fields)
+
+
+def conformance():
+    """Our offload vs PyTorch's ``save_on_cpu`` and the resident run: same loss and gradients;
+    our D2H bytes equal the independently counted saved-activation bytes."""
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    model, batch = build_model(w), make_batches(w, 1)[0]
+    counted = count_saved(model, batch).bytes_at_least(offload.CPU_MIN_BYTES)
+    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES))
+    save_on_cpu = offload.CountingSaveOnCpu()
+    resident_probe, ours_probe, torch_probe = (harness.probe(model, batch, "cpu", h) for h in (None, ours, save_on_cpu))
+    loss_tol, grad_tol = harness.EQUAL_TOL["cpu"]
+    errors = (harness.compare(resident_probe, ours_probe), harness.compare(resident_probe, torch_probe))
+    equal = all(e["loss_error"] <= loss_tol and e["grad_error"] <= grad_tol for e in errors)
+    worst = max(max(e["loss_error"], e["grad_error"]) for e in errors)
+    ok = equal and ours.d2h_bytes == counted and ours.d2h_bytes <= save_on_cpu.d2h_bytes
+    return ConformanceRow("Part 02 · 42", "TRAIN-OFFLOAD", "torch.autograd.graph.save_on_cpu + resident autograd", ok,
+                          f"max loss/grad rel. error {worst:.1e} (tol {loss_tol:g} / {grad_tol:g}, float32 CPU); "
+                          f"D2H {ours.d2h_bytes} B vs counted saved activations {counted} B; "
+                          f"save_on_cpu copies {save_on_cpu.d2h_bytes} B")

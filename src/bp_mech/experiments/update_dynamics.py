@@ -1,0 +1,242 @@
+"""Part 02 · 55 — TRAIN-UPDATE-DYNAMICS, the experiment: base LR / high LR without clipping / high LR
+with global-norm clipping (the mechanism: ``bp_mech.update_dynamics``).
+
+The three candidates run the same number of AdamW updates from the same initial weights on the same
+batches (``trace``). Per update it records finiteness of the loss and of every gradient, the total
+gradient norm before clipping, the clip coefficient, per parameter group the update norm and the
+update-to-parameter ratio, and the loss. This is local stability over a few updates. It is not a
+quality evaluation: a candidate that stays finite and lowers the training loss here still needs a
+held-out evaluation.
+
+Step time and peak come from a separate run on the shared harness (``harness.measure_separate``): on
+the CPU every candidate gets its own model copy and AdamW, alive together; one tracked update each
+gives its peak, then the candidates are timed interleaved on one intra-op thread. On CUDA they run one
+after another on the one model, each with only its own optimizer state. The candidates do the same
+work, except that clipping adds a global norm and a scaling: the clipped candidate's time is compared
+with the unclipped high LR's (strictly more work, so measuring it faster is noise), the high LR's with
+the base LR's. The decision never depends on the time. ``updates`` counts the optimizer steps of a
+candidate's runs that completed: the traced updates and the measurement's (warm update, tracked update
+on the CPU, warm-up and timed steps); ``metrics.updates_by_run`` splits them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bp_mech import update_dynamics
+from bp_mech.experiments import harness
+from bp_mech.measure import SMOKE_SCHEDULE, all_finite, oom_as_failure, timing_noise
+from bp_mech.results import json_safe
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, param_count, plan_seconds
+
+CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
+TIME_BASELINE = {"high_lr": "base_lr", "high_lr_clip": "high_lr"}  # the step each one's time is compared with
+
+# Decision rule (per candidate), from its own trace:
+#   reject  if any update had a non-finite loss or gradient;
+#   tune    if the loss spiked: some update's loss exceeds the lowest earlier loss by more than
+#           SPIKE_MAX nats, or the last loss is not below the first;
+#   accept  otherwise (finite, no spike, loss went down). Local stability only.
+SPIKE_MAX = 0.5
+CONFORMANCE_TOL = 1e-6  # float32: our clipping against clip_grad_norm_, norm and clipped gradients, relative
+
+
+@dataclass(frozen=True)
+class DynamicsConfig:
+    base_lr: float = 1e-3  # AdamW learning rate of "base_lr"
+    high_factor: float = 100.0  # "high_lr" and "high_lr_clip" use base_lr * high_factor
+    max_norm: float = 1.0  # global-norm clipping threshold of "high_lr_clip"
+    weight_decay: float = 0.1  # on the embedding, attention and MLP matrices; 0 on norms and biases
+    updates: int = 20  # updates of the traced run, per candidate
+    timed: int = 60  # timed steps per candidate (separate run, no snapshots; CPU: interleaved rounds)
+    warmup: int = 3  # untimed steps (rounds) before them; the CPU runs one tracked update (the peak) first
+
+
+def config_for(arch: str, device: str, smoke: bool = False) -> DynamicsConfig:
+    """qwen05 gets a base LR typical of pretraining a 0.5B model; the GPU times more steps."""
+    base = 1e-4 if arch == "qwen05" else 1e-3
+    if smoke:
+        return DynamicsConfig(base_lr=base, timed=SMOKE_SCHEDULE[0], warmup=SMOKE_SCHEDULE[1], updates=4)
+    gpu = torch.device(device).type == "cuda"
+    return DynamicsConfig(base_lr=base, timed=20, warmup=2) if gpu else DynamicsConfig(base_lr=base)
+
+
+def lr_of(name: str, cfg: DynamicsConfig) -> float:
+    return cfg.base_lr if name == "base_lr" else cfg.base_lr * cfg.high_factor
+
+
+def optimizer(model, name: str, cfg: DynamicsConfig, device):
+    """The candidate's AdamW (``update_dynamics.make_optimizer``: weight decay by parameter group)."""
+    return update_dynamics.make_optimizer(model, lr_of(name, cfg), cfg.weight_decay, device)
+
+
+def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) -> list[dict]:
+    """``len(batches)`` updates of one candidate from ``init``; one dict per update."""
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)  # after a failed candidate, stale gradients may remain
+    opt = optimizer(model, name, cfg, device)
+    groups = update_dynamics.param_groups(model)
+    out = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        finite = bool(torch.isfinite(loss)) and all_finite(p.grad for p in model.parameters())
+        total = update_dynamics.global_grad_norm(p.grad for p in model.parameters())
+        if name == "high_lr_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)  # the framework's clip
+        before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        coef = update_dynamics.clip_coefficient(total, cfg.max_norm).item()
+        row = dict(loss=loss.item(), finite=finite, grad_norm=total.item(),
+                   clip_coef=coef if name == "high_lr_clip" else 1.0, would_clip=coef, groups={})
+        for g, ps in groups.items():
+            du, pn, r = update_dynamics.update_ratio(before[g], ps)
+            row["groups"][g] = dict(update_norm=du, param_norm=pn, ratio=r)
+        del before
+        out.append(row)
+    return out
+
+
+def prepare_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig, device):
+    """Load ``init`` into ``model``, make the candidate's AdamW and run one warm update (which creates
+    the optimizer state). Returns ``(step, resident)``: one plain update (forward, backward, clip if
+    any, AdamW step) and the tensors that exist before it (parameters, AdamW state)."""
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
+    opt = optimizer(model, name, cfg, device)
+
+    def step(i: int) -> None:
+        model(**batches[i % len(batches)]).loss.backward()
+        if name == "high_lr_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)  # creates the AdamW state before the measurement
+    return step, [list(model.parameters()), [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]]
+
+
+def measure(model, init: dict, batches, cfg: DynamicsConfig, device, progress=None, interleave: bool | None = None):
+    """``harness.measure_separate`` of every candidate: on the CPU each its own copy of ``model``; on CUDA
+    the one model, reloaded from ``init``. ``{name: (dict(stats, resident_bytes, steps), None) | (None, failure)}``."""
+    def prepare(name, together):
+        return prepare_candidate(copy.deepcopy(model) if together else model, init, batches, name, cfg, device)
+
+    return harness.measure_separate(prepare, CANDIDATES, device, cfg.timed, cfg.warmup, progress=progress,
+                                    interleave=interleave)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Scalars of a trace: finiteness, first/last/peak loss, spike, clip count, max ratios."""
+    losses = [r["loss"] for r in rows]
+    spike = max((losses[t] - min(losses[:t]) for t in range(1, len(losses))), default=0.0)
+    return dict(all_finite=all(r["finite"] for r in rows),
+                first_nonfinite=next((i for i, r in enumerate(rows) if not r["finite"]), None),
+                first_loss=losses[0], last_loss=losses[-1], max_loss=max(losses), spike=spike,
+                clipped_updates=sum(r["clip_coef"] < 1.0 for r in rows),
+                max_grad_norm=max(r["grad_norm"] for r in rows),
+                max_ratio={g: max(r["groups"][g]["ratio"] for r in rows) for g in rows[0]["groups"]})
+
+
+def decide(summary: dict) -> tuple[str, str]:
+    """The documented rule; returns (decision, next_step)."""
+    finite_losses = all(math.isfinite(x) for x in (summary["first_loss"], summary["last_loss"], summary["spike"]))
+    if not summary["all_finite"] or not finite_losses:
+        return "reject", f"non-finite from update {summary['first_nonfinite']}: lower the LR (clipping did not hold it)"
+    if summary["spike"] > SPIKE_MAX or summary["last_loss"] >= summary["first_loss"]:
+        return "tune", "finite, but the loss spiked or did not fall: lower the LR or add warmup"
+    return "accept", "locally stable; judge quality on a held-out evaluation before adopting it"
+
+
+def run(ctx) -> list:
+    cfg, dev = config_for(ctx.workload.arch, ctx.device, ctx.smoke), ctx.device
+    model = build_model(ctx.workload, dev)
+    init = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
+    batches = make_batches(ctx.workload, cfg.updates, device=dev)
+    traces = {name: oom_as_failure(trace, model, init, batches, name, cfg, dev)
+              for name in ctx.progress(CANDIDATES, desc="candidates")}
+    measured = measure(model, init, batches, cfg, dev, progress=ctx.progress)
+    return [candidate_record(ctx, name, cfg, traces[name], measured) for name in CANDIDATES]
+
+
+def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced: tuple, measured: dict):
+    """One candidate's record from its trace ``(rows, failure)`` and every candidate's measurement."""
+    (rows, trace_failure), (m, measure_failure) = traced, measured[name]
+    failure, stats = trace_failure or measure_failure, m and m["stats"]
+    summary = summarize(rows) if rows else None
+    decision, next_step = decide(summary) if summary else (None, None)
+    summary, rows = json_safe(summary), json_safe(rows)  # a diverged trace holds NaN/inf: null in the record
+    if failure:
+        decision, next_step = None, f"failed: {failure}"
+    base = (measured.get(TIME_BASELINE.get(name)) or (None,))[0]
+    base_timing = base and base["stats"].timing
+    compared = stats is not None and base_timing is not None
+    noise = timing_noise(stats.timing, base_timing, more_work=name == "high_lr_clip") if compared else None
+    by_run = dict(trace=len(rows) if rows else None, measurement=m and 1 + m["steps"])  # warm update + measured
+    ran = [n for n in by_run.values() if n is not None]
+    return ctx.record(
+        name, updates=sum(ran) if ran else None, update_count=len(rows) if rows else None,
+        all_finite=summary["all_finite"] if summary else None, skipped_updates=0 if ran else None,
+        peak_allocated=stats and stats.peak_allocated, peak_reserved=stats and stats.peak_reserved,
+        step_median_s=stats and stats.timing.median_s, step_p95_s=stats and stats.timing.p95_s,
+        warmup_excluded=stats and stats.timing.warmup_excluded, threads=stats and stats.timing.threads,
+        timing_noise=noise, memory_source=ctx.memory_source if stats else None, failure=failure, decision=decision,
+        next_step=next_step,
+        metrics=dict(lr=lr_of(name, cfg), max_norm=cfg.max_norm if name == "high_lr_clip" else None,
+                     weight_decay=cfg.weight_decay, timed_steps=cfg.timed, summary=summary, trace=rows,
+                     updates_by_run=by_run, step_samples_s=stats and stats.timing.samples,
+                     interleaved=stats and stats.timing.interleaved, time_baseline=TIME_BASELINE.get(name),
+                     time_ratio=stats.timing.median_s / base_timing.median_s if compared else None,
+                     p95_ratio=stats.timing.p95_s / base_timing.p95_s if compared else None,
+                     rule=dict(SPIKE_MAX=SPIKE_MAX)))
+
+
+def plan(ctx) -> dict:
+    """LRs, updates and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+    w = ctx.workload
+
+    def mode_plan(dev):
+        cfg = config_for(w.arch, dev, ctx.smoke)
+        passes = cfg.updates + 1 + harness.separate_steps(dev, cfg.timed, cfg.warmup)  # traced + warm + measured
+        overhead_s = cfg.updates * 0.05 + 2 * 0.5 if dev == "cuda" else 0.0  # snapshots + ratios, 2 loads from the host
+        per_candidate = plan_seconds(w.arch, w.batch * w.seq, passes, dev) + overhead_s
+        seconds = PLAN_BUILD_S[dev] + len(CANDIDATES) * per_candidate
+        return cfg.timed, cfg.warmup, dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, traced_updates=cfg.updates,
+                                           estimated_seconds=round(seconds, 1))
+
+    return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
+                groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=harness.plan_separate(mode_plan),
+                rule=dict(SPIKE_MAX=SPIKE_MAX),
+                estimate_basis=PLAN_BASIS + "; + 0.05 s per traced update and 1 s of state loads per candidate (cuda)")
+
+
+def conformance():
+    """``update_dynamics.clip_by_global_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on a tiny Qwen2's gradients."""
+    from bp_mech.registry import ConformanceRow
+    from bp_mech.workload import parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    model = build_model(w)
+    model(**make_batches(w, 1)[0]).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    worst = 0.0
+    for max_norm in (0.1, 1.0, 1e6):  # clipping hard, mildly, not at all
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        ours_norm = update_dynamics.clip_by_global_norm_(model.parameters(), max_norm)
+        ours = [p.grad.clone() for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        errors = [abs(ours_norm.item() - ref_norm.item()) / ref_norm.item()]
+        errors += [((a - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
+                   for a, p in zip(ours, model.parameters())]
+        worst = max(worst, *errors)
+    return ConformanceRow("Part 02 · 55", "TRAIN-UPDATE-DYNAMICS", "torch.nn.utils.clip_grad_norm_",
+                          worst <= CONFORMANCE_TOL, f"total norm and clipped gradients at max_norm 0.1, 1, 1e6: max "
+                          f"rel. difference {worst:.2e} (tol {CONFORMANCE_TOL:g}, float32)")

@@ -1,0 +1,247 @@
+"""TRAIN-AMP-BACKWARD, the experiment (``bp_mech.experiments.amp``): the decision rule, the run on the
+CPU (records, overflow sample semantics, decisions), the GPU plan, the measurement's paths (interleaved,
+alone, an out-of-memory candidate, fused AdamW), diverged runs and the conformance check."""
+
+import math
+
+import pytest
+import torch
+
+from bp_mech import amp, registry, results
+from bp_mech.experiments import amp as experiment
+from bp_mech.experiments.amp import decide
+from bp_mech.measure import MAX_RATIO_SPREAD
+
+
+def test_decision_rule():
+    # (finite, skipped fraction, loss rel. diff, peak saving, time ratio)
+    assert decide(True, 0.0, 0.001, 0.11, 1.02) == ("accept", None)
+    assert decide(True, 0.0, 0.001, 0.03, 1.00)[0] == "tune"  # saving below MIN_PEAK_SAVING
+    assert decide(True, 0.0, 0.001, experiment.MIN_PEAK_SAVING, 1.00)[0] == "accept"  # at the threshold
+    assert decide(True, 0.0, 0.001, -0.10, 1.00)[0] == "tune"  # a higher peak
+    assert decide(True, 0.0, 0.001, 0.20, 1.50)[0] == "tune"  # too slow
+    assert decide(False, 0.0, 0.001, 0.20, 1.00)[0] == "reject"
+    assert decide(True, 0.5, 0.001, 0.20, 1.00)[0] == "reject"  # too many skipped steps
+    assert decide(True, 0.0, 0.05, 0.20, 1.00)[0] == "reject"  # loss off FP32
+    assert decide(True, 0.0, math.nan, 0.20, 1.00)[0] == "reject"
+    assert decide(True, 0.0, 0.001, math.nan, 1.00)[0] == "tune"  # no peak to compare: no memory win shown
+    for args in [(True, 0.0, 0.001, 0.20, 1.00), (True, 0.0, 0.001, 0.20, 1.50)]:  # noise: the time decides nothing
+        decision, nxt = decide(*args, noise="median ratio 1.00 and P95 ratio 3.00 differ")
+        assert decision is None and "noise (median ratio 1.00" in nxt and "GPU" in nxt
+    # what does not depend on the time still decides under noise; a tune or reject always says what next
+    assert decide(True, 0.0, 0.001, 0.03, 1.00, noise="x")[0] == "tune"
+    assert decide(False, 0.0, 0.001, 0.20, 1.00, noise="x")[0] == "reject"
+    for args in [(True, 0.0, 0.001, 0.03, 1.0), (True, 0.0, 0.001, 0.2, 1.5), (False, 0.0, 0.001, 0.2, 1.0)]:
+        assert decide(*args)[1]
+
+
+@pytest.fixture(scope="module")
+def cpu_records():
+    ctx = registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s32")
+    return {r.candidate: r for r in registry.run(ctx)}
+
+
+def peak_saving(recs, name):
+    return 1 - recs[name].peak_allocated / recs["fp32"].peak_allocated
+
+
+def test_cpu_run_records(cpu_records, tmp_path):
+    assert set(cpu_records) == set(experiment.CANDIDATES)  # CPU autocast supports bf16
+    for r in cpu_records.values():
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.failure is None and r.evidence_level == "cpu-mechanism"
+    cfg = experiment.CPU_CONFIG
+    for name in ("fp32", "fp16-amp", "bf16-amp"):
+        r = cpu_records[name]
+        applied = r.metrics["applied_per_step"]
+        assert len(applied) == 1 + cfg.warmup + cfg.timed  # tracked + warm-up + timed: every optimizer call
+        assert r.updates == sum(applied) and r.updates + r.skipped_updates == len(applied)
+        assert r.update_count == r.updates  # the LR clock counted exactly the applied updates
+        assert r.all_finite and r.warmup_excluded == cfg.warmup and len(r.metrics["step_samples_s"]) == cfg.timed
+        assert r.threads == 1 and r.metrics["interleaved"] is True
+        assert r.peak_allocated > 0 and r.memory_source == "tracked-cpu" and r.step_p95_s >= r.step_median_s
+    assert cpu_records["fp32"].decision is None and cpu_records["fp32"].timing_noise is None
+    for name in ("fp16-amp", "bf16-amp"):
+        r = cpu_records[name]
+        m = r.metrics
+        assert m["loss_rel_diff"] <= experiment.LOSS_REL_TOL and m["peak_saving"] == peak_saving(cpu_records, name)
+        assert m["time_ratio"] == r.step_median_s / cpu_records["fp32"].step_median_s
+        assert m["p95_ratio"] == r.step_p95_s / cpu_records["fp32"].step_p95_s
+        spread = max(m["time_ratio"], m["p95_ratio"]) / min(m["time_ratio"], m["p95_ratio"])
+        assert (r.timing_noise is not None) == (spread > MAX_RATIO_SPREAD)  # AMP is not "strictly more work"
+        want = decide(r.all_finite, r.skipped_updates / len(m["applied_per_step"]), m["loss_rel_diff"],
+                      m["peak_saving"], m["time_ratio"], noise=r.timing_noise)
+        assert (r.decision, r.next_step) == want
+        if r.decision in ("tune", "reject") or r.decision is None:
+            assert r.next_step
+    assert cpu_records["fp16-amp"].metrics["loss_scale_trace"][0] == cfg.init_scale
+    assert cpu_records["bf16-amp"].metrics["scaler"] is False
+
+
+def test_overflow_sample_semantics(cpu_records):
+    r, cfg = cpu_records["fp16-overflow"], experiment.CPU_CONFIG
+    m = r.metrics
+    assert m["skipped_calls"] == list(cfg.overflow_calls) and r.skipped_updates == len(cfg.overflow_calls)
+    assert r.updates == r.update_count == cfg.overflow_n - len(cfg.overflow_calls)  # successful steps only
+    assert r.updates + r.skipped_updates == len(m["applied_per_step"]) == cfg.overflow_n
+    assert r.failure is None and r.decision is None  # the scaler recovered: growth after the last overflow
+    assert m["scaler_matches_reference"] and m["params_unchanged_on_skip"] and m["clock_held_on_skip"]
+    assert m["fp32_finite_under_same_injection"]  # the injected overflow is an FP16 overflow
+    assert m["backoff_calls"] == [2, 3, 8] and m["growth_calls"] == [6, 11]
+    s = m["loss_scale_trace"]
+    assert s[3] == cfg.init_scale / 4 and s[6] == cfg.init_scale / 2
+    lr = m["lr_per_call"]
+    assert lr[3] == lr[2] and lr[4] == lr[2]  # two skipped calls: the next update reads the same LR
+
+
+def test_gpu_plan_fits_budget():
+    p = registry.plan(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
+    gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
+    gpu_cfg, cpu_cfg = experiment.GPU_CONFIG, experiment.CPU_CONFIG
+    assert gpu["config"]["timed"] == gpu["timed_rounds"] == gpu_cfg.timed >= 20
+    assert cpu["config"]["timed"] == cpu["timed_rounds"] == cpu_cfg.timed
+    assert gpu["config"]["schedule"]["base_lr"] == 1e-4
+    assert gpu["measured_steps"] == gpu_cfg.warmup + gpu_cfg.timed  # alone on the GPU: no tracked step
+    assert cpu["measured_steps"] == 1 + cpu_cfg.warmup + cpu_cfg.timed  # the tracked step gives the CPU's peak
+    assert cpu["interleaved"] and cpu["threads"] == 1 and not gpu["interleaved"] and gpu["threads"] is None
+    assert 10 <= gpu["estimated_seconds"] <= 60 and set(gpu["estimated_seconds_per_candidate"]) == set(experiment.CANDIDATES)
+    assert p["rule"]["MIN_PEAK_SAVING"] == experiment.MIN_PEAK_SAVING
+    assert "H200" in p["estimate_basis"]
+
+
+def test_first_three_gpu_experiments_fit_the_budget():
+    """The suite starts with AMP, 11 and 55 on qwen05: together about 3 minutes on one H200."""
+    total = 0.0
+    for sid in ("TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-UPDATE-DYNAMICS"):
+        ctx = registry.make_context(sid, "dry_run", registry.get(sid).gpu_workload)
+        assert ctx.workload.arch == "qwen05"
+        total += registry.plan(ctx)["modes"]["real_gpu"]["estimated_seconds"]
+    assert total <= 170, total
+
+
+def test_config_follows_the_device():
+    assert experiment.config_for("cuda") is experiment.GPU_CONFIG
+    assert experiment.config_for(torch.device("cuda", 0)) is experiment.GPU_CONFIG
+    assert experiment.config_for("cpu") is experiment.CPU_CONFIG
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_gpu_tiny(tmp_path):
+    recs = registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "real_gpu", "tiny-b2s64"))
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.evidence_level == "gpu-measured" and r.failure is None
+    assert all(r.memory_source == "cuda-allocator" for r in recs if r.candidate != "fp16-overflow")
+    assert next(r for r in recs if r.candidate == "fp16-overflow").metrics["semantics_ok"]
+
+
+def test_conformance_passes():
+    row = experiment.conformance()
+    assert row.passed, row.detail
+
+
+SMALL = experiment.AmpConfig(timed=2, warmup=1, overflow_n=4, overflow_calls=(1,))
+
+
+def test_oom_in_one_candidate_is_its_failure(monkeypatch):
+    real = experiment.trainer
+
+    def flaky(model, name, *a, **kw):
+        if name == "fp16-amp":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, name, *a, **kw)
+
+    monkeypatch.setattr(experiment, "trainer", flaky)
+    monkeypatch.setattr(experiment, "CPU_CONFIG", SMALL)
+    recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
+    bad = recs["fp16-amp"]
+    assert bad.failure.startswith("out of memory") and bad.peak_allocated is None and bad.decision is None
+    assert bad.next_step and bad.updates is None
+    ok = recs["bf16-amp"]  # the run went on, and was timed with the others
+    assert ok.failure is None and ok.metrics["time_ratio"] > 0 and len(ok.metrics["step_samples_s"]) == SMALL.timed
+    assert ok.decision is not None or ok.timing_noise is not None
+    assert recs["fp16-overflow"].skipped_updates == 1
+
+
+def test_the_sequential_path_measures_each_candidate_alone():
+    """The CUDA path (one candidate after another, measure_steps), run on the CPU: every candidate
+    makes warm-up + timed updates (+ the tracked one measure_steps adds on the CPU), none interleaved."""
+    from bp_mech.workload import build_model, make_batches, parse_workload
+
+    w = parse_workload("tiny-b1s16")
+    batches = make_batches(w, SMALL.warmup + SMALL.timed + 2)
+    out = experiment.measure(build_model(w), ["fp32", "bf16-amp"], SMALL, "cpu", batches, interleave=False)
+    for name, (r, failure) in out.items():
+        assert failure is None and r["updates"] == r["steps"] == 1 + SMALL.warmup + SMALL.timed and r["skipped"] == 0
+        t = r["stats"].timing
+        assert not t.interleaved and len(t.samples) == SMALL.timed and t.warmup_excluded == SMALL.warmup
+        assert r["stats"].peak_allocated > 0 and math.isfinite(r["eval_loss"])
+
+
+def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
+    """On CUDA ``make_adamw`` is fused: GradScaler then hands ``found_inf`` to the optimizer,
+    which runs and skips inside its kernel. CPU fused AdamW takes the same GradScaler branch."""
+    made = []
+
+    def fused(params, lr, device, **kw):
+        made.append(torch.optim.AdamW(params, lr=lr, fused=True, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(amp, "make_adamw", fused)
+    from bp_mech.workload import build_model, make_batches, parse_workload
+
+    w = parse_workload("tiny-b1s16")
+    cfg = experiment.AmpConfig(timed=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))
+    o = experiment.overflow_sample(build_model(w), "fp16-overflow", cfg, "cpu", make_batches(w, 4))
+    assert made[-1]._step_supports_amp_scaling
+    assert o["params_unchanged_on_skip"] and o["clock_held_on_skip"] and o["scaler_matches_reference"]
+    assert o["skipped"] == 2 and o["updates"] == 4 and o["backoff_calls"] == [1, 2]
+    step = {float(s["step"]) for s in made[-1].state.values()}
+    assert step == {4.0}  # the skipped calls did not count as AdamW steps either
+
+
+def test_a_diverged_candidate_still_saves_without_jsonschema(monkeypatch, tmp_path):
+    """NaN/inf in a trace become null (records are strict JSON) and the decision is reject; the
+    GPU machine has no jsonschema, so the built-in validator checks the record."""
+    import sys
+
+    real = experiment.finish
+
+    def diverged(tr, *a, **kw):
+        out = real(tr, *a, **kw)
+        if tr.low is torch.bfloat16:
+            out["eval_loss"] = math.nan
+            out["trace"]["loss"][-1] = math.inf
+        return out
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
+    monkeypatch.setattr(experiment, "finish", diverged)
+    monkeypatch.setattr(experiment, "CPU_CONFIG", SMALL)
+    recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
+    r = recs["bf16-amp"]
+    assert r.decision == "reject" and r.all_finite is False
+    assert r.metrics["eval_loss"] is None and r.metrics["loss_per_step"][-1] is None
+    for rec in recs.values():
+        results.load_record(results.save_record(rec, tmp_path))
+
+
+# --- the overflow sample's failure -----------------------------------------------------
+
+def _trace(applied, scale, loss):
+    return dict(applied=applied, scale=scale, loss=loss)
+
+
+def test_overflow_failure_says_why():
+    ok = _trace([True, False, True, True], [4.0, 2.0, 2.0, 4.0], [5.0, 5.0, 4.9, 4.8])
+    assert experiment.overflow_failure(ok, (1,)) is None
+    stuck = _trace([True, False, False, False], [4.0, 2.0, 1.0, 0.5], [5.0, 5.0, 5.0, 5.0])
+    why = experiment.overflow_failure(stuck, (1,))
+    assert "never recovered" in why and "after the last injected overflow (call 1)" in why
+    assert "fell to 0.5, below SCALE_FLOOR 1" in why
+    at_end = _trace([True, True, False], [4.0, 4.0, 2.0], [5.0, 4.9, 4.8])  # nothing after the last overflow
+    assert "never recovered" in experiment.overflow_failure(at_end, (2,))
+    low = _trace([True, True], [0.25, 0.25], [5.0, 4.9])  # recovered, but the scale collapsed
+    assert experiment.overflow_failure(low, ()) == "the loss scale fell to 0.25, below SCALE_FLOOR 1"
+    nan = _trace([True, True], [4.0, 4.0], [5.0, math.nan])
+    assert experiment.overflow_failure(nan, ()) == "the loss ended non-finite"

@@ -1,0 +1,115 @@
+"""Part 02 · 19, the experiment: its records validate (recomputes counted, equality, peaks, decisions);
+an out-of-memory candidate is its failure; a NaN is never equal; the dry run plans the GPU run; the
+seed's reference gives the seed's decision; the conformance check passes."""
+
+import math
+
+import torch
+
+# transformers' generation module (imported with AutoModelForCausalLM) evaluates torch.cuda.Stream in
+# its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
+from transformers import AutoModelForCausalLM  # noqa: F401
+
+from bp_mech import registry
+from bp_mech.experiments import checkpointing as experiment
+from bp_mech.experiments import harness, strategies
+from bp_mech.measure import Timing
+from bp_mech.results import load_record, save_record
+from bp_mech.workload import PLAN_BUILD_S, parse_workload
+
+
+def test_decide_rule_and_the_seed_reference():
+    s = experiment.SEED_REFERENCE
+    assert strategies.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "accept"
+    assert strategies.decide(False, 0.5, 1.0)[0] == "reject"
+    assert strategies.decide(True, 0.01, 1.0)[0] == "reject"
+    assert strategies.decide(True, 0.10, 1.1)[0] == "tune"
+    assert strategies.decide(True, 0.40, 3.0)[0] == "tune"
+
+
+def test_run_writes_valid_records(tmp_path, cpu_only):
+    ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
+    recs = experiment.run(ctx)
+    assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
+    assert by["plain"].decision is None and by["plain"].recompute_count == 0
+    L = len(by["plain"].metrics["forward_calls"]["layer"])
+    assert by["checkpoint-all"].recompute_count == 2 * L
+    for name in experiment.CANDIDATES[1:]:
+        r = by[name]
+        assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"] and r.metrics["equal"]
+        assert r.memory_source == "tracked-cpu" and r.evidence_level == "cpu-mechanism" and r.all_finite
+        assert r.peak_allocated < by["plain"].peak_allocated  # tracked storages: deterministic
+        assert r.metrics["saved_activation_bytes"] < by["plain"].metrics["saved_activation_bytes"]
+        assert r.decision in ("accept", "tune", "reject")
+        assert r.warmup_excluded == harness.schedule("cpu")[1] and r.threads == 1
+        assert r.updates == sum(harness.schedule("cpu")) + 1 and r.skipped_updates == 0  # warm-up + timed + peak step
+        assert r.metrics["more_work"] == (name != "plain")  # every candidate recomputes
+
+
+def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path, cpu_only, monkeypatch):
+    real, seen = harness.train_step, []
+
+    def oom_under_checkpoint_all(model, *a, **k):  # fails inside the candidate's configuration
+        seen.append(model)
+        if all(layer.gradient_checkpointing for layer in model.model.layers):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(harness, "train_step", oom_under_checkpoint_all)
+    recs = experiment.run(registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32"))
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
+    failed = by["checkpoint-all"]
+    assert failed.failure.startswith("out of memory") and failed.peak_allocated is None and failed.decision is None
+    assert all(by[n].failure is None and by[n].metrics["bitwise_equal"] for n in ("checkpoint-every2", "checkpoint-mlp"))
+    assert not any(layer.gradient_checkpointing for layer in seen[0].model.layers)  # the configuration was undone
+
+
+def _fake(loss, grads, finite=True, peak=100, median=1.0):
+    return dict(loss=loss, grads=grads, grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)),
+                calls={}, recomputes=0, held_after_forward=0, finite=finite,
+                timing=Timing(median, median, 2, [median] * 4, threads=1, interleaved=True), peak_allocated=peak,
+                peak_reserved=None, memory_source="tracked-cpu", updates=5)
+
+
+def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_only):
+    """A race that leaves a gradient NaN must be rejected (``max(0.0, nan)`` is 0.0 in Python, so a
+    naive running max passes it), and NaN must not make the record unsavable (strict JSON)."""
+    g = [torch.ones(3), torch.ones(2)]
+    bad = [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    c = harness.compare(_fake(1.0, g), _fake(1.0, bad, finite=False))
+    assert c["grad_error"] == math.inf and not c["bitwise"] and c["loss_error"] == 0.0
+    assert harness.compare(_fake(1.0, g), _fake(float("nan"), g, finite=False))["loss_error"] == math.inf
+    ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
+    results = {"plain": (_fake(1.0, g), None), "checkpoint-all": (_fake(1.0, bad, finite=False, peak=50), None),
+               "checkpoint-every2": (_fake(1.0, [x * (1 + 1e-3) for x in g], peak=50), None),
+               "checkpoint-mlp": (None, "out of memory: CUDA out of memory")}
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in strategies.make_records(ctx, results, "plain")}
+    nan = by["checkpoint-all"]
+    assert nan.decision == "reject" and not nan.all_finite and nan.grad_error is None and not nan.metrics["equal"]
+    assert nan.metrics["grad_norm"] is None  # stored as null, not NaN
+    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > harness.EQUAL_TOL["cpu"][1]
+    assert by["checkpoint-mlp"].failure and by["plain"].decision is None
+
+
+def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
+    total = 0
+    for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"):
+        plan = registry.plan(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
+        gpu = plan["modes"]["real_gpu"]
+        assert gpu["timed_rounds"] >= 20 and gpu["warmup_rounds"] >= 1 and gpu["interleaved"]
+        total += gpu["estimated_seconds"]
+    assert 60 <= total <= 180
+
+
+def test_the_estimate_scales_with_the_workload():
+    w = parse_workload("qwen05-b2s512")
+    one = harness.estimate_seconds(w, [1.0], "cuda")
+    assert harness.estimate_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
+    assert harness.estimate_seconds(w, [1.0, 2.0], "cuda") > 2 * one - PLAN_BUILD_S["cuda"]
+    assert harness.estimate_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: planned, and slow
+
+
+def test_conformance_passes():
+    row = experiment.conformance()
+    assert row.passed, row.detail

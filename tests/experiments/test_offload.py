@@ -1,0 +1,81 @@
+"""Part 02 · 42, the experiment: the counting pass, the candidates' hooks, the link metrics; its records
+validate (equality, D2H = the independent count, peaks, transfer bound); the seed's reference gives the
+seed's decision; the conformance check passes."""
+
+import pytest
+
+# transformers' generation module (imported with AutoModelForCausalLM) evaluates torch.cuda.Stream in
+# its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
+from transformers import AutoModelForCausalLM  # noqa: F401
+
+from bp_mech import offload, registry
+from bp_mech.experiments import harness, strategies
+from bp_mech.experiments import offload as experiment
+from bp_mech.results import load_record, save_record
+from bp_mech.workload import build_model, make_batches, parse_workload
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    w = parse_workload("tiny-b2s32")
+    return build_model(w), make_batches(w, 2)
+
+
+def test_count_saved_counts_storages_once_and_less_under_checkpointing(tiny):
+    model, batches = tiny
+    plain, checkpointed = (experiment.count_saved(model, batches[0], c) for c in ("plain", "checkpoint-all"))
+    assert 0 < checkpointed.bytes < plain.bytes < plain.tensor_bytes  # views and parameters: once / not at all
+    assert plain.param_saves > 0 and plain.tensors > len(plain.storages)
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)  # configuration undone
+
+
+def test_make_hooks_and_hook_stats(tiny):
+    model, batches = tiny
+    cfg = offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES)
+    hooks = {name: experiment.make_hooks(name, model, cfg, "cpu") for name in experiment.CANDIDATES}
+    assert hooks["resident"] is None and isinstance(hooks["save_on_cpu"], offload.CountingSaveOnCpu)
+    assert all(isinstance(hooks[n], offload.ActivationOffload) for n in ("offload", "offload-checkpoint"))
+    harness.train_step(model, batches[0], hooks["offload"])
+    stats = experiment.hook_stats(hooks["offload"])
+    assert stats["d2h"] == hooks["offload"].d2h_bytes > 0 and stats["host_pool_bytes"] == stats["d2h"]
+    assert stats["pool_allocations"] == len(hooks["offload"]._order)
+
+
+def test_run_writes_valid_records(tmp_path, cpu_only):
+    ctx = registry.make_context("TRAIN-OFFLOAD", "cpu", "tiny-b2s32")
+    bw = {"h2d": 2.0e10, "d2h": 1.5e10}  # stands for measure_bandwidth: the GPU-only metrics, on the CPU
+    recs = experiment.run(ctx, bandwidth=bw)
+    assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
+    assert by["resident"].transfer_bytes is None and by["resident"].decision is None
+    for name in experiment.CANDIDATES[1:]:
+        r = by[name]
+        assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"] and r.all_finite
+        assert r.metrics["d2h_matches_count"] and r.transfer_bytes["d2h"] == r.metrics["expected_d2h_bytes"]
+        assert r.peak_allocated < by["resident"].peak_allocated
+        assert r.metrics["held_after_forward_bytes"] < by["resident"].metrics["held_after_forward_bytes"]
+        t = r.transfer_bytes
+        assert r.metrics["transfer_bound_s"] == pytest.approx(t["d2h"] / bw["d2h"] + t["h2d"] / bw["h2d"])
+    assert by["offload"].transfer_bytes["d2h"] < by["save_on_cpu"].transfer_bytes["d2h"]
+    assert by["offload-checkpoint"].transfer_bytes["d2h"] < by["offload"].transfer_bytes["d2h"]
+
+
+def test_link_metrics():
+    m = experiment.link_metrics(3 * 10**9, 2 * 10**9, {"d2h": 1e9, "h2d": 2e9}, median_s=5.0, base_median_s=1.0)
+    assert m["transfer_bound_s"] == 4.0 and m["overhead_s"] == 4.0 and m["overhead_over_bound"] == 1.0
+    assert m["implementation_s"] == 0.0
+    hidden = experiment.link_metrics(10**9, 10**9, {"d2h": 1e9, "h2d": 1e9}, median_s=1.5, base_median_s=1.0)
+    assert hidden["overhead_over_bound"] == 0.25 and hidden["implementation_s"] == 0.0  # copies hidden
+    slow = experiment.link_metrics(10**9, 0, {"d2h": 1e9, "h2d": 1e9}, median_s=4.0, base_median_s=1.0)
+    assert slow["implementation_s"] == 2.0
+    assert experiment.link_metrics(0, 0, {"d2h": 1e9, "h2d": 1e9}, 1.0, 1.0)["overhead_over_bound"] is None
+
+
+def test_seed_reference_gives_the_seed_decision():
+    s = experiment.SEED_REFERENCE
+    assert strategies.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "tune"
+
+
+def test_conformance_passes():
+    row = experiment.conformance()
+    assert row.passed, row.detail
