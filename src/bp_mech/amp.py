@@ -28,7 +28,7 @@ import math
 import torch
 
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.update_dynamics import global_grad_norm
+from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
 from bp_mech.workload import make_adamw
 
 
@@ -63,6 +63,11 @@ class DynamicLossScaler:
         return False
 
 
+def _clip_coef(norm: float, max_norm: float, eps: float = 1e-6) -> float:
+    """Part 02 · 55's clip coefficient min(1, max_norm / (norm + eps)) of a norm that is a Python float."""
+    return float(clip_coefficient(torch.tensor(norm, dtype=torch.float64), max_norm, eps))
+
+
 def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
     """In place: g <- g / S, then clip by the *unscaled* total norm (as clip_grad_norm_).
 
@@ -74,7 +79,7 @@ def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, 
         g.mul_(1.0 / scale)
     total = global_grad_norm(grads).item()
     found_inf = not math.isfinite(total)
-    coef = 1.0 if found_inf else min(1.0, max_norm / (total + eps))
+    coef = 1.0 if found_inf else _clip_coef(total, max_norm, eps)
     if not found_inf:
         for g in grads:
             g.mul_(coef)
@@ -142,7 +147,7 @@ class AmpTrainer:
         t["finite"].append(finite)
         t["applied"].append(applied)
         t["grad_norm"].append(norm if finite else None)
-        t["clip_coef"].append(min(1.0, self.max_norm / (norm + 1e-6)) if finite else None)
+        t["clip_coef"].append(_clip_coef(norm, self.max_norm) if finite else None)
         t["lr"].append(lr)
         return applied
 
@@ -180,7 +185,7 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
             if not clip_scaled:
                 scaler.unscale_(opt)
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            coef, key = min(1.0, max_norm / (norm + 1e-6)), "b" if clip_scaled else "a"
+            coef, key = _clip_coef(norm, max_norm), "b" if clip_scaled else "a"
             row.update({f"loss_{key}": loss.item(), f"norm_{key}": norm, f"clipped_{key}": coef < 1.0,
                         f"clip_coef_{key}": coef, f"applied_{key}": scaler_step(scaler, opt),  # unscales (b) too
                         f"grad_median_{key}": torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()

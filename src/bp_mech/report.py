@@ -95,3 +95,15 @@ def record_rows(recs: list[results.Record], fields: list[str]) -> list[dict]:
         row["evidence"] = r.evidence_level
         out.append(row)
     return out
+
+
+def decision_text(r: results.Record, baseline: str) -> str:
+    """A record's decision for a table or a sentence, or why there is none: the baseline decides
+    nothing, a time ratio that is noise decides nothing (and says why), a failure says what to do."""
+    if r.decision:
+        return r.decision
+    if r.timing_noise:
+        return f"none: the time ratio is noise ({r.timing_noise})"
+    if r.candidate == baseline:
+        return "baseline"
+    return f"none: {r.next_step}" if r.next_step else "none"

@@ -155,8 +155,8 @@ def _tolerances() -> dict:
 def plan(ctx) -> dict:
     cfg = AttnConfig.from_arch(ctx.workload.arch, ctx.workload.batch)
     T = ctx.workload.seq
-    timing = {mode: dict(zip(("timed_rounds", "warmup_rounds"), harness.schedule(dev, ctx.smoke)))
-              for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda"))}
+    timing = harness.plan_per_mode(lambda dev: dict(zip(("timed_rounds", "warmup_rounds"),
+                                                        harness.schedule(dev, ctx.smoke))))
     return dict(attention=asdict(cfg), sweep_T=list(SWEEP_T), timed_T=T,
                 timing="the backward alone, candidates interleaved round by round (1 intra-op thread on the CPU), "
                        "the forward untimed before it", rounds=timing, tolerances=_tolerances(),

@@ -122,16 +122,24 @@ def estimate_seconds(w, factors, device, smoke: bool = False) -> float:
                  + sum(plan_seconds(w.arch, w.batch * w.seq, f * passes, dev) + probe_s for f in factors), 1)
 
 
+PLAN_MODES = (("cpu", "cpu"), ("real_gpu", "cuda"))  # (mode, its device) of every dry-run plan
+
+
+def plan_per_mode(mode_fields: Callable[[str], dict]) -> dict:
+    """The one loop of every ``--mode dry_run`` plan: ``{mode: mode_fields(its device type)}``."""
+    return {mode: mode_fields(dev) for mode, dev in PLAN_MODES}
+
+
 def plan_modes(w, factors, smoke: bool = False, **per_device) -> dict:
-    """Steps and estimated seconds of ``--mode cpu`` and ``--mode real_gpu`` for workload ``w``."""
-    out = {}
-    for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda")):
+    """Steps and estimated seconds of ``--mode cpu`` and ``--mode real_gpu`` for workload ``w``
+    (``measure_candidates``: interleaved on both devices)."""
+    def fields(dev):
         rounds, warmup = schedule(dev, smoke)
-        out[mode] = dict(timed_rounds=rounds, warmup_rounds=warmup, interleaved=True,
-                         threads=CPU_TIMING_THREADS if dev == "cpu" else None,
-                         estimated_seconds=estimate_seconds(w, factors, dev, smoke),
-                         **{k: v(dev) for k, v in per_device.items()})
-    return out
+        return dict(timed_rounds=rounds, warmup_rounds=warmup, interleaved=True,
+                    threads=CPU_TIMING_THREADS if dev == "cpu" else None,
+                    estimated_seconds=estimate_seconds(w, factors, dev, smoke),
+                    **{k: v(dev) for k, v in per_device.items()})
+    return plan_per_mode(fields)
 
 
 @dataclass
@@ -301,9 +309,8 @@ def plan_separate(mode_plan: Callable[[str], tuple[int, int, dict]]) -> dict:
     device and its own plan fields, ``estimated_seconds`` among them. Added here: the steps each candidate
     makes in ``measure_separate`` and how they are timed (interleaved on one CPU thread; alone on CUDA).
     """
-    out = {}
-    for mode, dev in (("cpu", "cpu"), ("real_gpu", "cuda")):
-        rounds, warmup, fields = mode_plan(dev)
-        out[mode] = dict(timed_rounds=rounds, warmup_rounds=warmup, measured_steps=separate_steps(dev, rounds, warmup),
-                         interleaved=dev == "cpu", threads=CPU_TIMING_THREADS if dev == "cpu" else None, **fields)
-    return out
+    def fields(dev):
+        rounds, warmup, own = mode_plan(dev)
+        return dict(timed_rounds=rounds, warmup_rounds=warmup, measured_steps=separate_steps(dev, rounds, warmup),
+                    interleaved=dev == "cpu", threads=CPU_TIMING_THREADS if dev == "cpu" else None, **own)
+    return plan_per_mode(fields)
