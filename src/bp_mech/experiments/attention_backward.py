@@ -20,7 +20,7 @@ import torch
 from bp_mech import attention_backward
 from bp_mech.attention_backward import STRATEGIES, AttnConfig, attention_fn
 from bp_mech.experiments import harness
-from bp_mech.experiments.local_backward import relative_error
+from bp_mech.experiments.harness import relative_error
 from bp_mech.measure import all_finite, release_memory, time_interleaved
 from bp_mech.tracking import PeakMemory
 

@@ -74,6 +74,13 @@ def probe(model, batch, device, saving=None) -> dict:
                 finite=math.isfinite(loss.item()) and math.isfinite(norm))  # a NaN/inf anywhere makes the norm one
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, computed in float64 (0 when both are 0); NaN when either holds one."""
+    a, b = a.double(), b.double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
 def compare(ref: dict, got: dict) -> dict:
     """Loss error (relative), gradient error (max over parameters of max|diff| / max|ref|), bitwise.
 
@@ -87,9 +94,9 @@ def compare(ref: dict, got: dict) -> dict:
         if a is None or b is None:
             grad_err, bitwise = (grad_err, bitwise) if a is b else (math.inf, False)
             continue
-        d = (a - b).abs().max().item()
-        bitwise = bitwise and d == 0.0
-        grad_err = max(grad_err, finite(d / (b.abs().max().item() or 1.0)))
+        err = relative_error(a, b)
+        bitwise = bitwise and err == 0.0
+        grad_err = max(grad_err, finite(err))
     return dict(loss_error=loss_err, grad_error=grad_err, bitwise=bitwise,
                 grad_norm_error=finite(abs(got["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30)))
 

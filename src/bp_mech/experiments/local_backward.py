@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech import local_backward
+from bp_mech.experiments.harness import relative_error
 from bp_mech.workload import ARCHITECTURES
 
 # --- the op table: inputs, hand-written pair, independent reference ------------------
@@ -72,13 +73,6 @@ def make_inputs(op: str, shape: tuple[int, int, int], inter: int, vocab: int, dt
         "mlp_block": lambda: [x, 1 + 0.1 * r(C), r(inter, C, scale=C ** -0.5), r(inter, C, scale=C ** -0.5),
                               r(C, inter, scale=inter ** -0.5)],
     }[op]()
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, computed in float64 (0 when both are 0)."""
-    a, b = a.double(), b.double()
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
 # --- the checks -----------------------------------------------------------------------
