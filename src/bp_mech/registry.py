@@ -67,7 +67,7 @@ class Experiment:
             return False
 
 
-# GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76.
+# GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76, then the projects 73, 74.
 EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
     Experiment("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.experiments.amp", "book/part02/12b-amp-backward.md",
        "FP32 → AMP, plus overflow samples", "finiteness, loss scale, skipped steps, peak, step time", True),
@@ -102,10 +102,10 @@ EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
        "baseline lifecycle → lifecycle after a strategy", "residency per stage, peak objects, theoretical peak",
        False),
     Experiment("TRAIN-BASELINE", "Part 02 · 73", "73", "bp_mech.projects.baseline", "book/projects/73-baseline.md",
-       "fixed-model, fixed-data training baseline", "throughput and quality", False),
-    Experiment("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling_diagnosis",
+       "fixed-model, fixed-data training baseline", "throughput and quality", True),
+    Experiment("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling",
        "book/projects/74-profiling-diagnosis.md", "lifecycle ledger and trace fields",
-       "dominant state, critical path, candidate attribution", False),
+       "dominant state, critical path, candidate attribution", True),
 ]}
 
 
