@@ -6,7 +6,9 @@ Implement each function below with tensor operations only (no ``torch.autograd``
 
 Check your solutions with ``bp-mech check 09`` (or
 ``pytest tests/test_exercises.py -m ch09 --impl exercises``). The checks compare against
-float64 autograd on fresh random inputs, with a relative tolerance of 1e-10.
+float64 autograd on fresh random inputs, with a relative tolerance of 1e-10, at every shape the
+docstrings allow ("..." is any number of leading dimensions: 2-D, 3-D and 4-D inputs are tried) and
+at inputs large enough that a formula which overflows (exp of a large number) gives NaN.
 """
 
 import torch
@@ -94,7 +96,8 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, ignore_i
     Args:
         logits: shape (N, V).
         targets: shape (N,), integer class ids or ``ignore_index``.
-        ignore_index: the target value to skip.
+        ignore_index: the target value to skip: any integer (-100, -1, a pad id that is also a
+            class id, or one past the vocabulary).
 
     Returns:
         dlogits, shape (N, V).

@@ -10,7 +10,8 @@ Scores are scaled by ``scale = 1 / sqrt(d)``.
 Check your solutions with ``bp-mech check 10`` (or
 ``pytest tests/test_exercises.py -m ch10 --impl exercises``). The checks compare against
 float64 autograd through PyTorch's and transformers' own functions on fresh random inputs
-(relative tolerance 1e-10), and measure the memory of your blockwise backward.
+(relative tolerance 1e-10), with no, one and two leading dimensions where "..." allows them, and
+measure the memory of your blockwise backward.
 """
 
 import torch
@@ -90,8 +91,9 @@ def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         dV_J += P_IJ^T dO_I
         dS_IJ = P_IJ * (dO_I v_J^T - D_I)
         dQ_I += scale * dS_IJ k_J,   dK_J += scale * dS_IJ^T q_I
-    Never build a (T, T) matrix: the check measures the memory your function allocates and
-    fails when it reaches the size of one full score matrix. T need not be a multiple of block.
+    Never build a (T, T) matrix, not even one head at a time: the check measures the memory your
+    function allocates and fails when it reaches the size of ONE head's full (T, T) score matrix
+    (T * T elements, whatever the leading dimensions). T need not be a multiple of block.
 
     Args:
         q, k, v: shape (..., T, d) each (same leading dims: K/V already expanded to all heads).

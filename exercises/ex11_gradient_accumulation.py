@@ -5,13 +5,17 @@ backward, the gradients add up in ``.grad``, and the optimizer steps once. The u
 the full-batch one only if every micro-batch loss is weighted by its share of the *target
 tokens of the whole effective batch* — not by 1/k.
 
-A batch is a dict ``{"input_ids": (E, T) long, "labels": (E, T) long}``. Labels equal the
-inputs except on padding, where they are -100. Position t predicts token t + 1, so the
-targets of a row are ``labels[:, 1:]`` (the model shifts; you must shift too when counting).
+A batch is a dict ``{"input_ids": (E, T) long, "labels": (E, T) long}`` (it may hold more keys,
+e.g. an attention mask). Labels equal the inputs except where a position is not a target: on
+padding, and in supervised fine-tuning on the prompt tokens, the label is -100 while the input
+there may be a real token. So count targets from the labels, never from the inputs; token id 0
+is a real token. Position t predicts token t + 1, so the targets of a row are ``labels[:, 1:]``
+(the model shifts; you must shift too when counting). A micro-batch may hold no target at all.
 
 Check your solutions with ``bp-mech check 11`` (or
 ``pytest tests/test_exercises.py -m ch11 --impl exercises``). The checks compare with the
-full-batch loss and gradients of float64 autograd on padded, uneven micro-batches.
+full-batch loss and gradients of float64 autograd on padded, uneven micro-batches, with prompts
+masked in the labels, a micro-batch without targets, a frozen parameter, and 16-bit logits.
 """
 
 import torch
@@ -23,7 +27,7 @@ def split(batch: dict, k: int) -> list:
     Math: micro-batch j holds rows j*E/k ... (j+1)*E/k - 1 of every tensor in the batch.
 
     Args:
-        batch: dict of tensors, each of shape (E, ...).
+        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing dimensions).
         k: number of micro-batches, >= 1.
 
     Returns:
@@ -42,10 +46,10 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     never a target (nothing predicts it); padded positions (-100) are not targets.
 
     Args:
-        labels: shape (B, T), long, -100 on padding.
+        labels: shape (B, T), long, -100 where a position is not a target.
 
     Returns:
-        A 0-dim integer tensor.
+        A 0-dim integer tensor (0 when there is no target).
     """
     raise NotImplementedError("ex11: count_targets")
 
@@ -58,12 +62,16 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, n_total) -> tor
     batch*. Summed over the micro-batches, the shares give the full-batch mean loss.
 
     Args:
-        logits: shape (B, T, V), the micro-batch's logits (position t-1 predicts label t).
-        labels: shape (B, T), long, -100 on padding.
+        logits: shape (B, T, V), the micro-batch's logits (position t-1 predicts label t); float64,
+            float32, bfloat16 or float16.
+        labels: shape (B, T), long, -100 where a position is not a target.
         n_total: N, the target count of the whole effective batch (int or 0-dim tensor).
 
     Returns:
-        A 0-dim tensor in the logits' dtype, differentiable with respect to the logits.
+        A 0-dim tensor, differentiable with respect to the logits: in the logits' dtype for
+        float64 and float32, in float32 for bfloat16 and float16 logits (compute the loss in
+        float32, as transformers' ``ForCausalLMLoss`` does: a 16-bit sum over many tokens loses
+        digits). A micro-batch without targets contributes 0, not NaN.
     """
     raise NotImplementedError("ex11: micro_batch_loss")
 
@@ -74,7 +82,8 @@ def accumulated_backward(model, batch: dict, k: int) -> torch.Tensor:
     For each micro-batch j (from ``split``): logits = model(input_ids=...).logits, loss_j =
     micro_batch_loss(logits, labels_j, N) with N = count_targets(batch["labels"]), then
     loss_j.backward(). Do not zero the gradients between micro-batches: they must add up.
-    Afterwards every parameter's ``.grad`` equals the gradient of the full-batch mean loss.
+    Afterwards every parameter's ``.grad`` equals the gradient of the full-batch mean loss (a
+    parameter with ``requires_grad=False`` gets none).
 
     Args:
         model: a callable module; ``model(input_ids=x).logits`` has shape (B, T, V).

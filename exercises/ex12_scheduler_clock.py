@@ -6,7 +6,7 @@
 Check your solutions with ``bp-mech check 12`` (or
 ``pytest tests/test_exercises.py -m ch12 --impl exercises``). The checks compare against
 ``transformers.get_wsd_schedule`` at every update (relative tolerance 1e-12), with and
-without skipped steps.
+without skipped steps, on schedules with every phase of length 0 that ``WSDConfig`` allows.
 """
 
 from bp_mech.scheduler import WSDConfig  # noqa: F401  (the schedule's fields)
@@ -25,7 +25,9 @@ def wsd_lr(update: int, cfg: "WSDConfig") -> float:
 
     Note that warmup starts at base * m (not 0 unless m = 0), update W is the first at the
     full rate, update W+S the first of the decay, and update W+S+D the first at the floor.
-    Use max(1, W) and max(1, D) as denominators so that W = 0 or D = 0 is allowed.
+    Use max(1, W) and max(1, D) as denominators so that W = 0 or D = 0 is allowed. Any phase may
+    have length 0: with D = 0, update W+S is already at the floor base * m (no decay step at
+    the full rate); with W = S = D = 0 every update is at the floor.
 
     Args:
         update: k, the number of successful updates before this one (>= 0).

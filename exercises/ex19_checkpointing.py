@@ -7,7 +7,8 @@
 Check your solutions with ``bp-mech check 19`` (or
 ``pytest tests/test_exercises.py -m ch19 --impl exercises``). The checks compare against plain
 float64 autograd (gradients to 1e-12), against the bytes a plain block keeps alive after forward
-(tracked CPU storages), and against counters that the checks place inside the modules themselves.
+(tracked CPU storages: the block's output and at most 1 KiB more), and against counters that the
+checks place inside the modules themselves.
 """
 
 from typing import Callable
@@ -25,13 +26,16 @@ class CheckpointedBlock(nn.Module):
     backward runs ``f`` again with grad enabled on ``x.detach().requires_grad_()``, then
     differentiates that recomputed graph with the incoming ``dy``:
         dx, dW = torch.autograd.grad(f(x), [x, *W], dy).
-    Memory held between forward and backward: the block's input and output only. Cost: one extra
-    forward of the block.
+    Memory held between forward and backward: the block's input (which exists anyway; keep no
+    copy of it) and its output only. Cost: one extra forward of the block.
 
     Hint: a ``torch.autograd.Function`` whose ``forward(ctx, fn, x, *params)`` saves ``x`` and
     returns ``fn(x)`` under ``no_grad``, and whose ``backward`` recomputes and returns
     ``(None, dx, *dparams)``. Pass the parameters as inputs so that autograd asks for their
-    gradients. (``torch.utils.checkpoint`` also works, but then you learn less.)
+    gradients; leave out parameters that do not require grad (a frozen part of the block gets no
+    gradient). An input that needs no gradient (``x.requires_grad`` False) must still be
+    checkpointed: the parameters need their gradients, and the activations are as large.
+    (``torch.utils.checkpoint`` also works, but then you learn less.)
 
     ``self.calls`` must count the real executions of ``self.block``: 1 after a forward, 2 after
     that forward's backward, and it must be counted where the block runs, not assumed. Under
@@ -67,7 +71,8 @@ def count_forward_calls(modules: list[nn.Module], step: Callable[[], object]) ->
     give the same counts (no hook left behind, no counter carried over).
 
     Args:
-        modules: the modules to count, e.g. the decoder layers of a model.
+        modules: the modules to count, a list or an ``nn.ModuleList`` (e.g. the decoder layers of
+            a model, ``model.model.layers``). A module may run several times in one step.
         step: a function running one training step (forward and backward).
 
     Returns:

@@ -24,7 +24,9 @@ class CountingOffload(torch.autograd.graph.saved_tensors_hooks):
       its storage is a parameter's storage (compare ``t.untyped_storage().data_ptr()`` with the
       parameters'). Return ``t`` itself; copy and count nothing. A parameter lives on the device
       anyway: copying it frees nothing and costs a transfer.
-    * tiny tensors stay too: when ``t.untyped_storage().nbytes() < min_bytes``, return ``t``.
+    * tiny tensors stay too: when ``t.untyped_storage().nbytes() < min_bytes``, return ``t``. The
+      storage's bytes decide, in bytes whatever the dtype (a bfloat16 element is 2 bytes), not the
+      view's: a two-element view of a large storage moves; a storage of exactly ``min_bytes`` moves.
     * everything else moves, per *storage*: views of one storage (``h.chunk(2)``, ``x.view(...)``)
       share one host copy, made and counted once. The whole storage as bytes is
       ``torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())``; its host
@@ -37,14 +39,19 @@ class CountingOffload(torch.autograd.graph.saved_tensors_hooks):
     Rules of ``unpack(packed)`` (called in backward):
 
     * a tensor that stayed: return it unchanged.
-    * a moved one: copy the host bytes back, ``host.to(device, copy=True)`` (a fresh storage),
-      add their size to ``h2d_bytes``, and rebuild the view with
+    * a moved one: copy the host bytes back, ``host.to(device, copy=True)`` (a fresh storage,
+      since backward may write into what it gets), add their size to ``h2d_bytes``, and rebuild
+      the view with
       ``torch.empty(0, dtype=dtype, device=device).set_(dev.untyped_storage(), offset, size, stride)``.
 
-    Shapes: any; the rebuilt tensor has the saved tensor's dtype, size, stride and values.
+    Unpack may be called more than once for one packed object (``backward(retain_graph=True)``,
+    then a second backward): every call copies back, and counts, again; keep the host copy.
+
+    Shapes and dtypes: any; the rebuilt tensor has the saved tensor's dtype, size, stride and values.
 
     Args (constructor):
-        params: the model's parameters (an iterable of tensors).
+        params: the model's parameters, any iterable of tensors: a list, or a generator such as
+            ``model.parameters()`` that can be iterated only once.
         min_bytes: storages smaller than this are not moved.
 
     Attributes:

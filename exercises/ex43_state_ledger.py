@@ -10,7 +10,8 @@ Check your solutions with ``bp-mech check 43`` (or
 plain multi-head attention) and compare your numbers with what PyTorch actually allocates:
 unique parameter storages, ``.grad`` storages after a backward, AdamW's ``exp_avg`` and
 ``exp_avg_sq`` after one step, and the storages a real ``Qwen2DecoderLayer`` hands to
-``torch.autograd.graph.saved_tensors_hooks``. Byte counts must be exact.
+``torch.autograd.graph.saved_tensors_hooks``; the first three in float32 and in 16-bit models
+(bfloat16, float16). Byte counts must be exact.
 
 Notation: C = hidden_size, H = num_attention_heads, KV = num_key_value_heads,
 d = C / H (head dim), C_kv = KV * d, I = intermediate_size, V = vocab_size,
@@ -45,7 +46,8 @@ def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
 
     Args:
         cfg: a Qwen2Config.
-        bytes_per_value: bytes per gradient element.
+        bytes_per_value: bytes per gradient element: a ``.grad`` has its parameter's dtype (4 for a
+            float32 model, 2 for a bfloat16 or float16 one).
 
     Returns:
         The number of bytes, an int.
@@ -60,7 +62,8 @@ def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
 
     Args:
         cfg: a Qwen2Config.
-        bytes_per_value: bytes per moment element (the dtype of the parameters).
+        bytes_per_value: bytes per moment element: ``torch.optim.AdamW`` makes its moments in the
+            dtype of the parameters (4 for float32, 2 for a bfloat16 or float16 model).
 
     Returns:
         The number of bytes, an int.

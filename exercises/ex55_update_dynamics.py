@@ -2,7 +2,9 @@
 
 Check your solutions with ``bp-mech check 55`` (or
 ``pytest tests/test_exercises.py -m ch55 --impl exercises``). The checks compare with
-``torch.nn.utils.clip_grad_norm_`` and with float64 norms of the concatenated tensors.
+``torch.nn.utils.clip_grad_norm_`` and with float64 norms of the concatenated tensors, on
+lists and generators, with None gradients, in float32, bfloat16 and float16, on zero and tiny
+gradients (where eps decides) and at a non-default eps.
 """
 
 import torch
@@ -12,13 +14,16 @@ def global_grad_norm(grads) -> torch.Tensor:
     """The total (global) L2 norm of a list of gradients.
 
     Math: ||g|| = sqrt(sum_i ||g_i||_2^2) = the L2 norm of all gradients concatenated into one
-    vector. Entries that are None are skipped.
+    vector. Entries that are None are skipped; with no gradient at all the norm is 0.
 
     Args:
-        grads: iterable of tensors (any shapes) or None.
+        grads: any iterable (a list, a tuple, a generator that can be iterated only once) of
+            tensors (any shapes, float32, bfloat16 or float16) or None.
 
     Returns:
-        A 0-dim tensor (the dtype of the gradients).
+        A 0-dim tensor in the dtype of the gradients. In float16 the squares of gradients of a
+        few hundred already pass its largest value (65504) while the norm does not: do not sum
+        squares in 16 bits (``torch.linalg.vector_norm`` accumulates in float32).
     """
     raise NotImplementedError("ex55: global_grad_norm")
 
@@ -47,7 +52,8 @@ def clip_by_global_norm_(params, max_norm: float, eps: float = 1e-6) -> torch.Te
     ||g|| the global norm over *all* gradients (not one norm per tensor).
 
     Args:
-        params: iterable of parameters; those whose ``.grad`` is None are skipped.
+        params: any iterable of parameters, e.g. ``model.parameters()`` (a generator: iterate it
+            once); those whose ``.grad`` is None are skipped.
         max_norm: the threshold.
         eps: as in ``clip_coefficient``.
 
@@ -67,8 +73,9 @@ def update_ratio(before, after):
     parameters *before* the update.
 
     Args:
-        before: list of tensors, the parameters before the optimizer step.
-        after: list of tensors of the same shapes, after the step.
+        before: list of tensors, the parameters before the optimizer step (any float dtype).
+        after: list of tensors of the same shapes, after the step (they may be live parameters
+            that require grad).
 
     Returns:
         (update_norm, param_norm, ratio) as Python floats (computed in float64).

@@ -2,9 +2,10 @@
 
 Check your solutions with ``bp-mech check amp`` (or
 ``pytest tests/test_exercises.py -m amp --impl exercises``). The checks drive a real
-``torch.amp.GradScaler`` with the same overflow patterns and compare its scale and its
-skipped steps with yours, and compare your clipping with ``torch.nn.utils.clip_grad_norm_``
-applied to the unscaled gradients.
+``torch.amp.GradScaler`` with the same overflow patterns (also near float32's largest value) and
+compare its scale, its growth tracker and its skipped steps with yours, and compare your clipping
+with ``torch.nn.utils.clip_grad_norm_`` applied to the unscaled gradients (also tiny and zero
+gradients, where eps decides, a non-default eps, and inf, -inf and NaN gradients).
 """
 
 import torch
@@ -20,7 +21,10 @@ class DynamicLossScaler:
         otherwise:  tracker <- tracker + 1
                     if tracker == growth_interval:  S <- S * growth_factor;  tracker <- 0
 
-    (A grown S that would be inf is not taken; the tracker still resets.)
+    GradScaler keeps S in a float32 tensor: every new S is rounded to float32, and a grown S
+    that is inf *in float32* is not taken (the tracker still resets). Float32's largest value is
+    about 3.4e38, so with growth_factor 2 the scale stops at 2^127, although 2^128 is a finite
+    Python float.
 
     Attributes:
         scale: the current loss scale S (float).

@@ -75,3 +75,13 @@ def fake_cuda(monkeypatch):
     for name in ALLOCATOR_CALLS:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: log.append(_n) or len(log))
     return log
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    tiny steps gain nothing from more, and on a shared 2-core machine they only spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,6 +5,7 @@ checks (mutants). The experiment's tests are in tests/experiments/test_accumulat
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bp_mech import accumulation
 from bp_mech.update_dynamics import global_grad_norm
@@ -129,18 +130,85 @@ def _unscaled_backward(model, batch, k):  # plain micro-batch means, no 1/k at a
     return total
 
 
+def _input_mask_backward(model, batch, k):  # N counted from the inputs (not PAD), not from the labels
+    n = (batch["input_ids"][:, 1:] != ex11.PAD).sum()
+    total = 0.0
+    for mb in accumulation.split(batch, k):
+        loss = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _reweighted_mean_backward(model, batch, k):  # mean * n_j / N: 0/0 = NaN on a micro-batch without targets
+    n = accumulation.count_targets(batch["labels"])
+    total = 0.0
+    for mb in accumulation.split(batch, k):
+        logits, y = model(input_ids=mb["input_ids"]).logits, mb["labels"]
+        mean = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1))
+        loss = mean * accumulation.count_targets(y) / n
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _autograd_grad_backward(model, batch, k):  # torch.autograd.grad over every parameter, frozen ones too
+    n = accumulation.count_targets(batch["labels"])
+    params, total = list(model.parameters()), 0.0
+    for mb in accumulation.split(batch, k):
+        loss = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n
+        for p, g in zip(params, torch.autograd.grad(loss, params)):
+            p.grad = g if p.grad is None else p.grad + g
+        total = total + loss.detach()
+    return total
+
+
+def _undetached_backward(model, batch, k):  # returns the loss with its graph
+    n = accumulation.count_targets(batch["labels"])
+    total = 0.0
+    for mb in accumulation.split(batch, k):
+        loss = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n
+        loss.backward(retain_graph=True)
+        total = total + loss
+    return total
+
+
+def _loss_in_logits_dtype(z, y, n):  # no upcast: the 16-bit sum loses digits
+    shifted = F.pad(y, (0, 1), value=-100)[..., 1:]
+    s = F.cross_entropy(z.reshape(-1, z.shape[-1]), shifted.reshape(-1), ignore_index=-100, reduction="sum")
+    return (s / n).float()
+
+
 @pytest.mark.parametrize("check,over", [
     (ex11.check_accumulated_backward, dict(accumulated_backward=_naive_backward)),
     (ex11.check_accumulated_backward, dict(accumulated_backward=_zeroing_backward)),
     (ex11.check_accumulated_backward, dict(accumulated_backward=_unscaled_backward)),
+    (ex11.check_accumulated_backward, dict(accumulated_backward=_undetached_backward)),
+    (ex11.check_accumulated_backward__prompt_masked, dict(accumulated_backward=_input_mask_backward)),
+    (ex11.check_accumulated_backward__prompt_masked, dict(accumulated_backward=_reweighted_mean_backward)),
+    (ex11.check_accumulated_backward__prompt_masked, dict(accumulated_backward=_autograd_grad_backward)),
     (ex11.check_micro_batch_loss,
      dict(micro_batch_loss=lambda z, y, n:
           accumulation.token_loss_sum(z, y) / accumulation.count_targets(y) / 2)),  # mean of means (k=2)
+    (ex11.check_micro_batch_loss,
+     dict(micro_batch_loss=lambda z, y, n: accumulation.token_loss_sum(z, y) / n.item())),  # n_total as a tensor only
+    (ex11.check_micro_batch_loss,
+     dict(micro_batch_loss=lambda z, y, n: torch.tensor(accumulation.token_loss_sum(z, y).item() / int(n),
+                                                         dtype=z.dtype))),  # a number, cut from the graph
+    (ex11.check_micro_batch_loss__half_precision, dict(micro_batch_loss=_loss_in_logits_dtype)),
     (ex11.check_count_targets, dict(count_targets=lambda y: (y != -100).sum())),  # forgot the shift
+    (ex11.check_count_targets, dict(count_targets=lambda y: (y[:, 1:] > 0).sum())),  # token 0 taken for padding
+    (ex11.check_count_targets__prompt_masked, dict(count_targets=lambda y: int((y[:, 1:] != -100).sum()))),
     (ex11.check_split, dict(split=lambda b, k: [{key: v for key, v in b.items()}] * k)),
     (ex11.check_split, dict(split=lambda b, k: [dict(zip(b, vs)) for vs in zip(*(v.chunk(k) for v in b.values()))])),
-], ids=["naive-mean-of-means", "zero-grad-per-micro", "no-scaling", "loss-mean-of-means", "count-no-shift",
-        "split-copies", "split-no-valueerror"])
+    (ex11.check_split, dict(split=lambda b, k: accumulation.split(b, k) if k > 0 else [])),  # k <= 0 accepted
+    (ex11.check_split, dict(split=lambda b, k: [{"input_ids": p["input_ids"], "labels": p["labels"]}
+                                                for p in accumulation.split(b, k)])),  # other keys dropped
+], ids=["naive-mean-of-means", "zero-grad-per-micro", "no-scaling", "loss-not-detached", "count-from-inputs",
+        "mean-times-count-nan", "autograd-grad-frozen", "loss-mean-of-means", "n-total-tensor-only",
+        "loss-not-differentiable", "loss-in-16-bit", "count-no-shift", "count-token-0-as-pad", "count-python-int",
+        "split-copies", "split-no-valueerror", "split-accepts-negative-k", "split-drops-keys"])
 def test_checks_catch_mistakes(check, over):
-    with pytest.raises(AssertionError):
+    function = check.__name__.removeprefix("check_").split("__")[0]
+    with pytest.raises(AssertionError, match=f"^{function}: "):
         check(_solution(**over))

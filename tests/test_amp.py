@@ -19,10 +19,22 @@ def test_scaler_model_matches_gradscaler():
     ours = DynamicLossScaler(2.0**16, growth_interval=3)
     trace = []
     for f in pattern:
-        skipped, scale = ref.step(f)
-        assert ours.update(f) == skipped and ours.scale == scale
+        skipped, scale, tracker = ref.step(f)
+        assert ours.update(f) == skipped and ours.scale == scale and ours.growth_tracker == tracker
         trace.append(scale)
     assert trace[:6] == [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16]  # backoff, then growth after 3
+
+
+def test_scaler_model_stops_where_gradscalers_float32_scale_does():
+    """GradScaler keeps S in float32: 2^127 * 2 is inf there, so S stays at 2^127 (a Python float would
+    take 2^128); a factor of 1.5 still fits once (1.5 * 2^127 < 3.4e38), then no more."""
+    for kw, top in ((dict(init_scale=2.0**126, growth_interval=1), 2.0**127),
+                    (dict(init_scale=2.0**127, growth_factor=1.5, growth_interval=1), 1.5 * 2.0**127)):
+        ours, ref = DynamicLossScaler(**kw), ex_amp.GradScalerReference(**kw)
+        for _ in range(3):
+            skipped, scale, tracker = ref.step(False)
+            assert ours.update(False) is skipped is False and ours.scale == scale and ours.growth_tracker == tracker
+        assert ours.scale == top and math.isfinite(ours.scale)
 
 
 def test_unscale_then_clip_equals_torch():
@@ -111,13 +123,61 @@ class NoBackoff(DynamicLossScaler):
         return super().update(False)
 
 
+class GrowsPastFloat32(DynamicLossScaler):
+    """The scale as a Python float: 2^128 is finite there, so the growth is taken."""
+
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return True
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            if math.isfinite(self.scale * self.growth_factor):
+                self.scale *= self.growth_factor
+            self.growth_tracker = 0
+        return False
+
+
+class ClampsToFloat32Max(GrowsPastFloat32):
+    """Caps S at float32's largest value instead of refusing the growth."""
+
+    def update(self, found_inf):
+        skip = super().update(found_inf)
+        self.scale = min(self.scale, torch.finfo(torch.float32).max)
+        return skip
+
+
+class KeepsTrackerWhenGrowthRefused(DynamicLossScaler):
+    """Resets the tracker only after a growth that happened."""
+
+    def update(self, found_inf):
+        if found_inf:
+            return super().update(True)
+        self.growth_tracker += 1
+        if self.growth_tracker >= self.growth_interval:
+            grown = torch.tensor(self.scale * self.growth_factor, dtype=torch.float32).item()
+            if math.isfinite(grown):
+                self.scale, self.growth_tracker = grown, 0
+        return False
+
+
 SCALER_MUTANTS = [GrowsOnOverflowStep, KeepsTrackerOnOverflow, NeverSkips, GrowsOneLate, NoBackoff]
+TOP_OF_RANGE_MUTANTS = [GrowsPastFloat32, ClampsToFloat32Max, KeepsTrackerWhenGrowthRefused]
 
 
 @pytest.mark.parametrize("cls", SCALER_MUTANTS, ids=lambda c: c.__name__)
 def test_scaler_check_catches(cls):
-    with pytest.raises(AssertionError):
-        ex_amp.check_scaler_patterns(types.SimpleNamespace(DynamicLossScaler=cls))
+    with pytest.raises(AssertionError, match="^DynamicLossScaler: "):
+        ex_amp.check_DynamicLossScaler(types.SimpleNamespace(DynamicLossScaler=cls))
+
+
+@pytest.mark.parametrize("cls", TOP_OF_RANGE_MUTANTS, ids=lambda c: c.__name__)
+def test_top_of_range_check_catches(cls):
+    m = types.SimpleNamespace(DynamicLossScaler=cls)
+    ex_amp.check_DynamicLossScaler(m)  # right away from the top of the range ...
+    with pytest.raises(AssertionError, match="^DynamicLossScaler: "):  # ... wrong at it
+        ex_amp.check_DynamicLossScaler__top_of_range(m)
 
 
 def clip_scaled_then_unscale(grads, scale, max_norm, eps=1e-6):
@@ -150,70 +210,54 @@ def clips_on_overflow(grads, scale, max_norm, eps=1e-6):
 def test_clip_checks_catch(fn):
     m = types.SimpleNamespace(unscale_and_clip_=fn)
     caught = 0
-    for check in (ex_amp.check_unscale_and_clip, ex_amp.check_unscale_and_clip_overflow):
+    for check in (ex_amp.check_unscale_and_clip_, ex_amp.check_unscale_and_clip___overflow):
         try:
             check(m)
-        except AssertionError:
+        except AssertionError as e:
+            assert str(e).startswith("unscale_and_clip_: ")
             caught += 1
     assert caught >= 1
 
 
-# --- clipping the scaled gradients, measured -----------------------------------------------
-
-@pytest.fixture(scope="module")
-def clip_setup():
-    from bp_mech.workload import build_model, make_batches, parse_workload
-
-    w = parse_workload(registry.get("TRAIN-AMP-BACKWARD").cpu_workload)  # the page's workload
-    return build_model(w), make_batches(w, amp.CLIP_DEMO_UPDATES)
-
-
-def _first_gradient(base, batch, scale):
-    """The unscaled float32 gradient of the first update, as both runs compute it."""
-    import copy
-
-    model = copy.deepcopy(base)
-    with amp.autocast("cpu", torch.float16):
-        loss = model(**batch).loss
-    (loss * scale).backward()
-    return [p.grad / scale for p in model.parameters()], [p.detach().clone() for p in model.parameters()]
+def _clip_only_above(grads, scale, max_norm, eps=1e-6):
+    """Clips only when the norm exceeds max_norm, by max_norm / norm: no eps at all."""
+    for g in grads:
+        g.mul_(1.0 / scale)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    coef = max_norm / total if total > max_norm else 1.0
+    for g in grads:
+        g.mul_(coef)
+    return total, coef, not math.isfinite(total)
 
 
-def test_clipping_order_fires_at_the_wrong_times(clip_setup):
-    base, batches = clip_setup
-    S, mn = 2.0**16, amp.CLIP_DEMO_MAX_NORM
-    rows = amp.clipping_order(base, batches, mn, scale=S)
-    assert len(rows) == amp.CLIP_DEMO_UPDATES and all(r["applied_a"] and r["applied_b"] for r in rows)
-    for r in rows:
-        assert r["clip_coef_a"] == pytest.approx(min(1.0, mn / (r["norm_a"] + 1e-6)), rel=1e-12)
-        assert r["clipped_a"] == (r["clip_coef_a"] < 1.0) == (r["norm_a"] + 1e-6 > mn)
-        # (b) compares max_norm with S x its true norm: clips every step, by a coefficient ~1/S too small
-        assert r["clipped_b"] and r["clip_coef_b"] == pytest.approx(mn / (r["norm_b"] + 1e-6), rel=1e-12)
-        assert r["clip_coef_b"] < 1e-3 * min(1.0, r["clip_coef_a"])
-        # what AdamW receives in (b): the gradient rescaled to norm max_norm / S
-        assert r["grad_median_b"] < 1e-3 * r["grad_median_a"]
-    # the same weights at the first update: the same true norm, S times larger as (b) sees it
-    assert rows[0]["norm_b"] == pytest.approx(S * rows[0]["norm_a"], rel=1e-5)
-    assert rows[0]["loss_a"] == rows[0]["loss_b"]
-    # at the page's max_norm the correct run clips some updates, not all
-    assert 0 < sum(r["clipped_a"] for r in rows) < len(rows)
+def _ignores_eps_argument(grads, scale, max_norm, eps=1e-6):
+    return unscale_and_clip_(grads, scale, max_norm)
 
 
-def test_clipping_order_update_difference_is_adams_epsilon(clip_setup):
-    """The first AdamW update is -lr * (c g / (|c g| + eps) + wd p) per element (m_hat = c g,
-    sqrt(v_hat) = |c g|): computed here in float64 from the first gradient, for c_a and c_b."""
-    base, batches = clip_setup
-    S, mn, lr = 2.0**16, amp.CLIP_DEMO_MAX_NORM, 1e-3
-    grads, params = _first_gradient(base, batches[0], S)
-    norm = sum(g.double().pow(2).sum() for g in grads).sqrt().item()
-    c_a, c_b = min(1.0, mn / (norm + 1e-6)), mn / (S * norm + 1e-6)
-    for eps in (1e-8, 1e-30):
-        rows = amp.clipping_order(base, batches[:2], mn, scale=S, lr=lr, adam_eps=eps)
-        step = [[c * g.double() / ((c * g.double()).abs() + eps) for g in grads] for c in (c_a, c_b)]
-        diff = sum((a - b).pow(2).sum() for a, b in zip(*step)).sqrt().item()
-        size = sum((a + 0.01 * p.double()).pow(2).sum() for a, p in zip(step[0], params)).sqrt().item()
-        if eps == 1e-8:  # the rescaled gradient meets eps: the update shrinks by tens of percent
-            assert rows[0]["update_rel_diff"] == pytest.approx(diff / size, rel=1e-3) and diff / size > 0.1
-        else:  # eps plays no role: AdamW's first step ignores the rescale (float32 rounding of p_after - p)
-            assert diff / size < 1e-6 and rows[0]["update_rel_diff"] < 1e-5
-            assert rows[1]["update_rel_diff"] < 1e-2  # afterwards: the rescale only reweights the moments
+def _python_division(grads, scale, max_norm, eps=1e-6):
+    """max_norm / norm in Python: ZeroDivisionError on zero gradients."""
+    for g in grads:
+        g.mul_(1.0 / scale)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    coef = min(1.0, max_norm / total * total / (total + eps))
+    for g in grads:
+        g.mul_(coef)
+    return total, coef, not math.isfinite(total)
+
+
+def _isinf_only(grads, scale, max_norm, eps=1e-6):
+    """Looks for inf only: a NaN gradient is not an overflow to it."""
+    found = any(bool(torch.isinf(g).any()) for g in grads)
+    total, coef, _ = unscale_and_clip_(grads, scale, max_norm, eps)
+    return total, coef, found
+
+
+@pytest.mark.parametrize("fn, check", [(_clip_only_above, ex_amp.check_unscale_and_clip___eps),
+                                       (_ignores_eps_argument, ex_amp.check_unscale_and_clip___eps),
+                                       (_python_division, ex_amp.check_unscale_and_clip___eps),
+                                       (_isinf_only, ex_amp.check_unscale_and_clip___overflow)],
+                         ids=["no-eps", "eps-argument-ignored", "zero-norm-division", "nan-not-found"])
+def test_clip_edge_checks_catch(fn, check):
+    m = types.SimpleNamespace(unscale_and_clip_=fn)
+    with pytest.raises(AssertionError, match="^unscale_and_clip_: "):
+        check(m)

@@ -165,6 +165,30 @@ def _full_matrix_backward(q, k, v, o, lse, dO, block):  # right values, but a (T
     return attention_backward.attention_backward(q, k, v, P, dO)
 
 
+def _per_head_full_matrix_backward(q, k, v, o, lse, dO, block):  # one head at a time, but each a full (T, T)
+    out = [torch.empty_like(t) for t in (q, k, v)]
+    for h in range(q.shape[:-2].numel()):
+        idx = (*torch.unravel_index(torch.tensor(h), q.shape[:-2]),)
+        grads = _full_matrix_backward(q[idx], k[idx], v[idx], o[idx], lse[idx], dO[idx], block)
+        for o_, g_ in zip(out, grads):
+            o_[idx] = g_
+    return tuple(out)
+
+
+def _blockwise_4d_only(q, k, v, o, lse, dO, block):
+    B, H, T, d = q.shape  # the classic unpacking: right for (B, H, T, d) only
+    return attention_backward.blockwise_backward(q, k, v, o, lse, dO, block)
+
+
+def _rope_4d_only(dy, cos, sin):
+    x1, x2 = (dy * sin).chunk(2, dim=3)  # dimension 3 is the head width only for (B, H, T, d)
+    return dy * cos - torch.cat((-x2, x1), 3)
+
+
+def _rope_tables_as_t_d(dy, cos, sin):  # assumes (T, d) tables and lifts them to (1, 1, T, d)
+    return dy * cos[None, None] - attention_backward.rotate_half(dy * sin[None, None])
+
+
 def _arange_mask(offset):
     return lambda nq, nk, q0=0, k0=0, device="cpu": (
         torch.arange(k0, k0 + nk)[None, :] <= torch.arange(q0, q0 + nq)[:, None] + offset)
@@ -192,8 +216,15 @@ MUTANTS = {
                                            mutant(blockwise_backward=_blockwise_with_mask(_arange_mask(-1)))),
     "blockwise: mask shows one future key": (ex10.check_blockwise_backward,
                                              mutant(blockwise_backward=_blockwise_with_mask(_arange_mask(1)))),
-    "blockwise: builds the full T x T matrix": (ex10.check_blockwise_memory,
+    "blockwise: builds the full T x T matrix": (ex10.check_blockwise_backward__memory,
                                                 mutant(blockwise_backward=_full_matrix_backward)),
+    "blockwise: one full T x T matrix per head": (ex10.check_blockwise_backward__memory,
+                                                  mutant(blockwise_backward=_per_head_full_matrix_backward)),
+    "blockwise: (B, H, T, d) only": (ex10.check_blockwise_backward, mutant(blockwise_backward=_blockwise_4d_only)),
+    "softmax: row sum over dimension 2": (ex10.check_softmax_backward, mutant(
+        softmax_backward=lambda P, dP: P * (dP - (dP * P).sum(2, keepdim=True)))),
+    "rope: (B, H, T, d) only": (ex10.check_rope_backward, mutant(rope_backward=_rope_4d_only)),
+    "rope: tables taken as (T, d)": (ex10.check_rope_backward, mutant(rope_backward=_rope_tables_as_t_d)),
     "rope: R^T taken as +R": (ex10.check_rope_backward,
                               mutant(rope_backward=lambda dy, c, s: dy * c + attention_backward.rotate_half(dy * s))),
 }
@@ -202,8 +233,14 @@ MUTANTS = {
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_checks_catch_mistake(name):
     check, m = MUTANTS[name]
-    with pytest.raises(AssertionError):
+    function = check.__name__.removeprefix("check_").split("__")[0]
+    with pytest.raises(AssertionError, match=f"^{function}: "):  # one line that names the function
         check(m)
+
+
+def test_the_per_head_full_matrix_mutant_is_right_in_value():
+    """What the tightened memory check rejects is memory only: its values pass."""
+    ex10.check_blockwise_backward(mutant(blockwise_backward=_per_head_full_matrix_backward))
 
 
 @pytest.mark.parametrize("check", ex10.CHECKS, ids=lambda c: c.__name__)

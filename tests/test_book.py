@@ -1,16 +1,15 @@
 """The strict book build: every page executed afresh, no cell errors, Sphinx warnings are
-errors (including any cell writing to stderr), and no measured number typed into prose."""
+errors (including any cell writing to stderr), and no measured number typed into prose.
+The build is shared with tests/test_browser.py (tests/book_build.py)."""
 
-import os
+import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import book_build
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-JB = Path(sys.executable).with_name("jupyter-book")
 
 
 def prose_lines(path: Path):
@@ -38,19 +37,28 @@ def test_no_measured_number_is_typed_into_prose():
 
 
 @pytest.mark.book
-def test_strict_book_build(tmp_path):
+def test_strict_book_build():
+    """Every page executed afresh, warnings are errors; the build stays in _build/strict for
+    tests/test_browser.py (stamped with the digest of its sources and whether it passed)."""
     config = (ROOT / "_config.yml").read_text()
     assert "execute_notebooks: cache" in config and "allow_errors: false" in config
-    strict = tmp_path / "_config.yml"
-    strict.write_text(config.replace("execute_notebooks: cache", "execute_notebooks: force"))
-    cmd = [str(JB), "build", str(ROOT), "--config", str(strict), "--path-output", str(tmp_path),
-           "--builder", "html", "-W", "-n", "--keep-going"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                       env=dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1"))
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-    assert "build succeeded" in log and "WARNING" not in log, log[-6000:]
-    html = tmp_path / "_build" / "html"
-    assert (html / "index.html").exists() and (html / "book" / "part02" / "09-local-backward.html").exists()
-    page = (html / "book" / "part02" / "09-local-backward.html").read_text()
-    assert "Traceback" not in page and "glue" not in re.sub(r"<[^>]+>", "", page).split("Exercises")[0].lower()
+    build = book_build.strict_build()
+    passed = False
+    try:
+        log = build.log
+        assert build.returncode == 0, log[-6000:]
+        assert build.clean, log[-6000:]
+        html = build.html
+        assert (html / "index.html").exists() and (html / "book" / "part02" / "09-local-backward.html").exists()
+        page = (html / "book" / "part02" / "09-local-backward.html").read_text()
+        assert "Traceback" not in page and "glue" not in re.sub(r"<[^>]+>", "", page).split("Exercises")[0].lower()
+        # math ships with the build: the page loads the packaged MathJax, which is there
+        assert "_static/mathjax/tex-chtml.js" in page and (html / "_static" / "mathjax" / "tex-chtml.js").is_file()
+        assert "cdn.jsdelivr.net" not in page and "mathjax@" not in page
+        # the executed chapter is offered for download, with its outputs
+        assert "_sources/book/part02/09-local-backward.ipynb" in page
+        nb = json.loads((html / "_sources" / "book" / "part02" / "09-local-backward.ipynb").read_text())
+        assert any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+        passed = True
+    finally:
+        build.stamp(passed)

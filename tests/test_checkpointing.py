@@ -180,17 +180,76 @@ def _with(block_cls=None, counter=None):
                             "count_forward_calls": staticmethod(counter or ans.count_forward_calls)})
 
 
+class _AllParamsFunction(torch.autograd.Function):
+    """Checkpoints, but asks autograd.grad for every parameter, frozen ones included."""
+
+    @staticmethod
+    def forward(ctx, fn, x, *params):
+        ctx.fn, ctx.params = fn, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        return None, *torch.autograd.grad(y, [x, *ctx.params], dy)
+
+
+class _GradsForFrozenParams(_NotCheckpointing):
+    def forward(self, x):
+        return _AllParamsFunction.apply(self._run, x, *self.block.parameters())
+
+    def _run(self, x):
+        self.calls += 1
+        return self.block(x)
+
+
+class _PlainWhenInputFrozen(_NotCheckpointing):  # "x needs no grad: nothing to checkpoint" -- but the weights do
+    def forward(self, x):
+        if not x.requires_grad:
+            self.calls += 1
+            return self.block(x)
+        return checkpoint(self._run, x, use_reentrant=False)
+
+    def _run(self, x):
+        self.calls += 1
+        return self.block(x)
+
+
+class _SavesACopyOfTheInput(_NotCheckpointing):  # checkpoints, but keeps x.clone(): a second copy of the input
+    def forward(self, x):
+        self.kept = x.detach().clone()
+        return checkpoint(self._run, x, use_reentrant=False)
+
+    def _run(self, x):
+        self.calls += 1
+        return self.block(x)
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant mutant's own warning
 @pytest.mark.parametrize("cls,check", [
-    (_NotCheckpointing, ex19.check_keeps_only_input),
-    (_NotCheckpointing, ex19.check_counts_real_executions),
-    (_AssumedCount, ex19.check_counts_real_executions),
-    (_CountsOnlyForward, ex19.check_counts_real_executions),
-    (_ReentrantInputOnly, ex19.check_gradients),
+    (_NotCheckpointing, ex19.check_CheckpointedBlock__memory),
+    (_NotCheckpointing, ex19.check_CheckpointedBlock__counts),
+    (_AssumedCount, ex19.check_CheckpointedBlock__counts),
+    (_CountsOnlyForward, ex19.check_CheckpointedBlock__counts),
+    (_ReentrantInputOnly, ex19.check_CheckpointedBlock),
+    (_GradsForFrozenParams, ex19.check_CheckpointedBlock),
+    (_PlainWhenInputFrozen, ex19.check_CheckpointedBlock__memory),
+    (_SavesACopyOfTheInput, ex19.check_CheckpointedBlock__memory),
 ])
 def test_ex19_checks_catch_checkpoint_mistakes(cls, check):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^CheckpointedBlock: "):
         check(_with(block_cls=cls))
+
+
+def test_the_frozen_input_mutant_is_right_in_value():
+    """What the memory check with a frozen input rejects is memory only: its gradients pass."""
+    ex19.check_CheckpointedBlock(_with(block_cls=_PlainWhenInputFrozen))
+    ex19.check_CheckpointedBlock(_with(block_cls=_SavesACopyOfTheInput))
 
 
 def _hooks_left_behind(modules, step):
@@ -206,7 +265,20 @@ def _assumed_counts(modules, step):
     return [1] * len(modules)
 
 
-@pytest.mark.parametrize("counter", [_hooks_left_behind, _assumed_counts])
+def _list_index_counts(modules, step):  # modules.index(mod) in the hook: a list has it, a ModuleList not
+    counts = [0] * len(modules)
+    handles = [m.register_forward_pre_hook(lambda mod, args: counts.__setitem__(modules.index(mod),
+                                                                                   counts[modules.index(mod)] + 1))
+               for m in modules]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+@pytest.mark.parametrize("counter", [_hooks_left_behind, _assumed_counts, _list_index_counts])
 def test_ex19_checks_catch_counting_mistakes(counter):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^count_forward_calls: "):
         ex19.check_count_forward_calls(_with(counter=counter))

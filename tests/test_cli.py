@@ -82,7 +82,7 @@ def test_check_fails_on_stubs_and_passes_on_answers():
     run = lambda *a: subprocess.run([sys.executable, "-m", "bp_mech", "check", "09", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=300)
     stubs, answers = run(), run("--dir", "answers")
-    assert stubs.returncode != 0 and "NotImplementedError" in stubs.stdout
+    assert stubs.returncode == 1 and "TODO linear_backward: not implemented yet" in stubs.stdout.splitlines()
     assert answers.returncode == 0, answers.stdout[-2000:]
 
 
@@ -130,14 +130,16 @@ def _suite_total(capsys, *args) -> tuple[float, list]:
     return doc["summary"]["total_estimated_seconds"], doc["plans"]
 
 
-def test_the_smoke_matrix_plans_about_a_minute_and_the_full_one_about_six(capsys):
+def test_the_smoke_matrix_plans_about_two_minutes_and_the_full_one_about_six(capsys):
     """The GPU machine is lent for 15 minutes, each call at most 10: the smoke phase (every code path
-    once, few steps) must plan under a minute, the full matrix well within one call."""
+    once, few steps; nine experiments, each building its model at least once) must plan within about
+    two minutes, the full matrix within about six and a half, well within one call, leaving time for
+    the machine's start and one targeted rerun."""
     from bp_mech.measure import SMOKE_SCHEDULE
 
     smoke, plans = _suite_total(capsys, "--workload", "qwen05-b1s128", "--smoke")
     full, _ = _suite_total(capsys)
-    assert smoke < 60 and full <= 360 and full > 2 * smoke
+    assert smoke < 150 and full <= 400 and full > 2 * smoke
     ck = next(p for p in plans if p["semantic_id"] == "TRAIN-CHECKPOINT")["modes"]["real_gpu"]
     assert (ck["timed_rounds"], ck["warmup_rounds"]) == SMOKE_SCHEDULE
 

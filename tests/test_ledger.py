@@ -332,8 +332,12 @@ def test_checks_pass_on_a_correct_solution():
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _sdpa_output_copied}),
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _forgot_lse}),
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _gpt_constant}),
+    (ex43.check_grad_bytes, {"grad_bytes": lambda cfg, nb=4: ledger.grad_bytes(cfg, 4)}),
+    (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: ledger.adam_state_bytes(cfg, 4)}),
 ], ids=["tied-counted-twice", "no-qkv-biases", "grads-counted-twice", "tied-grad-twice", "adam-one-moment",
-        "adam-tied-twice", "sdpa-output-copied", "forgot-lse", "gpt-constant"])
+        "adam-tied-twice", "sdpa-output-copied", "forgot-lse", "gpt-constant", "grads-always-float32",
+        "adam-moments-always-float32"])
 def test_checks_catch_the_classic_mistakes(check, mutant):
-    with pytest.raises(AssertionError):
+    function = check.__name__.removeprefix("check_")
+    with pytest.raises(AssertionError, match=f"^{function}: "):
         check(_solutions(**mutant))

@@ -70,13 +70,68 @@ def _mlp_forgets_one_branch(x, Wg, Wu, Wd, dy):
     return dx - dh @ Wu, dWg, dWu, dWd  # drops the up-branch's contribution to dx
 
 
+def _linear_assumes_3d(x, W, dy):  # einsum over (B, T): right on 3-D inputs only
+    return dy @ W, torch.einsum("bto,bti->oi", dy, x), dy.sum((0, 1))
+
+
+def _silu_quotient(x, dy):  # d/dx x / (1 + e^-x) as a quotient: inf / inf = NaN once e^-x overflows
+    e = torch.exp(-x)
+    return dy * (1 + e + x * e) / (1 + e) ** 2
+
+
+def _rmsnorm_without_eps(x, w, dy, eps=1e-6):  # xhat = x / rms(x): a zero row gives NaN
+    xhat = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    g = dy * w
+    return r * (g - xhat * (g * xhat).mean(-1, keepdim=True)), (dy * xhat).reshape(-1, x.shape[-1]).sum(0)
+
+
+def _mlp_assumes_3d(x, Wg, Wu, Wd, dy):
+    dx, dWg, dWu, dWd = local_backward.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
+    h = local_backward.silu_forward(x @ Wg.T) * (x @ Wu.T)
+    return dx, dWg, dWu, torch.einsum("btc,bti->ci", dy, h)
+
+
+def _ce_hardcoded_ignore(logits, targets, ignore_index=-100):
+    return local_backward.cross_entropy_backward(logits, targets)  # ignores the argument
+
+
+def _ce_nonnegative_is_valid(logits, targets, ignore_index=-100):
+    valid = targets >= 0  # right for -100 and -1, wrong for a pad id that is a real class
+    d = torch.softmax(logits, -1)
+    d[torch.arange(len(targets)), targets.clamp_min(0)] -= 1
+    return d * valid[:, None] / valid.sum()
+
+
+def _ce_naive_softmax(logits, targets, ignore_index=-100):
+    valid = targets != ignore_index
+    e = logits.exp()  # no max subtracted: inf / inf = NaN for large logits
+    d = e / e.sum(-1, keepdim=True)
+    d[torch.arange(len(targets)), targets.masked_fill(~valid, 0)] -= 1
+    return d * valid[:, None] / valid.sum()
+
+
 @pytest.mark.parametrize("check, mutant", [
     (ex09.check_linear_backward, {"linear_backward": _linear_missing_transpose}),
+    (ex09.check_linear_backward, {"linear_backward": _linear_assumes_3d}),
     (ex09.check_rmsnorm_backward, {"rmsnorm_backward": _rmsnorm_dropped_term}),
+    (ex09.check_rmsnorm_backward__tiny_rows, {"rmsnorm_backward": _rmsnorm_without_eps}),
     (ex09.check_cross_entropy_backward, {"cross_entropy_backward": _ce_mean_over_all_rows}),
+    (ex09.check_cross_entropy_backward__ignore_index, {"cross_entropy_backward": _ce_hardcoded_ignore}),
+    (ex09.check_cross_entropy_backward__ignore_index, {"cross_entropy_backward": _ce_nonnegative_is_valid}),
+    (ex09.check_cross_entropy_backward__large_logits, {"cross_entropy_backward": _ce_naive_softmax}),
     (ex09.check_swiglu_mlp_backward, {"swiglu_mlp_backward": _mlp_forgets_one_branch}),
+    (ex09.check_swiglu_mlp_backward, {"swiglu_mlp_backward": _mlp_assumes_3d}),
     (ex09.check_silu_backward, {"silu_backward": lambda x, dy: dy * torch.sigmoid(x)}),
-], ids=["missing-transpose", "rmsnorm-dropped-term", "ce-wrong-mean", "mlp-one-branch", "silu-no-product-rule"])
+    (ex09.check_silu_backward__large_inputs, {"silu_backward": _silu_quotient}),
+], ids=["missing-transpose", "linear-3d-only", "rmsnorm-dropped-term", "rmsnorm-no-eps", "ce-wrong-mean",
+        "ce-hardcoded-ignore-index", "ce-nonnegative-is-valid", "ce-naive-softmax", "mlp-one-branch", "mlp-3d-only",
+        "silu-no-product-rule", "silu-quotient-overflow"])
 def test_checks_catch_the_classic_mistakes(check, mutant):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=f"^{next(iter(mutant))}: "):
         check(_solutions(**mutant))
+
+
+def test_a_crash_is_reported_as_a_one_line_mismatch_naming_the_input():
+    with pytest.raises(AssertionError, match=r"^linear_backward: raised \w+ at x shape \(7, 5\)"):
+        ex09.check_linear_backward(_solutions(linear_backward=_linear_assumes_3d))

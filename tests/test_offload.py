@@ -17,6 +17,7 @@ from bp_mech.experiments import harness
 from bp_mech.tracking import PeakMemory
 from bp_mech.workload import build_model, make_batches, parse_workload, qwen2_config
 from checks import ex42
+from conftest import ROOT, load_solution
 
 MIN = offload.CPU_MIN_BYTES
 
@@ -367,13 +368,82 @@ class _KeepsTheOriginal(_Base):  # counts and copies, but the packed object hold
         return packed
 
 
+_ANSWER = load_solution(ROOT / "answers", "ex42_offload").CountingOffload  # right; each mutant breaks one rule
+
+
+class _LazyParams(_ANSWER):  # keeps the iterable it was given: a generator is empty from the second pack on
+    def __init__(self, params, min_bytes=1024):
+        super().__init__([], min_bytes)
+        self.params = params
+
+    def pack(self, t):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.params}
+        return super().pack(t)
+
+
+class _KeepsAtTheLimit(_ANSWER):  # <= instead of <: a storage of exactly min_bytes stays
+    def pack(self, t):
+        return t if t.untyped_storage().nbytes() <= self.min_bytes else super().pack(t)
+
+
+class _SizeOfTheView(_ANSWER):  # the view's bytes decide, not its storage's: a small view of a big storage stays
+    def pack(self, t):
+        return t if t.numel() * t.element_size() < self.min_bytes else super().pack(t)
+
+
+class _EightBytesPerElement(_ANSWER):  # elements times 8 for the size and the count: right for float64 only
+    def pack(self, t):
+        n = t.untyped_storage().nbytes()
+        if n // t.element_size() * 8 < self.min_bytes:
+            return t
+        before = self.d2h_bytes
+        out = super().pack(t)
+        if self.d2h_bytes > before:
+            self.d2h_bytes += n // t.element_size() * 8 - n
+        return out
+
+
+class _RebuildsAsFloat64(_ANSWER):  # the dtype of the development run, typed into unpack
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        host, _, offset, size, stride, device = packed
+        return super().unpack((host, torch.float64, offset, size, stride, device))
+
+
+class _FreesHostOnUnpack(_ANSWER):  # drops the host copy at the first unpack: a second one has nothing
+    def pack(self, t):
+        out = super().pack(t)
+        return out if isinstance(out, torch.Tensor) else [out]
+
+    def unpack(self, packed):
+        return packed if isinstance(packed, torch.Tensor) else super().unpack(packed.pop())
+
+
+class _HandsOutTheHostCopy(_ANSWER):  # no copy back: backward writes into the host copy itself
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        host, dtype, offset, size, stride, device = packed
+        self.h2d_bytes += host.numel()
+        return torch.empty(0, dtype=dtype).set_(host.untyped_storage(), offset, size, stride)
+
+
 @pytest.mark.parametrize("cls,check", [
-    (_OffloadsParameters, ex42.check_parameters_stay),
-    (_OffloadsParameters, ex42.check_bytes_counted_once),
-    (_CountsViewsTwice, ex42.check_views_share_one_copy),
-    (_CountsViewsTwice, ex42.check_bytes_counted_once),
-    (_KeepsTheOriginal, ex42.check_storage_freed),
+    (_OffloadsParameters, ex42.check_CountingOffload__parameters),
+    (_OffloadsParameters, ex42.check_CountingOffload__bytes),
+    (_CountsViewsTwice, ex42.check_CountingOffload__views),
+    (_CountsViewsTwice, ex42.check_CountingOffload__bytes),
+    (_KeepsTheOriginal, ex42.check_CountingOffload__storage_freed),
+    (_LazyParams, ex42.check_CountingOffload__parameters),
+    (_KeepsAtTheLimit, ex42.check_CountingOffload__min_bytes),
+    (_SizeOfTheView, ex42.check_CountingOffload__min_bytes),
+    (_EightBytesPerElement, ex42.check_CountingOffload__min_bytes),
+    (_RebuildsAsFloat64, ex42.check_CountingOffload__views),
+    (_FreesHostOnUnpack, ex42.check_CountingOffload__unpacked_twice),
+    (_FreesHostOnUnpack, ex42.check_CountingOffload),
+    (_HandsOutTheHostCopy, ex42.check_CountingOffload__unpacked_twice),
 ])
 def test_ex42_checks_catch_offload_mistakes(cls, check):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^CountingOffload: "):
         check(type("Sol", (), {"CountingOffload": cls}))

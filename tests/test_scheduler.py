@@ -3,6 +3,7 @@ and that the exercise checks catch the classic mistakes (mutants). The run, its 
 conformance row: tests/experiments/test_scheduler.py."""
 
 import dataclasses
+import math
 import types
 from pathlib import Path
 
@@ -95,8 +96,26 @@ WSD_MUTANTS = {
 @pytest.mark.parametrize("name", WSD_MUTANTS)
 def test_wsd_check_catches(name):
     mutant = types.SimpleNamespace(wsd_lr=WSD_MUTANTS[name])
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^wsd_lr: "):
         ex12.check_wsd_lr(mutant)
+
+
+def _wsd_floor_by_clamp(k, cfg):
+    """The decay formula with p clamped at 1 standing in for the floor: right unless D = 0, where update
+    W+S must already be at the floor but p = 0 gives the full rate."""
+    W, S, D, m = cfg.warmup, cfg.stable, cfg.decay, cfg.min_lr_ratio
+    if k < W + S:
+        return wsd_lr(k, cfg)
+    p = min(1.0, (k - W - S) / max(1, D))
+    f = 1.0 - p if cfg.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    return cfg.base_lr * (m + (1.0 - m) * f)
+
+
+def test_zero_length_phase_check_catches_a_floor_reached_by_clamping():
+    mutant = types.SimpleNamespace(wsd_lr=_wsd_floor_by_clamp)
+    ex12.check_wsd_lr(mutant)  # every phase has a length there: the clamp is right
+    with pytest.raises(AssertionError, match=r"^wsd_lr: lr is .* at update 5 \(the end of decay boundary\)"):
+        ex12.check_wsd_lr__zero_length_phases(mutant)
 
 
 class ClockAheadByOne(UpdateClock):
@@ -127,13 +146,15 @@ CLOCK_MUTANTS = {"advances on a skipped step": NaiveClock, "one update ahead": C
 def test_clock_checks_catch(name):
     mutant = types.SimpleNamespace(wsd_lr=wsd_lr, UpdateClock=CLOCK_MUTANTS[name])
     caught = 0
-    for check in (ex12.check_clock_no_skips, ex12.check_clock_skips_at_boundaries, ex12.check_clock_random_skips):
+    for check in (ex12.check_UpdateClock, ex12.check_UpdateClock__skips_at_boundaries,
+                  ex12.check_UpdateClock__random_skips):
         try:
             check(mutant)
-        except AssertionError:
+        except AssertionError as e:
+            assert str(e).startswith("UpdateClock: ")
             caught += 1
     assert caught >= 1
     if name == "advances on a skipped step":  # both skip checks must catch the main bug
-        for check in (ex12.check_clock_skips_at_boundaries, ex12.check_clock_random_skips):
+        for check in (ex12.check_UpdateClock__skips_at_boundaries, ex12.check_UpdateClock__random_skips):
             with pytest.raises(AssertionError):
                 check(mutant)

@@ -87,16 +87,73 @@ def _after_ratio(before, after):  # divides by the parameters after the update
     return du, pa, du / pa
 
 
+def _norm_two_passes(grads):  # one pass for the dtype, one for the sum: a generator is spent by the first
+    dtype = next(g.dtype for g in grads if g is not None)
+    return torch.sqrt(sum(g.double().pow(2).sum() for g in grads if g is not None)).to(dtype)
+
+
+def _norm_sum_of_squares(grads):  # squares summed in the gradients' dtype: float16 overflows
+    return torch.sqrt(sum(g.pow(2).sum() for g in grads if g is not None))
+
+
+def _clip_iterates_twice(params, max_norm, eps=1e-6):  # a generator is empty at the second loop
+    total = update_dynamics.global_grad_norm(p.grad for p in params if p.grad is not None)
+    c = update_dynamics.clip_coefficient(total, max_norm, eps)
+    for p in params:
+        p.grad.mul_(c)
+    return total
+
+
+def _clip_no_none_check(params, max_norm, eps=1e-6):
+    params = list(params)
+    total = update_dynamics.global_grad_norm([p.grad for p in params])
+    for p in params:
+        p.grad.mul_(update_dynamics.clip_coefficient(total, max_norm, eps))
+    return total
+
+
+def _clip_only_above(params, max_norm, eps=1e-6):  # clips by max_norm / norm, only above the threshold
+    params = [p for p in params if p.grad is not None]
+    total = update_dynamics.global_grad_norm(p.grad for p in params)
+    if total > max_norm:
+        for p in params:
+            p.grad.mul_(max_norm / total)
+    return total
+
+
+def _clip_default_eps(params, max_norm, eps=1e-6):  # the eps argument is not passed on
+    return update_dynamics.clip_by_global_norm_(params, max_norm)
+
+
+def _ratio_in_input_dtype(before, after):  # norms in bfloat16 / float16, not float64
+    du = update_dynamics.global_grad_norm([a.detach() - b for b, a in zip(before, after)]).item()
+    pn = update_dynamics.global_grad_norm(before).item()
+    return du, pn, du / pn
+
+
 @pytest.mark.parametrize("check,over", [
     (ex55.check_clip_by_global_norm_, dict(clip_by_global_norm_=_per_tensor_clip)),
     (ex55.check_clip_by_global_norm_, dict(clip_by_global_norm_=_uncapped_clip)),
+    (ex55.check_clip_by_global_norm___iterables, dict(clip_by_global_norm_=_clip_iterates_twice)),
+    (ex55.check_clip_by_global_norm___iterables, dict(clip_by_global_norm_=_clip_no_none_check)),
+    (ex55.check_clip_by_global_norm___eps, dict(clip_by_global_norm_=_clip_only_above)),
+    (ex55.check_clip_by_global_norm___eps, dict(clip_by_global_norm_=_clip_default_eps)),
     (ex55.check_clip_coefficient, dict(clip_coefficient=lambda n, m, eps=1e-6: m / (n + eps))),
     (ex55.check_clip_coefficient, dict(clip_coefficient=lambda n, m, eps=1e-6: torch.clamp(m / n, max=1.0))),
+    (ex55.check_clip_coefficient__eps,
+     dict(clip_coefficient=lambda n, m, eps=1e-6: torch.clamp(m / (n + 1e-6), max=1.0))),  # eps ignored
+    (ex55.check_clip_coefficient__eps, dict(clip_coefficient=lambda n, m, eps=1e-6: min(1.0, m / (n + eps)))),
     (ex55.check_global_grad_norm, dict(global_grad_norm=lambda gs: sum(g.norm() for g in gs if g is not None))),
+    (ex55.check_global_grad_norm__iterables, dict(global_grad_norm=_norm_two_passes)),
+    (ex55.check_global_grad_norm__half_precision, dict(global_grad_norm=_norm_sum_of_squares)),
     (ex55.check_update_ratio, dict(update_ratio=_mean_ratio)),
     (ex55.check_update_ratio, dict(update_ratio=_after_ratio)),
-], ids=["per-tensor-clip", "uncapped-clip", "coef-uncapped", "coef-no-eps", "norm-sum-of-norms",
-        "ratio-mean-per-tensor", "ratio-after-norm"])
+    (ex55.check_update_ratio__low_precision, dict(update_ratio=_ratio_in_input_dtype)),
+], ids=["per-tensor-clip", "uncapped-clip", "clip-iterates-twice", "clip-none-grad", "clip-only-above-no-eps",
+        "clip-eps-not-passed", "coef-uncapped", "coef-no-eps", "coef-eps-ignored", "coef-python-min",
+        "norm-sum-of-norms", "norm-generator-two-passes", "norm-16-bit-squares", "ratio-mean-per-tensor",
+        "ratio-after-norm", "ratio-in-16-bit"])
 def test_checks_catch_mistakes(check, over):
-    with pytest.raises(AssertionError):
+    function = check.__name__.removeprefix("check_").rpartition("__")[0] or check.__name__.removeprefix("check_")
+    with pytest.raises(AssertionError, match=f"^{function}: "):
         check(_solution(**over))

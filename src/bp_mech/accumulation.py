@@ -20,6 +20,8 @@ The experiment (full batch against 2 and 4 micro-batches) is ``bp_mech.experimen
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,25 @@ def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int, norm: st
         loss.backward()
         total = total + loss.detach()
     return total
+
+
+@contextlib.contextmanager
+def _token_weighted(batch: dict[str, torch.Tensor], k: int):
+    n_total = count_targets(batch["labels"])
+    yield [dict(mb, num_items_in_batch=n_total) for mb in split(batch, k)]
+
+
+def token_weighted(batch: dict[str, torch.Tensor], k: int):
+    """The accumulation switch (a context manager): the micro-batches of one update.
+
+    k > 1: the k micro-batches of ``split``, each carrying ``num_items_in_batch`` = N, the target
+    tokens of the whole batch, so that ``model(**mb).loss`` is Transformers' S_j / N and the gradients
+    the k backward passes add up are the full batch's (token-weighted). k == 1: off,
+    ``nullcontext([batch])``: the batch as it is, with the model's own mean loss.
+    """
+    if k == 1:
+        return contextlib.nullcontext([batch])
+    return _token_weighted(batch, k)
 
 
 def snapshot(tensors) -> list[torch.Tensor]:

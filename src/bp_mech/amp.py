@@ -37,26 +37,33 @@ class DynamicLossScaler:
 
     Same constructor arguments as GradScaler. State: ``scale`` (S, the loss is multiplied
     by it before backward) and ``growth_tracker`` (finite steps since the last overflow or
-    growth).
+    growth). GradScaler keeps S in a float32 tensor, so every new S is rounded to float32 and a
+    growth is refused when the float32 result is inf: with growth factor 2, S stops at 2^127
+    (2^128 is finite as a Python float, but not in float32).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000) -> None:
-        self.scale = float(init_scale)
+        self.scale = self.float32(init_scale)
         self.growth_factor = growth_factor  # S *= growth_factor after growth_interval finite steps
         self.backoff_factor = backoff_factor  # S *= backoff_factor on a step with inf/NaN gradients
         self.growth_interval = growth_interval
         self.growth_tracker = 0
 
+    @staticmethod
+    def float32(x: float) -> float:
+        """``x`` rounded to float32 (inf past its largest value, about 3.4e38), as a Python float."""
+        return torch.tensor(x, dtype=torch.float64).float().item()
+
     def update(self, found_inf: bool) -> bool:
         """Advance one step; returns True when ``optimizer.step()`` must be skipped."""
         if found_inf:
-            self.scale *= self.backoff_factor
+            self.scale = self.float32(self.scale * self.backoff_factor)
             self.growth_tracker = 0
             return True
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
-            grown = self.scale * self.growth_factor
+            grown = self.float32(self.scale * self.growth_factor)  # in float32, as GradScaler's kernel
             if math.isfinite(grown):
                 self.scale = grown
             self.growth_tracker = 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from bp_mech import provenance, registry, results
 from bp_mech.environment import ProfileError, check_profile, cuda_available, preflight
 from bp_mech.measure import SMOKE_SCHEDULE, release_memory
+from bp_mech.training_state import CheckpointError
 from bp_mech.workload import WorkloadError, model_commit, parse_workload
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (src layout)
@@ -63,7 +64,7 @@ def _progress(it, **kw):
 
 
 def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None,
-            source: dict | None = None, smoke: bool = False) -> int:
+            source: dict | None = None, smoke: bool = False, options: dict | None = None) -> int:
     """Run (or, in ``dry_run``, plan) one experiment. With ``out``, every record is saved the moment
     ``ctx.record`` makes it (validated, atomically), so a later failure loses nothing already made."""
     if mode == "real_gpu" and not cuda_available():
@@ -81,13 +82,19 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
             return
         print(f"saved {path}", file=sys.stderr)
 
+    unknown = sorted(set(options) - set(getattr(registry.get(semantic_id).load(), "OPTIONS", ()))) if options else []
+    if unknown:
+        raise UsageError(f"{', '.join('--' + o.replace('_', '-') for o in unknown)} does not apply to {semantic_id}")
     ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source,
+                                options=options,
                                 on_record=save_now if out is not None and mode != "dry_run" else None, smoke=smoke)
     if mode == "dry_run":
         print(json.dumps(registry.plan(ctx), indent=1, default=str, ensure_ascii=False))
         return 0
     if ctx.workload.source == "pretrained":
         model_commit(ctx.workload)  # resolve the snapshot now: a missing cache is one line, exit 2
+    if ctx.options and hasattr(mod := ctx.experiment.load(), "check_options"):
+        mod.check_options(ctx)  # a missing text file, a bad checkpoint: one line, exit 2, before anything runs
     print(f"== {ctx.experiment.semantic_id} ({ctx.experiment.page}) on {ctx.workload.workload_id}, "
           f"mode {mode}", file=sys.stderr)
     recs = registry.run(ctx)
@@ -155,7 +162,14 @@ def cmd_run(a) -> int:
         return run_suite(a)
     if not a.id:
         raise UsageError("run needs an experiment ID or --suite gpu")
-    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a), a.smoke)
+    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a), a.smoke, _options(a))
+
+
+RUN_OPTIONS = ("domain_text", "holdout_text", "checkpoint_dir", "resume_from")  # experiment options (ctx.options)
+
+
+def _options(a) -> dict:
+    return {k: getattr(a, k) for k in RUN_OPTIONS if getattr(a, k, None) is not None}
 
 
 def run_suite(a) -> int:
@@ -166,6 +180,8 @@ def run_suite(a) -> int:
         raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
     if a.id:
         raise UsageError("give either an experiment ID or --suite, not both")
+    if _options(a):
+        raise UsageError(f"{', '.join('--' + o.replace('_', '-') for o in _options(a))} applies to one experiment, not a suite")
     mode, source = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu"), _source(a)
     exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
     if a.workload:
@@ -218,12 +234,19 @@ def cmd_results(a) -> int:
 
 
 def cmd_check(a) -> int:
-    e = registry.by_number(a.chapter)
-    marker = e.number if not e.number.isdigit() else f"ch{e.number}"
-    impl = a.dir or "exercises"
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_exercises.py"), "-m", marker,
-           f"--impl={impl}", "-q", "-p", "no:cacheprovider"]
-    return subprocess.call(cmd, cwd=ROOT)
+    """One line per exercise function and a summary (bp_mech.check); ``-v``: pytest's full output."""
+    from bp_mech import check
+
+    try:
+        if a.verbose:
+            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_exercises.py"), "-m",
+                   check.marker(a.chapter), f"--impl={check.solutions_dir(a.dir)}", "-v", "-p", "no:cacheprovider"]
+            return subprocess.call(cmd, cwd=ROOT)
+        lines = check.check_chapter(a.chapter, a.dir)
+    except check.CheckError as e:
+        raise UsageError(str(e)) from None
+    print(check.format_report(lines))
+    return check.exit_code(lines)
 
 
 def cmd_conformance(a) -> int:
@@ -247,6 +270,12 @@ def cmd_preflight(a) -> int:
     return 0 if report["status"] == "ok" else 1
 
 
+def cmd_plan(a) -> int:
+    from bp_mech import plan_report
+
+    return plan_report.run(a, progress=_progress)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bp-mech", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -265,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model-id", help="hub id or local directory of a pretrained model")
     r.add_argument("--revision", default="main", help="hub revision, resolved to a commit")
     r.add_argument("--local-files-only", action="store_true", help="pretrained: never touch the network")
+    r.add_argument("--domain-text", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: your domain text file (UTF-8)")
+    r.add_argument("--holdout-text", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: your holdout (retention) text file")
+    r.add_argument("--checkpoint-dir", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: keep the training-state checkpoints here")
+    r.add_argument("--resume-from", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: resume the 'resumed' candidate from this "
+                   "checkpoint (a step directory, or a --checkpoint-dir whose 'latest' names one)")
     r.set_defaults(fn=cmd_run)
     s = sub.add_parser("results", help="list or validate cached records")
     s.add_argument("action", choices=("list", "validate"))
@@ -273,12 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="check your solutions of a chapter's exercises")
     c.add_argument("chapter", help="chapter number, e.g. 09 (or 'amp')")
     c.add_argument("--dir", help="directory holding your exNN_*.py (default: exercises/)")
+    c.add_argument("-v", "--verbose", action="store_true", help="pytest's full output instead of one line per function")
     c.set_defaults(fn=cmd_check)
     f = sub.add_parser("conformance", help="framework-conformance rows of Part 02")
     f.add_argument("--all-part02", action="store_true")
     f.add_argument("--profile", default="TRAIN-CPU")
     f.add_argument("--require-passed", action="store_true")
     f.set_defaults(fn=cmd_conformance)
+    pl = sub.add_parser("plan", help="which memory strategies fit a budget: a fake-tensor step per strategy")
+    pl.add_argument("--config", help="a Hugging Face causal-LM config.json (or its directory)")
+    pl.add_argument("--workload", help="or a workload ID, e.g. qwen05-b2s512 (its batch and seq unless given)")
+    pl.add_argument("--batch", type=int, help="sequences per step")
+    pl.add_argument("--seq", type=int, help="tokens per sequence")
+    pl.add_argument("--budget", required=True, help="device memory, e.g. 8GiB, 80GB")
+    pl.add_argument("--device-name", help="use cached GPU records of this device only (e.g. H200)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--workers", type=int, help="processes tracing the strategies (default: CPUs, at most 4)")
+    pl.set_defaults(fn=cmd_plan)
     q = sub.add_parser("preflight", help="check a profile's environment")
     q.add_argument("--profile", required=True)
     q.set_defaults(fn=cmd_preflight)
@@ -291,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, "cmd", None) == "preflight":
             check_profile(a.profile)
         return a.fn(a)
-    except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError) as e:
+    except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError, CheckpointError) as e:
         print(f"bp-mech: error: {e}", file=sys.stderr)
         return 2
 

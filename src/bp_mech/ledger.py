@@ -78,6 +78,7 @@ class Ledger:
     moment: str | None = None  # formula only: which candidate moment is the backward peak
     updates: int = 0  # optimizer steps run, warm-up included (0: formula)
     skipped: int | None = None  # amp: of those, the ones the GradScaler skipped (inf/NaN)
+    counts: dict[str, int] = field(default_factory=dict)  # measured: sublayer forwards and recomputes, d2h/h2d bytes
 
     def total(self, stage: str) -> int:
         return sum(self.stages[stage].values())

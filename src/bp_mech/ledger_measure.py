@@ -13,22 +13,51 @@ foreach on the CPU).
 * ``fake=True``: the same step under ``FakeTensorMode`` (no memory is allocated, so the full
   qwen05 runs on any CPU in seconds): the estimate (``fake-tensor``).
 
-``train_step`` is the step with its lifecycle marks: it opens the tracker's phases (forward,
-backward, optimizer, zero_grad), marks the stages, names the logits/loss region (from ``lm_head``
-on) and the autograd nodes of that region, and promotes gradients and optimizer state as they
-appear.
+The step is ``bp_mech.strategy.train_step``, so any ``Strategy`` (combinations included) is measured as
+projects 74 and 76 and ``bp-mech plan`` run it; a ``LedgerConfig`` names one of the chapter's five
+(``as_strategy``). ``train_step`` here adds the lifecycle marks: it opens the tracker's phases (forward,
+backward, optimizer, zero_grad), marks the stages, names the logits/loss region (from ``lm_head`` on:
+under the chunked loss that is its ``ChunkedHead``) and the autograd nodes of that region, and promotes
+gradients and optimizer state as they appear.
+
+The model is a ``Workload``'s Qwen2 or, for a ``ConfigWorkload``, any causal LM that Transformers
+builds from its config (``AutoModelForCausalLM.from_config``: Qwen2, Llama, Mistral, Phi3, ...).
+``Session`` builds it once with its optimizer and moments, so that ``bp-mech plan`` measures many
+strategies on one fake model.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
-from bp_mech import checkpointing
+from bp_mech import strategy as strategies
+from bp_mech.counters import ForwardCounter
 from bp_mech.ledger import CLASSES, STAGES, Ledger, LedgerConfig
 from bp_mech.offload import ActivationOffload, OffloadConfig
+from bp_mech.strategy import Strategy
 from bp_mech.tracking import StorageTracker
+
+
+@dataclass(frozen=True)
+class ConfigWorkload:
+    """A model given by its Transformers config, at one batch shape (what ``bp-mech plan`` traces)."""
+
+    config: object  # a transformers PretrainedConfig of a causal LM (AutoModelForCausalLM.from_config builds it)
+    batch: int  # sequences per batch (B)
+    seq: int  # tokens per sequence (T)
+    dtype: str = "float32"  # master weights
+    seed: int = 0  # random init and token ids (real runs)
+
+
+def as_strategy(cfg: LedgerConfig) -> Strategy:
+    """The ``Strategy`` a ledger configuration names (checkpoint: every layer; amp: ``cfg.amp_dtype``)."""
+    return Strategy(checkpoint=cfg.checkpoint, offload=cfg.strategy == "offload",
+                    amp=cfg.amp_dtype if cfg.strategy == "amp" else None,
+                    micro_batches=cfg.micro_batches if cfg.strategy == "accumulation" else 1)
 
 
 def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
@@ -63,82 +92,79 @@ def offload_hooks(model, cfg: LedgerConfig, device) -> ActivationOffload:
                              device)
 
 
-def train_step(model, opt, batch: dict, cfg: LedgerConfig, tr: StorageTracker, scaler=None, hooks=None) -> torch.Tensor:
-    """One update of ``cfg.strategy``: zero_grad is the previous step's last act, so the step starts
-    with no gradients. Checkpointing is configured on the model beforehand (``track``); ``hooks`` are
-    the offload's saved-tensor hooks (``offload_hooks``), entered around each forward. Calls
-    ``tr.start``/``tr.mark`` at the lifecycle stages. Returns the (summed) loss."""
-    device = next(model.parameters()).device
-    k = cfg.micro_batches if cfg.strategy == "accumulation" else 1
-    B = batch["input_ids"].shape[0]
-    if B % k:
-        raise ValueError(f"accumulation needs micro_batches ({k}) to divide the batch ({B})")
-    if (cfg.strategy == "offload") != (hooks is not None):
-        raise ValueError(f"strategy {cfg.strategy!r} with offload hooks {hooks!r}: offload needs them, the rest none")
-    host = (lambda: hooks.pool.in_use) if hooks is not None else (lambda: 0)  # bytes of offloaded copies held
-    lm_in = {}
+def train_step(model, opt, batch: dict, cfg: LedgerConfig | Strategy, tr: StorageTracker, scaler=None,
+               hooks=None, ctx: strategies.Applied | None = None) -> torch.Tensor:
+    """One update of ``strategy.train_step`` with the tracker's phases and marks; zero_grad is the step's
+    last act (the ledger's last stage), so the next step starts with no gradients. ``ctx``: the
+    strategy already entered on the model (``strategy.applied``, as ``track`` does); None enters it for
+    this step, with ``hooks`` (``offload_hooks``) as its offload if given. Returns the update's loss."""
+    s = cfg if isinstance(cfg, Strategy) else as_strategy(cfg)
+    if ctx is None:
+        off = None if isinstance(cfg, Strategy) else OffloadConfig(min_bytes=cfg.for_device(tr.device).offload_min_bytes)
+        with strategies.applied(model, s, tr.device, off) as entered:
+            if s.offload != (hooks is not None):
+                raise ValueError(f"strategy {s.name!r} with offload hooks {hooks!r}: offload needs them, the rest none")
+            entered.offload = hooks if hooks is not None else entered.offload
+            return train_step(model, opt, batch, s, tr, scaler, ctx=entered)
+    lm_in, graph_hooks = {}, []
 
     def pre_hook(_mod, inputs):
         tr.region, lm_in["node"] = "loss", inputs[0].grad_fn
 
-    handles = [model.lm_head.register_forward_pre_hook(pre_hook)]
-    handles += [p.register_post_accumulate_grad_hook(lambda p: tr.relabel(p.grad, "gradients"))
-                for p in model.parameters() if p.requires_grad]
-    losses = []
-    try:
-        for i in range(k):
-            mb = {n: v[i * B // k:(i + 1) * B // k] for n, v in batch.items()}  # (B/k, T) views
-            tr.start("forward")
-            amp = torch.autocast(device.type, dtype=getattr(torch, cfg.amp_dtype), enabled=cfg.strategy == "amp")
-            with hooks if hooks is not None else contextlib.nullcontext(), amp:  # no padding: the causal
-                # mask is None (SDPA's is_causal), as create_causal_mask returns it; said explicitly so that
-                # fake tensors (which transformers takes for tracing) do not materialise a (B, 1, T, T) mask
-                loss = model(**mb, attention_mask={"full_attention": None}).loss / k  # logits dropped here
+    def events(name, *args):
+        if name in ("forward", "backward", "optimizer"):
+            tr.start(name)
+        elif name == "forward_end":
             tr.end_forward()
-            tr.mark("forward", host())
-            graph_hooks = _walk_graph(loss, lm_in["node"], tr)
-            tr.start("backward")
-            (scaler.scale(loss) if scaler else loss).backward()
+            tr.mark("forward", ctx.host_bytes())
+            graph_hooks[:] = _walk_graph(args[0], lm_in["node"], tr)
+        elif name == "backward_end":
             for h in graph_hooks:
                 h.remove()
             tr.loss_nodes = set()  # the nodes reach every AccumulateGrad, i.e. hold every parameter
-            tr.mark("backward", host())
-            losses.append(loss.detach())
-        tr.start("optimizer")
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        for state in opt.state.values():
-            for v in state.values():
-                tr.relabel(v, "optimizer_states")
+            tr.mark("backward", ctx.host_bytes())
+        elif name == "optimizer_end":
+            for state in opt.state.values():
+                for v in state.values():
+                    tr.relabel(v, "optimizer_states")
+
+    handles = [model.lm_head.register_forward_pre_hook(pre_hook)]
+    handles += [p.register_post_accumulate_grad_hook(lambda p: tr.relabel(p.grad, "gradients"))
+                for p in model.parameters() if p.requires_grad]
+    try:
+        loss = strategies.train_step(model, opt, batch, s, scaler, ctx=ctx, events=events)
         tr.start("zero_grad")
         opt.zero_grad(set_to_none=True)
-        tr.mark("zero_grad", host())
+        tr.mark("zero_grad", ctx.host_bytes())
         tr.start("idle")
     finally:
         for h in handles:
             h.remove()
-    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+    return loss
 
 
 def _build(w, device, fake: bool):
-    """(model, batch) on ``device``: the real workload, or a fake-tensor twin of it."""
+    """(model, batch) on ``device``: the real workload (a ``Workload``'s own model and text; a
+    ``ConfigWorkload``'s random init from ``w.seed`` and random byte-range token ids), or a fake twin."""
+    from transformers import AutoModelForCausalLM
+
     from bp_mech.workload import build_model, make_batches, qwen2_config
 
-    if not fake:
+    if not fake and not isinstance(w, ConfigWorkload):
         return build_model(w, device), make_batches(w, 1, device=device)[0]
-    from transformers import Qwen2ForCausalLM
-
+    config = w.config if isinstance(w, ConfigWorkload) else qwen2_config(w.arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, w.dtype))  # (.to() cannot swap fake parameters)
     try:
-        model = Qwen2ForCausalLM(qwen2_config(w.arch)).train()  # fake parameters, nothing allocated
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(w.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, w.dtype),
+                                                     attn_implementation="sdpa").train()
+            ids = torch.randint(0, min(256, config.vocab_size), (w.batch, w.seq), device=device)
     finally:
         torch.set_default_dtype(prev)
-    ids = torch.randint(0, 256, (w.batch, w.seq), device=device)
-    return model, {"input_ids": ids, "labels": ids.clone()}
+    model.config.use_cache = False
+    return (model if fake else model.to(device)), {"input_ids": ids, "labels": ids.clone()}
 
 
 WARMUP_TRIES = 4  # AMP: a warm-up step the GradScaler skips (inf/NaN) allocates no AdamW state; retry
@@ -156,38 +182,77 @@ def make_optimizer(params, cfg: LedgerConfig, device):
     return torch.optim.AdamW(params, lr=cfg.lr, **{flavour: True})
 
 
-def track(w, cfg: LedgerConfig = LedgerConfig(), device="cpu", fake: bool = False) -> Ledger:
-    """Ledger of one steady-state step of workload ``w``: real tensors, or fake ones (``fake=True``:
-    no memory is allocated, so the full qwen05 fits on any CPU in seconds). Fake tensors run on the
-    CPU; ``cfg`` is resolved for the CPU unless it says otherwise (pass ``cfg.for_device("cuda")`` to
-    estimate a GPU run: fused AdamW, CUDA's offload threshold).
+class Session:
+    """One model with its AdamW and one batch, real or fake (``FakeTensorMode``: no memory allocated),
+    on which ``measure`` runs steady-state steps of any strategy; the model is built once.
 
-    Steps: warm-up updates until AdamW's moments exist (an AMP step the GradScaler skips allocates
-    none), then the measured update; ``Ledger.updates`` counts them all, ``skipped`` the skipped ones."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    ``options``: AdamW flavour, offload threshold and learning rate (a ``LedgerConfig``, resolved for
+    the device; its ``strategy`` is not used). Fake tensors run on the CPU; pass
+    ``options.for_device("cuda")`` to estimate a GPU run (fused AdamW, CUDA's offload threshold).
+    A fake step cannot read values, so it is told what a real one finds out: the batch holds one
+    sequence per row (Transformers' packed-sequence check, which would otherwise build a (B, 1, T, T)
+    mask where the real step lets SDPA apply the causal mask itself), and its GradScaler is off.
+    """
 
-    device = torch.device("cpu" if fake else device)
-    cfg = cfg.for_device(device)
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    if fake and cfg.strategy == "offload":  # the dispatch cache's keys hold the storages an op was given:
-        mode.cache_enabled = False  # those the offload views with ``set_`` would never be freed
-    with mode:
-        model, batch = _build(w, device, fake)
-        load_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        opt = make_optimizer(model.parameters(), cfg, device)
-        scaler = torch.amp.GradScaler(device.type) if cfg.strategy == "amp" and not fake else None
-        hooks = offload_hooks(model, cfg, device) if cfg.strategy == "offload" else None
-        count = dict(updates=0, skipped=0)
+    def __init__(self, w, device="cpu", fake: bool = False, options: LedgerConfig = LedgerConfig()):
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-        def update(tracker):  # one train_step; a step the GradScaler skips (inf/NaN) lowers its scale
-            scale = scaler.get_scale() if scaler else None
-            loss = train_step(model, opt, batch, cfg, tracker, scaler, hooks)
-            count["updates"] += 1
-            count["skipped"] += int(scaler is not None and scaler.get_scale() < scale)
-            return loss
+        self.fake, self.device = fake, torch.device("cpu" if fake else device)
+        self.options = options.for_device(self.device)
+        self.mode = FakeTensorMode() if fake else None
+        with self._active():
+            self.model, self.batch = _build(w, self.device, fake)
+            self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+            self.opt = make_optimizer(self.model.parameters(), self.options, self.device)
+            if fake:  # AdamW's moments without a warm-up step: their shape does not depend on the gradients
+                for p in self.model.parameters():
+                    p.grad = torch.zeros_like(p)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
 
-        with checkpointing.configure(model, cfg.checkpoint):  # Part 02 · 19's configuration ("plain": none)
-            for _ in range(WARMUP_TRIES):  # warm-up: allocates AdamW's moments, unless the scaler skips it
+    def _active(self):
+        stack = contextlib.ExitStack()
+        if self.fake:
+            from transformers import masking_utils
+
+            stack.enter_context(self.mode)
+            stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        return stack
+
+    def _uncached_hooks(self, hooks) -> None:
+        """The fake dispatch cache's keys hold the storages an op was given, so those the offload's hooks
+        view with ``set_`` would never be freed: its hooks run with the cache off (the rest keeps it)."""
+        def uncached(fn):
+            def run(*args):
+                self.mode.cache_enabled = False
+                try:
+                    return fn(*args)
+                finally:
+                    self.mode.cache_enabled = True
+            return run
+        hooks.pack_hook, hooks.unpack_hook = uncached(hooks.pack_hook), uncached(hooks.unpack_hook)
+
+    def measure(self, cfg: LedgerConfig | Strategy) -> Ledger:
+        """The ledger of one steady-state step of ``cfg``. Warm-up updates under the same strategy first,
+        until AdamW's moments exist (an AMP step the GradScaler skips allocates none); with fake tensors,
+        whose steps leave nothing else behind, none: the session made the moments with one update on zero
+        gradients. ``Ledger.updates`` counts them with the measured one, ``skipped`` the skipped ones."""
+        s = cfg if isinstance(cfg, Strategy) else as_strategy(cfg)
+        model, opt, batch, device = self.model, self.opt, self.batch, self.device
+        with self._active(), strategies.applied(model, s, device, OffloadConfig(min_bytes=self.options.offload_min_bytes)) as ctx:
+            scaler = torch.amp.GradScaler(device.type, enabled=False) if self.fake else ctx.scaler
+            count = dict(updates=int(self.fake), skipped=0)  # (fake: the session's update that made the moments)
+            if self.fake and ctx.offload is not None:
+                self._uncached_hooks(ctx.offload)
+
+            def update(tracker):  # one train_step; a step the GradScaler skips (inf/NaN) lowers its scale
+                scale = scaler.get_scale()
+                loss = train_step(model, opt, batch, s, tracker, scaler, ctx=ctx)
+                count["updates"] += 1
+                count["skipped"] += int(scaler.is_enabled() and scaler.get_scale() < scale)
+                return loss
+
+            for _ in range(WARMUP_TRIES if not self.fake else 0):
                 update(StorageTracker(device))
                 if opt.state:
                     break
@@ -199,16 +264,31 @@ def track(w, cfg: LedgerConfig = LedgerConfig(), device="cpu", fake: bool = Fals
                 tr.add(t, "optimizer_states")
             for t in batch.values():
                 tr.add(t, "other")
-            with tr:
+            with tr, ForwardCounter(model) as calls:
                 loss = update(tr)
-        finite = None if fake else bool(torch.isfinite(loss).all())
-    snaps = {s: tr.marks[s][1] for s in ("load", "forward", "backward", "zero_grad")}
-    snaps.update(backward_peak=tr.peaks["backward"][1], optimizer_peak=tr.peaks["optimizer"][1])
-    if load_alloc is not None:
-        tr.allocator["load"] = load_alloc
-    return Ledger("fake-tensor" if fake else ("cuda-allocator" if device.type == "cuda" else "tracked-cpu"),
-                  cfg.strategy, {s: tr.classify(snaps[s], CLASSES) for s in STAGES},
-                  host={s: tr.marks[s][2] for s in tr.marks}, forward_peak=tr.peaks["forward"][0],
-                  allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
-                  skipped=count["skipped"] if scaler else None,
-                  rounded={s: sum(-(-tr.nbytes[x] // 512) * 512 for x in snaps[s]) for s in STAGES})
+            finite = None if self.fake else bool(torch.isfinite(loss).all())
+            attn, mlp = sum(calls.calls["attn"]), sum(calls.calls["mlp"])  # forwards of each, recomputes included
+            counts = dict(recomputes=attn + mlp - 2 * s.micro_batches * len(calls.calls["attn"]), attn_calls=attn,
+                          mlp_calls=mlp, d2h_bytes=ctx.d2h_bytes, h2d_bytes=ctx.h2d_bytes)
+        snaps = {x: tr.marks[x][1] for x in ("load", "forward", "backward", "zero_grad")}
+        snaps.update(backward_peak=tr.peaks["backward"][1], optimizer_peak=tr.peaks["optimizer"][1])
+        if self.load_alloc is not None:
+            tr.allocator["load"] = self.load_alloc
+        source = "fake-tensor" if self.fake else ("cuda-allocator" if device.type == "cuda" else "tracked-cpu")
+        return Ledger(source, s.name if isinstance(cfg, Strategy) else cfg.strategy,
+                      {x: tr.classify(snaps[x], CLASSES) for x in STAGES},
+                      host={x: tr.marks[x][2] for x in tr.marks}, forward_peak=tr.peaks["forward"][0],
+                      allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
+                      skipped=count["skipped"] if scaler.is_enabled() else None,
+                      rounded={x: sum(-(-tr.nbytes[n] // 512) * 512 for n in snaps[x]) for x in STAGES}, counts=counts)
+
+
+def track(w, cfg: LedgerConfig | Strategy = LedgerConfig(), device="cpu", fake: bool = False,
+          options: LedgerConfig | None = None) -> Ledger:
+    """Ledger of one steady-state step of ``w`` (a ``Workload`` or a ``ConfigWorkload``) under ``cfg``: a
+    ``LedgerConfig`` (one of the chapter's strategies, with its settings) or any ``Strategy``, whose
+    settings come from ``options`` (default ``LedgerConfig()``). Real tensors, or fake ones (``fake=True``:
+    no memory is allocated, so the full qwen05 fits on any CPU in seconds), on a fresh ``Session``."""
+    if options is None:
+        options = cfg if isinstance(cfg, LedgerConfig) else LedgerConfig()
+    return Session(w, device, fake, options).measure(cfg)

@@ -97,7 +97,7 @@ def cross_entropy_forward(logits, targets, ignore_index=-100):
     """Mean token loss over non-ignored targets. logits (N, V), targets (N,)."""
     valid = targets != ignore_index
     lse = torch.logsumexp(logits, -1)  # (N,)
-    picked = logits.gather(-1, targets.clamp_min(0)[:, None])[:, 0]
+    picked = logits.gather(-1, targets.masked_fill(~valid, 0)[:, None])[:, 0]  # any ignore_index, even >= V
     return ((lse - picked) * valid).sum() / valid.sum()
 
 
@@ -105,7 +105,7 @@ def cross_entropy_backward(logits, targets, ignore_index=-100):
     """d loss / d logits = (softmax(logits) - onehot(target)) / n_valid on valid rows, 0 elsewhere."""
     valid = (targets != ignore_index)
     d = torch.softmax(logits, -1)
-    d[torch.arange(len(targets)), targets.clamp_min(0)] -= 1
+    d[torch.arange(len(targets)), targets.masked_fill(~valid, 0)] -= 1  # ignored rows: any id, zeroed below
     return d * valid[:, None] / valid.sum()
 
 

@@ -18,6 +18,7 @@ import datetime as _dt
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import subprocess
 from functools import lru_cache

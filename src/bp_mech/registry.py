@@ -153,6 +153,8 @@ class RunContext:
     progress: Callable = field(default=lambda it, **kw: it)  # tqdm-like wrapper for long loops
     on_record: Callable | None = None  # called with every record ``record`` makes (the CLI saves it at once)
     smoke: bool = False  # a smoke run: every code path once, SMOKE_SCHEDULE steps; its records are not evidence
+    options: dict = field(default_factory=dict)  # experiment-specific options (the CLI's --domain-text, ...); a
+    # module lists the ones it reads in OPTIONS
     _base: dict | None = None
 
     @property
@@ -186,7 +188,8 @@ class RunContext:
 
 def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload | None = None,
                  run_label: str | None = None, progress: Callable | None = None,
-                 source: dict | None = None, on_record: Callable | None = None, smoke: bool = False) -> RunContext:
+                 source: dict | None = None, on_record: Callable | None = None, smoke: bool = False,
+                 options: dict | None = None) -> RunContext:
     exp = get(semantic_id)
     if mode not in MODES:
         raise RegistryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -195,7 +198,7 @@ def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload |
     w = parse_workload(workload, **(source or {})) if isinstance(workload, str) else workload
     profile = "TRAIN-CUDA-MECHANISM" if mode == "real_gpu" else "TRAIN-CPU"
     label = run_label or f"{'gpu' if mode == 'real_gpu' else 'cpu'}-default"
-    ctx = RunContext(exp, w, mode, profile, label, on_record=on_record, smoke=smoke)
+    ctx = RunContext(exp, w, mode, profile, label, on_record=on_record, smoke=smoke, options=dict(options or {}))
     if progress is not None:
         ctx.progress = progress
     return ctx

@@ -7,10 +7,11 @@ label, and marks stale records (their ``code_hash`` no longer matches the source
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from bp_mech import provenance, registry, results
+from bp_mech import provenance, references, registry, results
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "book" / "results"
@@ -107,3 +108,85 @@ def decision_text(r: results.Record, baseline: str) -> str:
     if r.candidate == baseline:
         return "baseline"
     return f"none: {r.next_step}" if r.next_step else "none"
+
+
+# --- provenance of cached records -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProvenanceBox:
+    """Where a cached record's numbers came from; renders as an HTML box (the book), MyST (Markdown
+    outputs) or plain text (``repr``)."""
+
+    title: str  # e.g. "Provenance: TRAIN-CHECKPOINT, run label gpu-default"
+    rows: tuple[tuple[str, str], ...]  # (what, value) in display order
+    stale: bool | None  # True: some record's code_hash differs from the source's; None: cannot tell
+
+    def _repr_html_(self) -> str:
+        kind = "warning" if self.stale is not False else "note"
+        body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in self.rows)
+        return (f'<div class="admonition {kind} bp-provenance"><p class="admonition-title">{html.escape(self.title)}'
+                f'</p><table class="bp-provenance-table"><tbody>{body}</tbody></table></div>')
+
+    def _repr_markdown_(self) -> str:
+        lines = "\n".join(f"- **{k}**: {v}" for k, v in self.rows)
+        return f":::{{admonition}} {self.title}\n:class: {'warning' if self.stale is not False else 'note'}\n{lines}\n:::"
+
+    def __repr__(self) -> str:
+        return "\n".join([self.title, *(f"  {k}: {v}" for k, v in self.rows)])
+
+
+def _stale(recs: list[results.Record]) -> tuple[bool | None, str]:
+    """(stale?, the sentence): every record's code_hash against the current source of its experiment."""
+    exp = registry.get(recs[0].semantic_id)
+    if not exp.implemented:
+        return None, f"cannot tell: {exp.module} is not in this source tree"
+    now = provenance.code_hash(exp.module)
+    old = [r for r in recs if r.code_hash != now]
+    hashes = ", ".join(sorted({str(r.code_hash) for r in recs}))
+    if not old:
+        return False, f"current: code_hash {hashes} matches this source"
+    which = ", ".join(r.candidate for r in old)
+    return True, (f"STALE: the code changed since this run (record code_hash {hashes}, this source {now}; "
+                  f"stale: {which}); rerun it to refresh the numbers")
+
+
+def _model(r: results.Record) -> str:
+    commit = (r.model_commit or "–")[:12]
+    if r.model_source == "pretrained":
+        return f"{r.model_id}, pretrained weights at commit {commit}"
+    if r.model_source == "config":
+        return (f"{r.model_id or 'the architecture'}, random init from the config (config hash {commit}): "
+                "memory and time are the architecture's; loss values are not the trained model's")
+    return f"{r.model_id or '–'} (source {r.model_source or 'not recorded'})"
+
+
+def provenance_box(record) -> ProvenanceBox:
+    """The box a chapter shows beside a cached (GPU) record, or beside the records of one run label
+    (a list of mergeable records): device, workload and model source, date, evidence level, whether
+    the code hash is current or stale (``provenance.is_stale``'s comparison) and the seed's reference
+    for the experiment where there is one (``references.SEED``)."""
+    recs = list(record) if isinstance(record, (list, tuple)) else [record]
+    r = recs[0]
+    device = ", ".join(x for x in (r.device_name, r.device_memory and fmt_bytes(r.device_memory),
+                                   r.cuda and f"CUDA {r.cuda}", r.torch and f"torch {r.torch}",
+                                   r.transformers and f"transformers {r.transformers}") if x) or "not recorded"
+    dates = sorted({(x.created_at or "not recorded") for x in recs})
+    stale, code = _stale(recs)
+    commits = sorted({x.git_commit[:12] for x in recs if x.git_commit})
+    evidence = ", ".join(sorted({x.evidence_level for x in recs}))
+    memory = ", ".join(sorted({x.memory_source for x in recs if x.memory_source}))
+    rows = [("device", device),
+            ("workload", f"{r.workload_id}, input {r.input_shape}, {r.dtype}, seed {r.seed}"),
+            ("model", _model(r)),
+            ("date", dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"),
+            ("evidence", evidence + (f" (memory: {memory})" if memory else "")),
+            ("code", code + (f"; git commit {', '.join(commits)}" if commits else "")
+             + (f"; bp-mech {r.bp_mech_version}" if r.bp_mech_version else ""))]
+    if ref := references.seed_reference(r.semantic_id):
+        rows.append(("seed's reference", ref.summary() + " — not this book's measurement"))
+    title = (f"Provenance: {r.semantic_id}, run label {r.run_label}"
+             + (f", candidate {r.candidate}" if len(recs) == 1 else f", {len(recs)} candidates")
+             + (" — STALE" if stale else ""))
+    return ProvenanceBox(title, tuple(rows), stale)
+

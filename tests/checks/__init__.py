@@ -13,6 +13,10 @@ CHAPTERS = [
     ("ch42", ex42, "ex42_offload"),
     ("ch43", ex43, "ex43_state_ledger"),
     ("ch55", ex55, "ex55_update_dynamics"),
+    ("ch56", __import__("checks.ex56").ex56, "ex56_continual_pretrain"),
+    ("ch73", __import__("checks.ex73").ex73, "ex73_baseline"),
+    ("ch74", __import__("checks.ex74").ex74, "ex74_profiling"),
+    ("ch76", __import__("checks.ex76").ex76, "ex76_memory_strategy"),
 ]
 
 

@@ -4,7 +4,8 @@ The reference is ``transformers.get_wsd_schedule`` (a ``LambdaLR``) on a dummy o
 read at every update, and stepped only on applied calls for the clock checks. Never the
 answer file. The schedules include the edge cases that expose off-by-one errors: a
 one-update warmup, no warmup, no stable phase, a one-update decay, and skips that fall
-exactly on the calls where a boundary would be crossed.
+exactly on the calls where a boundary would be crossed; and every zero-length phase the
+docstring allows (no decay: the floor right after the stable phase; no phase at all).
 """
 
 import random
@@ -13,6 +14,7 @@ import torch
 from transformers import get_wsd_schedule
 
 from bp_mech.scheduler import WSDConfig
+from checks.common import call
 
 REL_TOL = 1e-12  # float64 arithmetic; a different but equivalent formula differs by ulps only
 
@@ -23,6 +25,13 @@ CONFIGS = [
     WSDConfig(base_lr=1.0, warmup=3, stable=2, decay=1, decay_type="cosine", min_lr_ratio=0.05),
     WSDConfig(base_lr=0.5, warmup=0, stable=2, decay=5, decay_type="cosine", min_lr_ratio=0.2),
 ]
+ZERO_LENGTH = [  # W = 0 or D = 0 use max(1, .) as the denominator; D = 0 goes from base straight to the floor
+    WSDConfig(base_lr=1e-3, warmup=3, stable=2, decay=0, decay_type="linear", min_lr_ratio=0.1),
+    WSDConfig(base_lr=2e-3, warmup=4, stable=0, decay=0, decay_type="cosine", min_lr_ratio=0.5),
+    WSDConfig(base_lr=5e-4, warmup=0, stable=0, decay=4, decay_type="linear", min_lr_ratio=0.0),
+    WSDConfig(base_lr=1.0, warmup=0, stable=0, decay=0, decay_type="cosine", min_lr_ratio=0.3),
+]
+REF = "transformers.get_wsd_schedule"
 
 
 class Reference:
@@ -53,36 +62,48 @@ def _phase(k: int, cfg: WSDConfig) -> str:
     return "decay" if k < cfg.total else "after the schedule"
 
 
-def _close(got, want, base, what):
-    assert isinstance(got, float), f"{what}: expected a Python float, got {type(got).__name__}"
-    assert abs(got - want) <= REL_TOL * max(abs(want), 1e-3 * base), f"{what}: got {got!r}, transformers gives {want!r}"
+def _close(fn, what, got, want, base, at):
+    if not isinstance(got, float):
+        raise AssertionError(f"{fn}: {what} is a {type(got).__name__}, expected a Python float at {at}")
+    err = abs(got - want) / max(abs(want), 1e-3 * base)
+    assert err <= REL_TOL, f"{fn}: {what} is {got!r}, {REF} gives {want!r} (rel error {err:.1e} > {REL_TOL:g}) at {at}"
+
+
+def _wsd_configs(m, configs):
+    for cfg in configs:
+        ref = Reference(cfg)
+        for k in range(cfg.total + 3):
+            at = f"update {k} ({_phase(k, cfg)}) of {cfg}"
+            _close("wsd_lr", "lr", call("wsd_lr", m.wsd_lr, k, cfg, at=at), ref.lr, cfg.base_lr, at)
+            ref.advance()
 
 
 def check_wsd_lr(m):
-    for cfg in CONFIGS:
-        ref = Reference(cfg)
-        for k in range(cfg.total + 3):
-            _close(m.wsd_lr(k, cfg), ref.lr, cfg.base_lr, f"wsd_lr(update={k}) at {_phase(k, cfg)} of {cfg}")
-            ref.advance()
+    _wsd_configs(m, CONFIGS)
+
+
+def check_wsd_lr__zero_length_phases(m):
+    _wsd_configs(m, ZERO_LENGTH)
 
 
 def _drive(m, cfg: WSDConfig, applied: list[bool], label: str) -> None:
-    clock, ref = m.UpdateClock(cfg), Reference(cfg)
-    _close(clock.lr, ref.lr, cfg.base_lr, f"{label}: lr before the first call")
+    fn = "UpdateClock"
+    clock, ref = call(fn, m.UpdateClock, cfg, at=f"UpdateClock({cfg})"), Reference(cfg)
+    _close(fn, "lr before the first call", call(fn, lambda: clock.lr, at=label), ref.lr, cfg.base_lr, label)
     n_ok = 0
     for c, ok in enumerate(applied):
         before = ref.lr
-        ret = clock.step(ok)
+        ret = call(fn, clock.step, ok, at=f"call {c} of {label}")
         if ok:
             ref.advance()
             n_ok += 1
-        where = f"{label}: after call {c} ({'applied' if ok else 'SKIPPED'}; {n_ok} updates, at {_phase(n_ok, cfg)})"
+        at = f"call {c} ({'applied' if ok else 'SKIPPED'}; {n_ok} updates, at {_phase(n_ok, cfg)}) of {label}"
         if not ok:
-            _close(clock.lr, before, cfg.base_lr, where + ": a skipped call moved the LR")
-        _close(ret, ref.lr, cfg.base_lr, where + ": step() return value")
-        _close(clock.lr, ref.lr, cfg.base_lr, where + ": lr")
-        assert clock.updates == n_ok, f"{where}: updates = {clock.updates}, expected {n_ok}"
-        assert clock.skipped == c + 1 - n_ok, f"{where}: skipped = {clock.skipped}, expected {c + 1 - n_ok}"
+            _close(fn, "lr after a skipped call (a skip must not move it)", clock.lr, before, cfg.base_lr, at)
+        _close(fn, "step()'s return value", ret, ref.lr, cfg.base_lr, at)
+        _close(fn, "lr", clock.lr, ref.lr, cfg.base_lr, at)
+        assert clock.updates == n_ok, f"{fn}: updates is {clock.updates}, expected {n_ok} at {at}"
+        assert clock.skipped == c + 1 - n_ok, f"{fn}: skipped is {clock.skipped}, expected {c + 1 - n_ok} at {at}"
 
 
 def _skip_at_boundaries(cfg: WSDConfig) -> list[bool]:
@@ -97,21 +118,22 @@ def _skip_at_boundaries(cfg: WSDConfig) -> list[bool]:
     return out + [True] * 3
 
 
-def check_clock_skips_at_boundaries(m):
-    for cfg in CONFIGS:
+def check_UpdateClock(m):
+    for cfg in CONFIGS + ZERO_LENGTH:
+        _drive(m, cfg, [True] * (cfg.total + 3), f"no skips, {cfg}")
+
+
+def check_UpdateClock__skips_at_boundaries(m):
+    for cfg in CONFIGS + ZERO_LENGTH:
         _drive(m, cfg, _skip_at_boundaries(cfg), f"skips at the boundaries of {cfg}")
 
 
-def check_clock_random_skips(m):
+def check_UpdateClock__random_skips(m):
     rng = random.Random(12)
-    for i, cfg in enumerate(CONFIGS):
+    for i, cfg in enumerate(CONFIGS + ZERO_LENGTH):
         flags = [rng.random() > 0.3 for _ in range(2 * cfg.total + 6)]
         _drive(m, cfg, flags, f"random skips #{i} of {cfg}")
 
 
-def check_clock_no_skips(m):
-    for cfg in CONFIGS:
-        _drive(m, cfg, [True] * (cfg.total + 3), f"no skips, {cfg}")
-
-
-CHECKS = [check_wsd_lr, check_clock_no_skips, check_clock_skips_at_boundaries, check_clock_random_skips]
+CHECKS = [check_wsd_lr, check_wsd_lr__zero_length_phases, check_UpdateClock, check_UpdateClock__skips_at_boundaries,
+          check_UpdateClock__random_skips]

@@ -1,9 +1,12 @@
 """Checks of exercises/ex42_offload.py (never against the answer file).
 
-References: plain float64 autograd (gradients to 1e-12); an independent counting-only
-``saved_tensors_hooks`` pass written here (distinct non-parameter storages of at least
-``MIN_BYTES``, each counted once); and weak references that tell whether a packed object still
-keeps the original storage alive.
+References: plain float64 autograd (gradients to 1e-12, also over a second backward that unpacks
+every saved tensor again); an independent counting-only ``saved_tensors_hooks`` pass written here
+(distinct non-parameter storages of at least ``MIN_BYTES``, each counted once); and weak references
+that tell whether a packed object still keeps the original storage alive. The parameters come as a
+list and as a generator (``model.parameters()``); the size rule is tried exactly at ``min_bytes``, one
+byte under it, at a non-default ``min_bytes``, on a two-element view of a large storage, and in
+bfloat16 and float16 (bytes, not elements).
 """
 
 import gc
@@ -11,8 +14,11 @@ import gc
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from checks.common import assert_close, call
+
 TOL = 1e-12  # float64: offloading copies bytes, the arithmetic is unchanged
 MIN_BYTES = 1024
+FN = "CountingOffload"
 
 
 def _params(seed):
@@ -50,80 +56,145 @@ def _reference_counts(params, scale, x):
     return sum(storages.values()), per_tensor
 
 
-def _run(m, seed):
+def _grads_twice(m, seed, as_generator):
     params, scale, x = _params(seed)
     leaves = [x, *params, scale]
     want = torch.autograd.grad(_toy(x, *params, scale), leaves)
-    hooks = m.CountingOffload(params, MIN_BYTES)
+    hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES,
+                 at="construction")
+    at = f"the toy forward (float64), parameters as a {'generator' if as_generator else 'list'}"
     with hooks:
-        loss = _toy(x, *params, scale)
-    got = torch.autograd.grad(loss, leaves)
-    return hooks, got, want, (params, scale, x)
+        loss = call(FN, _toy, x, *params, scale, at=at)
+    first = call(FN, torch.autograd.grad, loss, leaves, retain_graph=True, at=at + ", first backward")
+    second = call(FN, torch.autograd.grad, loss, leaves,
+                  at=at + ", second backward (every saved tensor unpacked again)")
+    return hooks, first, second, want, (params, scale, x), at
 
 
-def check_gradients_unchanged(m):
-    _, got, want, _ = _run(m, 0)
-    for name, a, b in zip(("dx", "dW1", "dW2", "db", "dscale"), got, want):
-        err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-        assert err <= TOL, f"{name}: relative error {err:.2e} > {TOL:g} against plain autograd"
+def check_CountingOffload(m):
+    for seed, as_generator in ((0, False), (3, True)):
+        _, first, second, want, _, at = _grads_twice(m, seed, as_generator)
+        for which, got in (("first", first), ("second", second)):
+            for name, a, b in zip(("dx", "dW1", "dW2", "db", "dscale"), got, want):
+                assert_close(FN, f"{name} of the {which} backward", a, b, tol=TOL, ref="plain float64 autograd", at=at)
 
 
-def check_bytes_counted_once(m):
-    hooks, _, _, inputs = _run(m, 1)
+def check_CountingOffload__bytes(m):
+    hooks, _, _, _, inputs, at = _grads_twice(m, 1, False)
     once, per_tensor = _reference_counts(*inputs)
     assert hooks.d2h_bytes == once, (
-        f"d2h_bytes = {hooks.d2h_bytes}, but the distinct non-parameter storages of at least {MIN_BYTES} B saved "
-        f"in this forward hold {once} B (counting every saved view separately gives {per_tensor} B)")
-    assert once <= hooks.h2d_bytes <= per_tensor, (
-        f"h2d_bytes = {hooks.h2d_bytes}: every moved storage comes back at least once ({once} B), at most once "
-        f"per saved tensor ({per_tensor} B)")
+        f"{FN}: d2h_bytes is {hooks.d2h_bytes}, the distinct non-parameter storages of at least {MIN_BYTES} B "
+        f"saved in this forward hold {once} B (every saved view counted separately: {per_tensor} B) at {at}")
+    assert 2 * once <= hooks.h2d_bytes <= 2 * per_tensor, (
+        f"{FN}: h2d_bytes is {hooks.h2d_bytes} after two backwards: every moved storage comes back at least once "
+        f"per backward ({2 * once} B), at most once per saved tensor and backward ({2 * per_tensor} B) at {at}")
 
 
-def check_parameters_stay(m):
-    params, _, _ = _params(2)
-    hooks = m.CountingOffload(params, MIN_BYTES)
-    for W in params:
-        for v in (W, W.detach(), W.view(-1)):  # the parameter and views of its storage
-            out = hooks.unpack(hooks.pack(v))
-            assert out is v, "a parameter (or a view of one) was copied: parameters stay where they are"
-    assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
-        f"parameters were counted as moved: d2h={hooks.d2h_bytes}, h2d={hooks.h2d_bytes}")
+def check_CountingOffload__parameters(m):
+    for as_generator in (False, True):
+        params, _, _ = _params(2)
+        params[2].requires_grad_(False)  # a frozen parameter is still a parameter
+        at = f"parameters as a {'generator' if as_generator else 'list'}, one of them frozen"
+        hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES, at=at)
+        for i, W in enumerate(params):
+            views = (("itself", W), ("detached", W.detach()), ("a flat view", W.view(-1)), ("transposed", W.t()))
+            for kind, v in views:
+                out = call(FN, lambda: hooks.unpack(hooks.pack(v)), at=f"parameter {i} ({kind}), {at}")
+                assert out is v, f"{FN}: parameter {i} ({kind}) came back as a copy, it must stay where it is at {at}"
+        assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
+            f"{FN}: parameters counted as moved, d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes} at {at}")
 
 
-def check_tiny_stay(m):
-    hooks = m.CountingOffload([], MIN_BYTES)
-    small = torch.randn(10, dtype=torch.float64)  # 80 B
-    assert hooks.unpack(hooks.pack(small)) is small, "a tensor under min_bytes was copied"
-    assert hooks.d2h_bytes == 0, f"a tensor under min_bytes was counted: d2h={hooks.d2h_bytes}"
+def _moves(m, min_bytes, t, at):
+    """Pack and unpack ``t``; True when it was moved (and then counted at its storage's size, values intact)."""
+    hooks = call(FN, m.CountingOffload, [], min_bytes, at=at)
+    packed = call(FN, hooks.pack, t, at=at)
+    out = call(FN, hooks.unpack, packed, at=at)
+    if out is t:
+        assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
+            f"{FN}: kept the tensor but counted d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes} at {at}")
+        return False
+    n = t.untyped_storage().nbytes()
+    assert (hooks.d2h_bytes, hooks.h2d_bytes) == (n, n), (
+        f"{FN}: d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes}, the storage holds {n} B (counted once "
+        f"each way, in bytes) at {at}")
+    assert out.dtype == t.dtype and out.shape == t.shape and out.stride() == t.stride(), (
+        f"{FN}: unpack gave {out.dtype} {tuple(out.shape)} stride {out.stride()}, saved was {t.dtype} "
+        f"{tuple(t.shape)} stride {t.stride()} at {at}")
+    assert torch.equal(out, t), f"{FN}: unpack does not give back the saved values at {at}"
+    return True
 
 
-def check_storage_freed(m):
-    hooks = m.CountingOffload([], MIN_BYTES)
-    big = torch.randn(64, 64, dtype=torch.float64) * 2  # 32 KiB, a fresh storage
-    want = big.clone()
-    ref = StorageWeakRef(big.untyped_storage())
-    packed = hooks.pack(big)
-    del big
-    gc.collect()
-    assert ref.expired(), "the packed object still keeps the original storage alive: nothing is freed by offloading"
-    out = hooks.unpack(packed)
-    assert torch.equal(out, want), "unpack does not give back the saved values"
-    assert hooks.d2h_bytes == hooks.h2d_bytes == want.untyped_storage().nbytes(), (
-        f"one 32 KiB tensor moved out and back: d2h={hooks.d2h_bytes}, h2d={hooks.h2d_bytes}")
+def check_CountingOffload__min_bytes(m):
+    big = torch.randn(64, 64, dtype=torch.float64)  # 32 KiB
+    cases = [  # (min_bytes, tensor, moves?, what)
+        (MIN_BYTES, torch.randn(10, dtype=torch.float64), False, "an 80 B float64 tensor"),
+        (MIN_BYTES, torch.randn(128, dtype=torch.float64), True, "a float64 tensor of exactly min_bytes (1024 B)"),
+        (MIN_BYTES, torch.randn(127, dtype=torch.float64), False, "a float64 tensor 8 B under min_bytes"),
+        (MIN_BYTES, torch.randn(512).bfloat16(), True, "a bfloat16 tensor of 512 elements = 1024 B"),
+        (MIN_BYTES, torch.randn(511).half(), False, "a float16 tensor of 511 elements = 1022 B"),
+        (MIN_BYTES, torch.randn(300).half(), False, "a float16 tensor of 600 B (300 elements)"),
+        (MIN_BYTES, big[3, 5:7], True, "a 2-element view of a 32 KiB storage (the rule is per storage)"),
+        (4096, torch.randn(256, dtype=torch.float64), False, "a 2 KiB tensor under min_bytes=4096"),
+        (4096, torch.randn(2048).bfloat16(), True, "a 4 KiB bfloat16 tensor at min_bytes=4096"),
+    ]
+    for min_bytes, t, want, what in cases:
+        at = f"{what}, min_bytes={min_bytes}"
+        got = _moves(m, min_bytes, t, at)
+        assert got == want, f"{FN}: {'moved' if got else 'kept'} {what}, expected it {'moved' if want else 'kept'} " \
+                            f"(storage bytes < min_bytes stay) at min_bytes={min_bytes}"
 
 
-def check_views_share_one_copy(m):
-    hooks = m.CountingOffload([], MIN_BYTES)
-    base = torch.randn(32, 64, dtype=torch.float64) + 1  # 16 KiB
-    views = [base[:, :32], base.view(-1), base.t(), base[5:]]
-    packed = [hooks.pack(v) for v in views]
-    n = base.untyped_storage().nbytes()
-    assert hooks.d2h_bytes == n, f"four views of one {n} B storage counted as d2h={hooks.d2h_bytes}: count a storage once"
-    for v, p in zip(views, packed):
-        out = hooks.unpack(p)
-        assert out.shape == v.shape and out.stride() == v.stride(), "unpack lost the view's shape or stride"
-        assert torch.equal(out, v), "unpack of a view does not give back its values"
+def check_CountingOffload__storage_freed(m):
+    for dtype in (torch.float64, torch.bfloat16):
+        hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+        big = (torch.randn(64, 64, dtype=torch.float64) * 2).to(dtype)  # a fresh storage of 32 or 8 KiB
+        want = big.clone()
+        n = want.untyped_storage().nbytes()
+        at = f"a fresh {str(dtype)[6:]} tensor of {n} B"
+        ref = StorageWeakRef(big.untyped_storage())
+        packed = call(FN, hooks.pack, big, at=at)
+        del big
+        gc.collect()
+        assert ref.expired(), f"{FN}: the packed object still keeps the original storage alive (nothing freed) at {at}"
+        out = call(FN, hooks.unpack, packed, at=at)
+        assert out.dtype == dtype and torch.equal(out, want), (
+            f"{FN}: unpack does not give back the saved values at {at}")
+        assert hooks.d2h_bytes == hooks.h2d_bytes == n, (
+            f"{FN}: d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes}, expected {n} each way at {at}")
 
 
-CHECKS = [check_gradients_unchanged, check_bytes_counted_once, check_parameters_stay, check_tiny_stay,
-          check_storage_freed, check_views_share_one_copy]
+def check_CountingOffload__views(m):
+    for dtype in (torch.float64, torch.float16):
+        hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+        base = (torch.randn(32, 64, dtype=torch.float64) + 1).to(dtype)
+        views = [base[:, :32], base.view(-1), base.t(), base[5:]]
+        n = base.untyped_storage().nbytes()
+        at = f"four views of one {str(dtype)[6:]} storage of {n} B"
+        packed = [call(FN, hooks.pack, v, at=at) for v in views]
+        assert hooks.d2h_bytes == n, f"{FN}: d2h_bytes is {hooks.d2h_bytes}, expected {n} (a storage once) at {at}"
+        for i, (v, p) in enumerate(zip(views, packed)):
+            out = call(FN, hooks.unpack, p, at=at)
+            assert out.dtype == v.dtype and out.shape == v.shape and out.stride() == v.stride(), (
+                f"{FN}: view {i} came back as {out.dtype} {tuple(out.shape)} stride {out.stride()}, saved was "
+                f"{v.dtype} {tuple(v.shape)} stride {v.stride()} at {at}")
+            assert torch.equal(out, v), f"{FN}: view {i} does not come back with its values at {at}"
+
+
+def check_CountingOffload__unpacked_twice(m):
+    hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+    t = torch.randn(32, 32, dtype=torch.float64)
+    want, n = t.clone(), t.untyped_storage().nbytes()
+    at = f"one {n} B tensor packed once, unpacked twice (a retained graph's second backward)"
+    packed = call(FN, hooks.pack, t, at=at)
+    first = call(FN, hooks.unpack, packed, at=at)
+    first.mul_(-3.0)  # backward may write into what it unpacked: the next unpack needs a fresh copy
+    second = call(FN, hooks.unpack, packed, at=at)
+    assert torch.equal(second, want), f"{FN}: the second unpack does not give back the saved values at {at}"
+    assert hooks.h2d_bytes == 2 * n, (
+        f"{FN}: h2d_bytes is {hooks.h2d_bytes}, expected {2 * n} (each unpack copies the storage back) at {at}")
+
+
+CHECKS = [check_CountingOffload, check_CountingOffload__bytes, check_CountingOffload__parameters,
+          check_CountingOffload__min_bytes, check_CountingOffload__storage_freed, check_CountingOffload__views,
+          check_CountingOffload__unpacked_twice]

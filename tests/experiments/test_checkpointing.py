@@ -10,7 +10,7 @@ import torch
 # its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech import registry
+from bp_mech import references, registry
 from bp_mech.experiments import checkpointing as experiment
 from bp_mech.experiments import harness, strategies
 from bp_mech.measure import Timing
@@ -19,8 +19,8 @@ from bp_mech.workload import PLAN_BUILD_S, parse_workload
 
 
 def test_decide_rule_and_the_seed_reference():
-    s = experiment.SEED_REFERENCE
-    assert strategies.decide(True, s["peak_saving"], s["median_ratio"])[0] == s["decision"] == "accept"
+    s = references.SEED["TRAIN-CHECKPOINT"]  # the seed's figures, in one place
+    assert strategies.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "accept"
     assert strategies.decide(False, 0.5, 1.0)[0] == "reject"
     assert strategies.decide(True, 0.01, 1.0)[0] == "reject"
     assert strategies.decide(True, 0.10, 1.1)[0] == "tune"

@@ -50,9 +50,6 @@ MAX_UPDATE_DIFF = 0.05  # parameters after AdamW, ||a - b|| / ||update||: an eps
 MIN_PEAK_SAVING = 0.10
 MAX_TIME_COST = 0.50
 
-# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B; not this book's measurement).
-SEED_REFERENCE = dict(device="RTX 5070 Ti", model="Qwen2.5-0.5B", seq_long=256, peak_saving_max=0.173,
-                      median_increase=0.335, short_seq_decision="tune")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,6 @@ from bp_mech.workload import PLAN_BASIS, build_model, make_batches
 
 CANDIDATES = checkpointing.CONFIGURATIONS  # every configuration is an arm; "plain" is the baseline
 
-# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
-SEED_REFERENCE = dict(run_label="b2s512_default2", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
-                      peak_saving=0.337, median_ratio=1.192, decision="accept")
 
 # Planning only (``--mode dry_run``): a candidate's step time in plain steps.
 TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "checkpoint-mlp": 1.2}

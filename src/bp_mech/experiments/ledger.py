@@ -156,7 +156,7 @@ def conformance():
     opt = ledger_measure.make_optimizer(model.parameters(), cfg, "cpu")
     ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))  # warm-up, as in track()
     mt = MemTracker()
-    mt.track_external(model, opt)
+    mt.track_external(model, opt, *batch.values())  # the batch exists before the step, as in track()
     with mt:
         ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))
     snap = {k: v[-1][torch.device("cpu")]["Total"] for k, v in mt.memory_tracking[model].snapshots.items()}

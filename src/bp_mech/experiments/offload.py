@@ -18,9 +18,6 @@ from bp_mech.workload import build_model, make_batches
 
 CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
 
-# The seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, b2s512): quoted as such, never as this book's run.
-SEED_REFERENCE = dict(run_label="b2s512_default1", device="RTX 5070 Ti", model="Qwen2.5-0.5B",
-                      peak_saving=0.343, median_ratio=5.87, decision="tune")
 
 # Planning only (``--mode dry_run``): a candidate's step time in resident steps.
 TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}

@@ -1,0 +1,259 @@
+"""Project 73 — TRAIN-BASELINE: a fixed-model, fixed-data training baseline, on 1 and on 2 processes.
+
+Every candidate is the same program, ``bp_mech.projects.baseline_loop``, started by ``accelerate
+launch`` (``launch_command``) with 1 or 2 processes over the same global micro-batch G (1 process x G
+rows = 2 processes x G/2 rows), the same k micro-batches per update, the same weights and rows. A
+candidate's record has its loss curve, holdout loss before and after, tokens per second, step
+median/P95 and peak; the 2-process record also its differences from the 1-process run: the loss of
+every update, the first update's gradient, the parameters after ``naive_updates`` and after all
+updates, and the same for the naive per-rank mean, which must *not* match.
+
+On the CPU the processes talk over gloo; each uses one intra-op thread (the CPU timing protocol), so 2
+processes use the machine's 2 cores, 1 process one. The candidates are separate launches, one after
+the other: they cannot be interleaved as one process's candidates are, and on a shared 2-core machine
+their time ratio says little (the decision never reads it). On CUDA the candidates that fit the
+visible GPUs run (one GPU: the 1-process candidate), in ``MIXED_PRECISION["cuda"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bp_mech.measure import summarize, timing_noise
+from bp_mech.projects import baseline_loop
+from bp_mech.projects.baseline_loop import LoopConfig
+from bp_mech.results import json_safe
+from bp_mech.update_dynamics import global_grad_norm
+from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
+
+CANDIDATES = ("1-process", "2-processes")
+PROCESSES = {"1-process": 1, "2-processes": 2}
+MIXED_PRECISION = {"cpu": "no", "cuda": "fp16"}  # FP16 is the book's default low precision (loss scale, skips)
+LAUNCH_TIMEOUT_S = 1200  # one launch, at most
+PLAN_LAUNCH_S = {"cpu": 12.0, "cuda": 10.0}  # planning: launcher + imports + model build per launch
+
+# 2 processes against 1 process, float32 on the CPU (relative; measured differences are ~1e-7):
+# the same sums in another order (matmuls over G/2 instead of G rows, the gradient all-reduce adding
+# two ranks' partial sums) differ by float32 rounding, 2^-24 ~ 6e-8 per operation, which over sums of
+# 10^2..10^3 terms gives relative differences of order 1e-6. The tolerances sit above that:
+GRAD_TOL = 1e-5  # first update's gradient, same weights: ||g2 - g1|| / ||g1||
+LOSS_TOL = 1e-5  # logged loss of every compared update: |l2 - l1| / |l1|
+# parameters after several AdamW updates, relative to the update ||p2 - p1|| / ||p1 - p0||: AdamW divides
+# by sqrt(v) + eps, so a gradient difference d moves an element by at most ~ lr * d / (|g| + eps); it is
+# amplified only where |g| is near eps = 1e-8 (the record keeps the largest |g2 - g1|, of the order of
+# float32 rounding of the largest gradient element). One order of magnitude more room than the loss:
+PARAM_TOL = 1e-4
+
+# Decision rule (per candidate):
+#   reject  if a loss, the gradient norm of an applied update (a step the fp16 scaler skipped has an
+#           inf norm by design) or a holdout loss is not finite, or (2 processes) its loss curve, first
+#           gradient or parameters differ from the 1-process run beyond the tolerances above;
+#   tune    if the holdout loss did not fall (after >= before): the baseline does not learn;
+#   accept  otherwise. Tokens per second is reported, never decided on: on a shared CPU it is noise.
+
+
+def config_for(w, device, smoke: bool = False) -> LoopConfig:
+    """The loop's settings: G = 2 x the workload's batch, so the 2-process candidate has b = batch rows
+    per process and the 1-process one 2b; CPU runs save tensors for the comparison."""
+    cuda = torch.device(device).type == "cuda"
+    base = dict(workload=dataclasses.asdict(w), global_batch=2 * w.batch, device="cuda" if cuda else "cpu",
+                mixed_precision=MIXED_PRECISION["cuda" if cuda else "cpu"], save_tensors=not cuda,
+                progress=sys.stderr.isatty())
+    if smoke:
+        return LoopConfig(**base, updates=6, warmup=1, decay=2, naive_updates=3)
+    if cuda:
+        return LoopConfig(**base, updates=60, warmup=5, decay=20, lr=1e-4, holdout_batches=2, naive_updates=0)
+    return LoopConfig(**base, updates=40, decay=14, naive_updates=12)
+
+
+def launch_command(processes: int, cfg: LoopConfig, config_path, out_dir) -> list[str]:
+    """``accelerate launch`` of the loop with ``processes`` processes. One process: Accelerate's simple
+    launcher. More: ``--multi_gpu``, Accelerate's torchrun-based multi-process launcher, which on a
+    machine without GPUs starts CPU processes (the loop's ``Accelerator(cpu=True)`` makes them
+    MULTI_CPU over gloo); ``--main_process_port 0`` picks a free port. (``--cpu`` with more than one
+    process would need MPI and a hostfile.)"""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", cfg.mixed_precision, "--dynamo_backend", "no"]
+    if processes > 1:
+        cmd += ["--multi_gpu", "--main_process_port", "0"]
+    return cmd + ["-m", "bp_mech.projects.baseline_loop", "--config", str(config_path), "--out", str(out_dir)]
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def launch(cfg: LoopConfig, processes: int, workdir: Path) -> dict:
+    """Run the loop under ``accelerate launch``; rank 0's result (and tensors, if saved). The launch's
+    output goes to the terminal when there is one, else into ``workdir/launch.log``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    src = str(Path(baseline_loop.__file__).resolve().parents[2])  # the directory that holds bp_mech
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    cmd = launch_command(processes, cfg, workdir / "config.json", workdir / "out")
+    log = None if sys.stderr.isatty() else open(workdir / "launch.log", "w")
+    try:
+        code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                              timeout=LAUNCH_TIMEOUT_S).returncode
+    finally:
+        if log:
+            log.close()
+    if code != 0:
+        tail = (workdir / "launch.log").read_text()[-3000:] if log else "(see the output above)"
+        raise LaunchError(f"accelerate launch with {processes} process(es) exited with {code}: {' '.join(cmd)}\n{tail}")
+    result = json.loads((workdir / "out" / "result.json").read_text())
+    tensors = workdir / "out" / "tensors.pt"
+    result["tensors"] = torch.load(tensors, weights_only=True) if tensors.exists() else None
+    result["command"] = " ".join(["accelerate launch"] + cmd[3:])
+    return result
+
+
+def rel_l2(a, b, base=None) -> float:
+    """||a - b|| / ||b - base|| over all tensors, in float64 (base None: ||b||)."""
+    num = global_grad_norm([x.double() - y.double() for x, y in zip(a, b)], torch.float64).item()
+    den = global_grad_norm([y.double() - (0 if base is None else z.double())
+                            for y, z in zip(b, base or b)], torch.float64).item()
+    return num / den if den > 0 else num
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """A multi-process run against the 1-process run: token-weighted and naive differences."""
+    r, g, n = ref["tensors"], got["tensors"], got["naive"]
+    l1, l2 = ref["run"]["loss"], got["run"]["loss"]
+    early = len(n["loss"]) if n else 0
+    rel = lambda a, b: abs(a - b) / abs(b) if math.isfinite(a - b) else math.inf  # noqa: E731
+    out = dict(loss_rel_diff=max(rel(a, b) for a, b in zip(l2, l1)), grad_rel_diff=rel_l2(g["grad"], r["grad"]),
+               grad_max_abs_diff=max((a - b).abs().max().item() for a, b in zip(g["grad"], r["grad"])),
+               param_rel_diff=rel_l2(g["params"], r["params"], r["init"]), compared_updates=len(l1))
+    if n:
+        out.update(early_updates=early, param_rel_diff_early=rel_l2(g["params_early"], r["params_early"], r["init"]),
+                   naive=dict(loss_rel_diff=max(rel(a, b) for a, b in zip(n["loss"], l1[:early])),
+                              grad_rel_diff=rel_l2(g["naive_grad"], r["grad"]),
+                              param_rel_diff_early=rel_l2(g["naive_params_early"], r["params_early"], r["init"])))
+    return out
+
+
+def equal(eq: dict | None, naive: bool = False) -> bool | None:
+    """Within GRAD_TOL, LOSS_TOL and PARAM_TOL (None: nothing compared)."""
+    if eq is None:
+        return None
+    d = eq["naive"] if naive else eq
+    params = [d["param_rel_diff_early"]] + ([] if naive else [d["param_rel_diff"]])
+    return d["grad_rel_diff"] <= GRAD_TOL and d["loss_rel_diff"] <= LOSS_TOL and max(params) <= PARAM_TOL
+
+
+def decide(finite: bool, before: float, after: float, eq: dict | None, processes: int):
+    if not finite:
+        return "reject", "non-finite loss or gradient: lower the learning rate or check the data"
+    if processes > 1 and eq is not None and not equal(eq):
+        return "reject", "2 processes do not reproduce 1 process: check the loss divisor and the sharding"
+    if not after < before:
+        return "tune", "the holdout loss did not fall: raise the learning rate or the number of updates"
+    return "accept", "the reference: compare every optimisation's tokens/s and holdout loss with it"
+
+
+def run(ctx) -> list:
+    device = ctx.device
+    cfg = config_for(ctx.workload, device, ctx.smoke)
+    fit = torch.cuda.device_count() if device == "cuda" else max(PROCESSES.values())
+    names = [c for c in CANDIDATES if PROCESSES[c] <= fit]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bp-mech-73-") as tmp:
+        for name in ctx.progress(names, desc="candidates"):
+            results[name] = launch(cfg, PROCESSES[name], Path(tmp) / name)
+    return [candidate_record(ctx, name, cfg, results[name], results.get("1-process")) for name in names]
+
+
+def tokens_per_second(res: dict, cfg: LoopConfig) -> float:
+    """Target tokens of the timed updates (all processes) / the sum of their times (the slowest rank's)."""
+    timed = slice(cfg.warmup_excluded, None)
+    return sum(res["run"]["target_tokens"][timed]) / sum(res["seconds"][timed])
+
+
+def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | None):
+    if res.get("failure"):
+        return ctx.record(name, failure=res["failure"], metrics=dict(processes=PROCESSES[name]))
+    P, run_, T = res["processes"], res["run"], ctx.workload.seq
+    timing, tokens_per_s = summarize(res["seconds"], cfg.warmup_excluded), tokens_per_second(res, cfg)
+    applied_norms = [g for g, a in zip(run_["grad_norm"], run_["applied"]) if a]  # a skipped fp16 step's is inf
+    finite = all(math.isfinite(x) for x in run_["loss"] + applied_norms + [res["holdout_before"], res["holdout_after"]])
+    eq = compare(ref, res) if P > 1 and ref and not ref.get("failure") and res["tensors"] and ref["tensors"] else None
+    decision, next_step = decide(finite, res["holdout_before"], res["holdout_after"], eq, P)
+    base = None if P == 1 or not ref or ref.get("failure") else summarize(ref["seconds"], cfg.warmup_excluded)
+    naive = res["naive"]
+    by_run = dict(baseline=run_["updates"], naive=naive and naive["updates"])
+    return ctx.record(
+        name, input_shape=[cfg.global_batch // P, T], effective_batch=cfg.accumulation * cfg.global_batch,
+        updates=sum(v for v in by_run.values() if v), update_count=run_["updates"],
+        skipped_updates=run_["skipped"] + (naive["skipped"] if naive else 0), all_finite=finite,
+        output_error=eq and eq["loss_rel_diff"], grad_error=eq and eq["grad_rel_diff"],
+        peak_allocated=max(res["peak_by_rank"]), step_median_s=timing.median_s, step_p95_s=timing.p95_s,
+        warmup_excluded=cfg.warmup_excluded, threads=res["threads"],
+        timing_noise=base and timing_noise(timing, base, more_work=False), memory_source=ctx.memory_source,
+        decision=decision, next_step=next_step,
+        metrics=dict(
+            processes=P, distributed_type=res["distributed_type"], backend=res["backend"],
+            mixed_precision=res["mixed_precision"], launch_command=res["command"],
+            per_process_rows=cfg.global_batch // P,
+            global_micro_batch=cfg.global_batch, accumulation=cfg.accumulation, seq=T,
+            tokens_per_s=tokens_per_s, input_tokens_per_s=cfg.accumulation * cfg.global_batch * T / timing.median_s,
+            tokens_per_s_definition="target tokens (labels[:, 1:] != -100) of the timed updates on all processes / "
+                                    "the sum of those updates' times, each the slowest rank's",
+            timed_updates=len(timing.samples), step_samples_s=timing.samples, seconds_by_rank=res["seconds_by_rank"],
+            peak_by_rank=res["peak_by_rank"], holdout_before=res["holdout_before"], holdout_after=res["holdout_after"],
+            curve=json_safe({k: run_[k] for k in ("loss", "target_tokens", "lr", "grad_norm", "clip_coef", "applied")}),
+            naive_loss=naive and json_safe(naive["loss"]), updates_by_run=by_run, equivalence=eq,
+            equal=equal(eq), naive_equal=equal(eq, naive=True) if eq and "naive" in eq else None,
+            speedup=base and tokens_per_s / tokens_per_second(ref, cfg),
+            lr=cfg.lr, wsd=dataclasses.asdict(cfg.wsd()), max_norm=cfg.max_norm,
+            rule=dict(GRAD_TOL=GRAD_TOL, LOSS_TOL=LOSS_TOL, PARAM_TOL=PARAM_TOL)))
+
+
+def plan(ctx) -> dict:
+    """Candidates, launch commands and, per mode, a planning estimate (``modes.real_gpu``: one GPU)."""
+    w = ctx.workload
+
+    def fields(dev):
+        cfg = config_for(w, dev, ctx.smoke)
+        names = list(CANDIDATES) if dev == "cpu" else ["1-process"]  # 2 processes need 2 GPUs
+        seconds = sum(PLAN_LAUNCH_S[dev] + PLAN_BUILD_S[dev] + plan_seconds(
+            w.arch, cfg.global_batch // PROCESSES[n] * w.seq, cfg.accumulation * (cfg.updates + cfg.naive_updates * (
+                PROCESSES[n] > 1)) + 2 * cfg.holdout_batches, dev, low=cfg.mixed_precision != "no") for n in names)
+        return dict(candidates=names, updates=cfg.updates, accumulation=cfg.accumulation,
+                    global_micro_batch=cfg.global_batch, mixed_precision=cfg.mixed_precision,
+                    naive_updates=cfg.naive_updates, warmup_excluded=cfg.warmup_excluded,
+                    commands=[" ".join(["accelerate launch"] + launch_command(PROCESSES[n], cfg, "CONFIG", "OUT")[3:])
+                              for n in names], estimated_seconds=round(seconds, 1))
+
+    from bp_mech.experiments.harness import plan_per_mode
+
+    return dict(modes=plan_per_mode(fields), optimizer="AdamW", schedule="WSD on the update clock (Part 02 · 12)",
+                rule=dict(GRAD_TOL=GRAD_TOL, LOSS_TOL=LOSS_TOL, PARAM_TOL=PARAM_TOL),
+                estimate_basis=PLAN_BASIS + "; + PLAN_LAUNCH_S per launch (launcher, imports)")
+
+
+def plot_loss_curves(records, title: str = "Training loss per update"):
+    """The loss curve of every record (x = update), the holdout loss before and after as markers."""
+    from bp_mech.plots import figure
+
+    fig, ax = figure(6.4, 3.6)
+    for i, r in enumerate(records):
+        ys = [float("nan") if y is None else y for y in r.metrics["curve"]["loss"]]
+        line, = ax.plot(range(1, len(ys) + 1), ys, ls=("-", "--")[i % 2], lw=1.5, label=f"{r.candidate}: training")
+        ax.plot([0, len(ys)], [r.metrics["holdout_before"], r.metrics["holdout_after"]], "os"[i % 2],
+                color=line.get_color(), mfc="none", ms=8, label=f"{r.candidate}: holdout before / after")
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss (nats per target token)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,157 @@
+"""Part 02 · 76, the decision: which memory strategy to run, from measured (peak, step time) points.
+
+* ``pareto_front``: the candidates no other one beats in both peak and step time (both minimized);
+* ``choose_for_budget``: the fastest candidate whose peak fits a budget with headroom (``needed_bytes``:
+  the rule of ``bp-mech plan``, allocator slack on the peak plus the CUDA context);
+* ``budget_decision``: both over the candidates that pass the quality check; a time ratio that is
+  noise (``measure.timing_noise``) decides nothing;
+* ``plot_frontier``: the memory–time plane with the Pareto set, the largest peak that fits and the pick.
+
+Pure functions of the numbers: the exercises of chapter 76 ask for the first two, and
+``bp_mech.projects.memory_strategy`` applies them to its measured candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bp_mech.measure import Timing, timing_noise
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Names of the Pareto-optimal points of ``{name: (peak, time)}`` (both minimized), ordered by
+    increasing peak, then time, then name. Equal points do not dominate each other: both stay.
+
+    One sweep in order of increasing peak: a point is optimal when its time is below every time seen
+    so far, or when it repeats the point that set that time (the same peak and time).
+    """
+    if not all(math.isfinite(v) for p in points.values() for v in p):
+        raise ValueError(f"pareto_front needs finite (peak, time) points, got {points}")
+    front, best = [], None  # best: the last optimal point, the least time so far
+    for name in sorted(points, key=lambda n: (points[n][0], points[n][1], n)):
+        p = tuple(points[name])
+        if best is None or p[1] < best[1] or p == best:
+            front.append(name)
+            best = p
+    return front
+
+
+def needed_bytes(peak: float, slack: float, context: float) -> float:
+    """What a step of allocated peak ``peak`` needs on the device: ``peak * (1 + slack) + context``. The
+    caching allocator reserves more than it allocates (block rounding, fragmentation: ``slack`` of the
+    peak), and the CUDA context and library workspaces sit outside its counters (``context`` bytes)."""
+    if slack < 0 or context < 0:
+        raise ValueError(f"slack and context are >= 0, got slack={slack} context={context}")
+    return peak * (1 + slack) + context
+
+
+def choose_for_budget(points: dict[str, tuple[float, float]], budget: float, slack: float,
+                      context: float) -> str | None:
+    """The fastest candidate that fits ``budget``: ``needed_bytes(peak, slack, context) <= budget``; a tie
+    in time goes to the smaller peak, then the name. None when nothing fits."""
+    fitting = [n for n, (peak, _) in points.items() if needed_bytes(peak, slack, context) <= budget]
+    return min(fitting, key=lambda n: (points[n][1], points[n][0], n)) if fitting else None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate as the decision sees it (from a measurement or from a record)."""
+
+    peak: int  # allocated peak of a full step, bytes
+    median_s: float  # median step time
+    p95_s: float  # P95 step time
+    work: tuple[int, int, int]  # counted work: sublayer recomputes, offload D2H bytes, chunked-loss recomputes
+    equal: bool  # finite, and loss and gradients within its tolerance of the plain step
+
+    def more_work(self, other: "Measured") -> bool:
+        """Strictly more counted work than ``other``: no less of each kind, more of one."""
+        return all(a >= b for a, b in zip(self.work, other.work)) and self.work != other.work
+
+    def timing(self) -> Timing:  # what ``measure.timing_noise`` reads
+        return Timing(self.median_s, self.p95_s, 0)
+
+
+def from_records(recs) -> dict[str, Measured]:
+    """``Measured`` of every record that did not fail."""
+    return {r.candidate: Measured(r.peak_allocated, r.step_median_s, r.step_p95_s,
+                                  (r.recompute_count, (r.transfer_bytes or {}).get("d2h", 0),
+                                   r.metrics["chunked_loss_recomputes"]), r.metrics["equal"])
+            for r in recs if r.failure is None}
+
+
+def budget_decision(cands: dict[str, Measured], budget: float | None, slack: float, context: float) -> dict:
+    """The decision for ``budget`` among the candidates that pass the quality check: the Pareto set, the
+    largest peak that fits, the fitting candidates (fastest first) and the pick (``choose_for_budget``).
+    No pick when the pick's time against the runner-up is noise (``measure.timing_noise``: it does strictly
+    more counted work yet ran faster, or the median and P95 ratios disagree): the time does not separate
+    them. When nothing fits: the leanest candidate and the budget it needs."""
+    points = {n: (c.peak, c.median_s) for n, c in cands.items() if c.equal}
+    out = dict(budget_bytes=budget, slack=slack, context_bytes=context, max_peak_bytes=None,
+               pareto=pareto_front(points) if points else [], fitting=[], pick=None, fastest_fitting=None,
+               runner_up=None, noise=None, leanest=None, leanest_needs_bytes=None)
+    if budget is None or not points:
+        return out
+    out["max_peak_bytes"] = (budget - context) / (1 + slack)
+    out["fitting"] = sorted((n for n, (p, _) in points.items() if needed_bytes(p, slack, context) <= budget),
+                            key=lambda n: (points[n][1], points[n][0], n))
+    pick = choose_for_budget(points, budget, slack, context)
+    if pick is None:
+        leanest = min(points, key=lambda n: (points[n][0], points[n][1], n))
+        return dict(out, leanest=leanest, leanest_needs_bytes=needed_bytes(points[leanest][0], slack, context))
+    runner = choose_for_budget({n: points[n] for n in out["fitting"] if n != pick}, budget, slack, context)
+    noise = runner and timing_noise(cands[pick].timing(), cands[runner].timing(), cands[pick].more_work(cands[runner]))
+    return dict(out, pick=None if noise else pick, fastest_fitting=pick, runner_up=runner, noise=noise or None)
+
+
+def pick_text(d: dict) -> str:
+    """A ``budget_decision`` in words: the pick; or the two the time does not separate; or what would fit."""
+    if d["pick"]:
+        return d["pick"]
+    if d["noise"]:
+        return (f"none: {d['fastest_fitting']} or {d['runner_up']}, the time does not separate them (the first "
+                f"against the second: {d['noise']})")
+    if d["leanest"]:
+        n = d["leanest_needs_bytes"]
+        need = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+        return f"none: nothing fits; the leanest, {d['leanest']}, needs {need} with the headroom"
+    return "none: no candidate passed the quality check" if d["budget_bytes"] is not None else "none: no budget"
+
+
+def plot_frontier(points: dict[str, tuple[int, float, float]], front: list[str], title: str,
+                  max_peak: float | None = None, pick: str | None = None):
+    """The memory–time plane: each candidate at (median step, peak), a whisker to its P95; the Pareto set
+    filled, named and joined; the others numbered (the key beside the plot); the largest peak that fits
+    the budget dashed; the pick ringed. ``points`` = {candidate: (peak bytes, median s, P95 s)}."""
+    from matplotlib.ticker import FormatStrFormatter
+
+    from bp_mech.plots import figure
+
+    fig, ax = figure(9.0, 4.6)
+    scale, unit = (2**30, "GiB") if max(p for p, _, _ in points.values()) >= 2**30 else (2**20, "MiB")
+    key = []
+    for name, (peak, med, p95) in points.items():
+        on = name in front
+        ax.errorbar([med * 1e3], [peak / scale], xerr=[[0], [max(p95 - med, 0) * 1e3]], fmt="o", capsize=3,
+                    color="C3" if on else "grey", mfc="C3" if on else "white", ms=7, zorder=3 if on else 2)
+        if not on:
+            key.append(f"{len(key) + 1}: {name}")
+        ax.annotate(name if on else str(len(key)), (med * 1e3, peak / scale), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8 if on else 7, color="black" if on else "dimgrey")
+    by_time = front[::-1]  # the set's staircase: the least peak reachable within a step time
+    ax.step([points[n][1] * 1e3 for n in by_time], [points[n][0] / scale for n in by_time], where="post", color="C3",
+            lw=1, label="Pareto set")
+    if max_peak is not None:
+        ax.axhline(max_peak / scale, ls="--", color="C0", lw=1, label="largest peak that fits the budget")
+    if pick is not None:
+        ax.plot([points[pick][1] * 1e3], [points[pick][0] / scale], "o", ms=15, mfc="none", color="C0", label="pick")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("median step time (ms, log); whisker to P95")
+    ax.set_ylabel(f"peak ({unit})")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper right")
+    if key:
+        ax.text(1.02, 1.0, "dominated:\n" + "\n".join(key), transform=ax.transAxes, fontsize=7, va="top")
+    return fig

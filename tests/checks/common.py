@@ -1,0 +1,83 @@
+"""What the exercise checks share: the one-line failure message ``bp-mech check`` prints.
+
+Every failure reads ``<function>: <what> differs from <reference>, max rel error E > TOL at <input>``
+(conventions.md). A solution that crashes on some input (a hard-coded 3-D shape, a Python ``min`` of
+a tensor, ...) fails the same way, naming the input, through ``call``; ``NotImplementedError`` (an
+untouched stub) passes through unchanged. A NaN never passes a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def call(fn: str, f, *args, at: str, **kwargs):
+    """``f(*args, **kwargs)``; any exception but ``NotImplementedError`` becomes one AssertionError line."""
+    try:
+        return f(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the learner's code may raise anything, asserts included)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise AssertionError(f"{fn}: raised {type(e).__name__} at {at}: {first}") from e
+
+
+def describe(x) -> str:
+    """What a solution returned, in words: ``a float32 tensor of shape (2, 3)``, ``an int``, ``None``."""
+    if x is None:
+        return "None"
+    if torch.is_tensor(x):
+        grad = " with a graph" if x.requires_grad else ""
+        return f"a {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}{grad}"
+    name = type(x).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def rel_error(got, want) -> float:
+    """max |got - want| / max |want| in float64 (absolute when want is all 0); NaN when the difference holds
+    one (a NaN never passes ``err <= tol``)."""
+    got = torch.as_tensor(got).detach().double()
+    want = torch.as_tensor(want).detach().double()
+    if want.numel() == 0:
+        return 0.0
+    diff = (got - want).abs()
+    if torch.isnan(diff).any():
+        return math.nan
+    scale = want.abs().max().item()
+    return diff.max().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_close(fn: str, what: str, got, want: torch.Tensor, *, tol: float, ref: str, at: str,
+                 dtype: torch.dtype | None = None) -> None:
+    """``got`` is a tensor of ``want``'s shape (and of ``dtype``, when given) within ``tol`` relative error."""
+    if got is None:
+        raise AssertionError(f"{fn}: {what} is None, expected a tensor of shape {tuple(want.shape)} at {at}")
+    if not torch.is_tensor(got):
+        raise AssertionError(f"{fn}: {what} is {describe(got)}, expected a tensor at {at}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{fn}: {what} has shape {tuple(got.shape)}, {ref} gives {tuple(want.shape)} at {at}")
+    if dtype is not None and got.dtype != dtype:
+        raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected {dtype} at {at}")
+    err = rel_error(got, want)
+    assert err <= tol, f"{fn}: {what} differs from {ref}, max rel error {err:.1e} > {tol:g} at {at}"
+
+
+def assert_all_close(fn: str, names, got, want, *, tol: float, ref: str, at: str) -> None:
+    """``got`` is a tuple of tensors, one per name, each close to its ``want`` (``assert_close``)."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(names):
+        raise AssertionError(f"{fn}: returned {describe(got)}, expected a tuple ({', '.join(names)}) at {at}")
+    for name, a, w in zip(names, got, want):
+        assert_close(fn, name, a, w, tol=tol, ref=ref, at=at)
+
+
+def assert_value(fn: str, what: str, got, want: float, *, tol: float, ref: str, at: str) -> None:
+    """A number (Python or 0-dim tensor) within ``tol`` of ``want``, relative (absolute when want is 0)."""
+    try:
+        value = float(got.detach() if torch.is_tensor(got) else got)
+    except (TypeError, ValueError, RuntimeError):
+        raise AssertionError(f"{fn}: {what} is {type(got).__name__} {got!r:.60}, expected a number at {at}") from None
+    err = abs(value - want) / (abs(want) if want else 1.0)
+    assert err <= tol, (f"{fn}: {what} is {value:.8g}, {ref} gives {want:.8g} (rel error {err:.1e} > {tol:g}) "
+                        f"at {at}")

@@ -1,0 +1,145 @@
+"""Part 02 · 56, the experiment (``bp_mech.experiments.continual_pretrain``): the records of a short run
+(values, validation, the resume bit for bit), the decision rule, the dry-run plan, the conformance row,
+and the command line: the reader's own texts, saving and resuming a checkpoint across processes, and a
+bad checkpoint as one line with exit status 2."""
+
+import json
+import math
+
+import pytest
+import torch
+import transformers.models.auto.modeling_auto  # noqa: F401  (reads torch.cuda.Stream at import: before cpu_only)
+
+from bp_mech import continual_pretrain as cpt
+from bp_mech import registry, results, training_state
+from bp_mech.cli import main
+from bp_mech.experiments import continual_pretrain as experiment
+
+SMALL = experiment.CPTConfig(cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2),
+                             cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), checkpoint_at=3, eval_every=2,
+                             timed=3, warmup=1)
+
+
+@pytest.fixture
+def small(monkeypatch):
+    monkeypatch.setattr(experiment, "config_for", lambda arch, device, smoke=False: SMALL)
+
+
+def test_run_records(small, tmp_path, cpu_only):
+    recs = experiment.run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "cpu", "tiny-b2s16"))
+    assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.failure is None and r.all_finite and r.metrics["base"]["pretrain_updates"] == 6
+    base, dom, res = recs
+    evals = dom.metrics["evals"]
+    assert [e["update"] for e in evals] == [0, 2, 3, 4, 6]
+    assert (base.metrics["domain_loss"], base.metrics["holdout_loss"]) == (evals[0]["domain"], evals[0]["holdout"])
+    assert base.updates == 0 and base.decision is None
+    assert dom.metrics["domain_gain"] == evals[0]["domain"] - evals[-1]["domain"]
+    assert dom.metrics["holdout_drift"] == evals[-1]["holdout"] - evals[0]["holdout"]
+    assert (dom.decision, dom.next_step) == experiment.decide_domain(dom.metrics, True)
+    assert dom.update_count == 6 and dom.skipped_updates == 0 and dom.updates == 6 + 1 + SMALL.warmup + SMALL.timed + 1
+    assert dom.peak_allocated > 0 and dom.step_median_s > 0 and dom.threads == 1
+    ckpt = dom.metrics["checkpoint"]
+    assert ckpt["fields"] == list(training_state.FIELDS) and ckpt["at_update"] == 3
+    assert ckpt["bytes"] == sum(ckpt["files"].values()) and ckpt["data_position"] == dict(position=3, tokens=3 * 2 * 16)
+    resume = res.metrics["resume"]
+    assert resume["bitwise"] and resume["steps"] == 3 and res.output_error == 0.0 and res.decision == "accept"
+    assert [r["loss"] for r in res.metrics["steps"]] == [r["loss"] for r in dom.metrics["steps"][3:]]
+    assert res.metrics["evals"] == [e for e in evals if e["update"] >= 3]
+    assert res.updates == 3 and res.update_count == 6
+
+
+@pytest.mark.parametrize("first, last, want", [
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.8, holdout=3.01), "accept"),
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.8, holdout=3.2), "tune"),  # drift 6.7 % > 2 %
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.99, holdout=2.9), "reject"),  # gain 0.3 % < 1 %
+])
+def test_decision_rule(first, last, want):
+    gd = cpt.gain_and_drift([dict(update=0, **first), dict(update=10, **last)])
+    assert experiment.decide_domain(gd, True)[0] == want
+    assert experiment.decide_domain(gd, False)[0] == "reject"
+    assert experiment.decide_resume(dict(loss_rel_diff=0.0, weight_rel_diff=0.0), "cpu")[0] == "accept"
+    assert experiment.decide_resume(dict(loss_rel_diff=1e-7, weight_rel_diff=0.0), "cpu")[0] == "reject"
+    assert experiment.decide_resume(dict(loss_rel_diff=1e-7, weight_rel_diff=1e-6), "cuda")[0] == "accept"
+    assert experiment.decide_resume(dict(loss_rel_diff=math.inf, weight_rel_diff=0.0), "cuda")[0] == "reject"
+    assert experiment.decide_resume(dict(loss_rel_diff=0.0, weight_rel_diff=math.nan), "cpu")[0] == "reject"
+
+
+def test_plan():
+    plan = registry.plan(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run", "qwen05-b2s512"))
+    gpu, cpu = plan["modes"]["real_gpu"], plan["modes"]["cpu"]
+    assert 20 <= gpu["estimated_seconds"] <= 45 and gpu["timed_rounds"] >= 20  # a short GPU run
+    assert gpu["checkpoint_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["checkpoint_at"] > 0
+    assert "random-init architecture" in plan["base"] and plan["checkpoint_fields"] == list(training_state.FIELDS)
+    tiny = registry.plan(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run"))["modes"]["cpu"]
+    assert tiny["pretrain_updates"] == 100 and tiny["threads"] == 1 and tiny["estimated_seconds"] < 30
+
+
+def test_conformance_passes():
+    row = experiment.conformance()
+    assert row.passed, row.detail
+
+
+def _err(capsys):
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    return lines
+
+
+def test_cli_own_texts_checkpoint_and_resume_in_a_second_run(small, tmp_path, capsys):
+    """A run with the reader's texts keeps its checkpoints; a second run, which builds everything anew as a
+    new process would, resumes from the one at update 3 and continues bit for bit."""
+    domain, holdout = tmp_path / "domain.txt", tmp_path / "holdout.txt"
+    domain.write_text("Pumps move water through the loop; valves set the flow. " * 12, encoding="utf-8")
+    holdout.write_text("Bread rises when yeast ferments the dough. " * 8, encoding="utf-8")
+    texts = ["--domain-text", str(domain), "--holdout-text", str(holdout)]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "rec"
+    base = ["run", "TRAIN-CONTINUAL-PRETRAIN", "--workload", "tiny-b2s16", "--out", str(out), *texts]
+    assert main([*base, "--checkpoint-dir", str(ckpt)]) == 0
+    assert (ckpt / "latest").read_text().strip() == "step-000006" and (ckpt / "step-000003" / "state.json").exists()
+    first = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__domain.json").read_text())
+    assert first["metrics"]["texts"]["domain"]["source"] == str(domain)
+    assert main([*base, "--resume-from", str(ckpt / "step-000003")]) == 0
+    second = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__resumed.json").read_text())
+    assert second["metrics"]["checkpoint"]["resumed_from"] == str(ckpt / "step-000003")
+    assert second["metrics"]["resume"]["bitwise"] and second["decision"] == "accept"
+    assert [r["loss"] for r in second["metrics"]["steps"]] == [r["loss"] for r in first["metrics"]["steps"][3:]]
+    # the root: its 'latest' (update 6) is resolved before this run's own saves move it to step-000006-1
+    assert main([*base, "--checkpoint-dir", str(ckpt), "--resume-from", str(ckpt)]) == 0
+    third = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__resumed.json").read_text())
+    assert third["metrics"]["checkpoint"]["resumed_from"] == str(ckpt / "step-000006")
+    assert third["metrics"]["resume"]["steps"] == 0 and third["metrics"]["resume"]["bitwise"]
+    assert (ckpt / "latest").read_text().strip() == "step-000006-1"
+    capsys.readouterr()
+    (ckpt / "step-000003" / "optimizer.pt").write_bytes(b"truncated")
+    assert main([*base, "--resume-from", str(ckpt / "step-000003")]) == 2
+    assert _err(capsys) == [f"bp-mech: error: checkpoint {ckpt / 'step-000003'}: optimizer.pt is 9 bytes, the "
+                            f"manifest says {first['metrics']['checkpoint']['files']['optimizer.pt']} (truncated or replaced)"]
+    assert main(["run", "TRAIN-CONTINUAL-PRETRAIN", "--workload", "tiny-b2s16", "--resume-from", str(ckpt)]) == 2
+    assert "(a checkpoint of another data)" in _err(capsys)[0]  # the shipped domain text is not the reader's
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "TRAIN-LOCAL-BACKWARD", "--domain-text", "x.txt"], "--domain-text does not apply to TRAIN-LOCAL-BACKWARD"),
+    (["run", "TRAIN-CONTINUAL-PRETRAIN", "--domain-text", "/nonexistent.txt"], "cannot read the domain text"),
+    (["run", "TRAIN-CONTINUAL-PRETRAIN", "--resume-from", "/nonexistent"], "no state.json"),
+    (["run", "--suite", "cpu", "--resume-from", "x"], "applies to one experiment"),
+])
+def test_cli_bad_options_are_one_line_and_status_2(argv, needle, capsys):
+    assert main(argv) == 2
+    lines = _err(capsys)
+    assert len(lines) == 1 and needle in lines[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_gpu_tiny(small, tmp_path):
+    recs = experiment.run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "real_gpu", "tiny-b2s64"))
+    for r in recs:
+        results.load_record(results.save_record(r, tmp_path))
+        assert r.evidence_level == "gpu-measured" and r.failure is None and r.all_finite
+    dom, res = recs[1], recs[2]
+    assert dom.memory_source == "cuda-allocator" and dom.peak_reserved >= dom.peak_allocated > 0
+    assert res.decision == "accept", res.metrics["resume"]
