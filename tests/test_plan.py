@@ -111,6 +111,10 @@ def _cli(capsys, *args):
 def test_command_prints_the_plan_and_json(tmp_path, capsys):
     rc, out, _ = _cli(capsys, "--config", str(_config_file(tmp_path)), "--batch", "2", "--seq", "32", "--budget", "1GiB")
     assert rc == 0 and "recommended: plain" in out and "checkpoint-all+offload+fp16+chunked-loss" in out
+    # a tiny model's table in a unit it needs (MiB), not 0.00 GiB in every cell
+    assert "MiB per stage" in out and "\nplain " in out
+    plain_row = next(line for line in out.splitlines() if line.startswith("plain "))
+    assert float(plain_row.split()[7]) > 0.1  # its peak, in MiB
     rc, out, _ = _cli(capsys, "--config", str(tmp_path), "--batch", "2", "--seq", "32", "--budget", "1GiB", "--json")
     p = json.loads(out)
     assert rc == 0 and p["recommended"] == "plain" and p["evidence_level"] == "estimated"

@@ -1,4 +1,4 @@
-"""``bp-mech plan``'s output and command: the plan of ``bp_mech.plan`` as a table (GiB per lifecycle
+"""``bp-mech plan``'s output and command: the plan of ``bp_mech.plan`` as a table (bytes per lifecycle
 stage, the peak, what fits, the counted time cost) or JSON, and its one-line errors (exit 2)."""
 
 from __future__ import annotations
@@ -9,21 +9,35 @@ from bp_mech.ledger import STAGES
 from bp_mech.plan import GiB, PlanError, default_workers, load_config, parse_size, plan
 
 
-def _gib(n) -> str:
-    return f"{n / GiB:.2f}"
+def _unit(values) -> tuple[int, str]:
+    """The table's unit: GiB, MiB or KiB, whichever the largest value needs (a tiny model's plan in GiB
+    would read 0.00 everywhere)."""
+    top = max(values, default=0)
+    return next(((k, u) for u, k in (("GiB", GiB), ("MiB", 2**20)) if top >= k), (2**10, "KiB"))
+
+
+def _gib(n) -> str:  # one value with its unit (report.fmt_bytes)
+    from bp_mech.report import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def format_text(p: dict) -> str:
-    """The plan as a table (GiB per lifecycle stage, the peak, what fits) and the recommendation."""
+    """The plan as a table (GiB, MiB or KiB per lifecycle stage, the peak, what fits) and the recommendation."""
     m = p["model"]
+    k, unit = _unit([r["needs"] for r in p["rows"]])
+
+    def num(n) -> str:
+        return f"{n / k:.2f}"
+
     lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
-             f"batch {p['batch']} x seq {p['seq']}, budget {_gib(p['budget'])} GiB — estimated (fake tensors, "
+             f"batch {p['batch']} x seq {p['seq']}, budget {_gib(p['budget'])} — estimated (fake tensors, "
              f"{p['adamw']} AdamW){'' if m['validated'] else ' — this family is not validated (tests/test_plan.py)'}",
              f"fits when peak x {1 + p['headroom']['allocator_slack']:.2f} + {_gib(p['headroom']['context_bytes'])} "
-             "GiB (CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
-             "step (upper bound); GiB per stage:", ""]
+             "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
+             f"step (upper bound); {unit} per stage:", ""]
     head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
-    rows = [[r["strategy"], *(_gib(r["stages"][x]) for x in STAGES), _gib(r["peak"]), _gib(r["needs"]),
+    rows = [[r["strategy"], *(num(r["stages"][x]) for x in STAGES), num(r["peak"]), num(r["needs"]),
              "yes" if r["fits"] else "no", f"{r['cost']['extra']:+.0%}",
              f"x{r['measured']['time_ratio']:.2f}" if r["measured"] else "-"] for r in p["rows"]]
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
@@ -34,8 +48,8 @@ def format_text(p: dict) -> str:
     best = next((r for r in p["rows"] if r["strategy"] == p["recommended"]), None)
     if best is not None:
         c = best["cost"]
-        line = (f"\nrecommended: {best['strategy']} — peak {_gib(best['peak'])} GiB at {best['peak_stage']}, needs "
-                f"{_gib(best['needs'])} of {_gib(p['budget'])} GiB; time {c['extra']:+.0%} of a plain step (counted: "
+        line = (f"\nrecommended: {best['strategy']} — peak {_gib(best['peak'])} at {best['peak_stage']}, needs "
+                f"{_gib(best['needs'])} of {_gib(p['budget'])}; time {c['extra']:+.0%} of a plain step (counted: "
                 f"{c['recomputes']} recomputed sublayers, {c['recompute_flops'] / 1e12:.2f} TFLOP, "
                 f"{(c['d2h_bytes'] + c['h2d_bytes']) / 1e9:.2f} GB over the host link)")
         if "micro" in best["strategy"]:
@@ -44,8 +58,9 @@ def format_text(p: dict) -> str:
             ms = best["measured"]
             line += f"; measured x{ms['time_ratio']:.2f} on {ms['device']} at {ms['workload']} ({ms['record']})"
         lines.append(line)
-        lines.append("  at its peak: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best["peak_ledger"].items()
-                                                  if v >= GiB / 200))
+        big = best["peak"] / 200  # lines of at least 0.5 % of the peak
+        lines.append("  at its peak: " + ", ".join(f"{name} {_gib(v)}" for name, v in best["peak_ledger"].items()
+                                                  if v >= big))
     lines.append(f"({len(p['rows'])} strategies traced in {p['elapsed_s']:.1f} s)")
     return "\n".join(lines)
 
@@ -58,9 +73,9 @@ def no_fit_message(p: dict) -> str:
     elif f.get("seq"):
         alt = f"; about --seq {f['seq']} would fit with it"
     else:
-        alt = (f"; even at batch {f['small_shape'][0]} x seq {f['small_shape'][1]} it needs {_gib(f['small_needs'])} "
-               f"GiB, and parameters, gradients and AdamW moments alone hold {_gib(f['model_state'])} GiB")
-    return (f"no strategy fits {_gib(p['budget'])} GiB: the leanest, {f['strategy']}, needs {_gib(f['needs'])} GiB "
+        alt = (f"; even at batch {f['small_shape'][0]} x seq {f['small_shape'][1]} it needs {_gib(f['small_needs'])}, "
+               f"and parameters, gradients and AdamW moments alone hold {_gib(f['model_state'])}")
+    return (f"no strategy fits {_gib(p['budget'])}: the leanest, {f['strategy']}, needs {_gib(f['needs'])} "
             f"(with headroom){alt}")
 
 
