@@ -22,13 +22,7 @@ CFG = cpt.TrainConfig(updates=6, lr=3e-3, warmup=2, decay=2, growth_interval=2)
 WL = workload_fields(W)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread, as the experiment trains: these 2-core machines are shared."""
-    from bp_mech.measure import timing_threads
-
-    with timing_threads("cpu"):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread, as the experiment trains
 
 
 def trainer(seed=0, w=W, cfg=CFG, **config):

@@ -50,8 +50,10 @@ def forces_execution(path: Path) -> bool:
     """Does this MyST notebook's front matter say ``mystnb: execution_mode: force``?"""
     import yaml
 
+    if path.suffix != ".md":
+        return False
     text = path.read_text(encoding="utf-8")
-    if path.suffix != ".md" or not text.startswith("---\n") or "\n---" not in text[4:]:
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
         return False
     front = yaml.safe_load(text[4:text.index("\n---", 4)]) or {}
     return (front.get("mystnb") or {}).get("execution_mode") == "force"

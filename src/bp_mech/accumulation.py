@@ -25,9 +25,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from bp_mech.chunked_loss import IGNORE, shifted_targets  # IGNORE: label of a position that is not a target
 from bp_mech.workload import PAD_ID, Workload, make_adamw, make_batches
-
-IGNORE = -100  # label of a position that is not a target (padding)
 
 
 # --- data ------------------------------------------------------------------------------
@@ -71,7 +70,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     Shifts the labels (pad one -100 on the right) instead of slicing the logits, so the
     (B, T, V) logits are never copied — the same trick as Transformers' ForCausalLMLoss.
     """
-    shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # (B, T)
+    shifted = shifted_targets(labels)  # (B, T)
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # float64 stays
     return F.cross_entropy(z.reshape(-1, z.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE, reduction="sum")
 

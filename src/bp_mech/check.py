@@ -138,7 +138,11 @@ def mapping(chapter: str) -> list[tuple[str, str | None, str]]:
     """(check name, function or None, how: "name" | "calls" | "none") for every check of a chapter.
     ``how`` says whether the name follows the convention or the function was found by what it calls."""
     name, checks = chapter_checks(chapter)
-    functions = exercise_functions(name)
+    return _map_checks(checks, exercise_functions(name))
+
+
+def _map_checks(checks: list, functions: list[str]) -> list[tuple[str, str | None, str]]:
+    """``mapping``'s rows for ``checks`` against the exercise file's ``functions``."""
     rows = []
     for c in checks:
         if fn := _by_name(c.__name__, functions):
@@ -236,8 +240,8 @@ def check_chapter(chapter: str, directory=None) -> list[Line]:
         raise CheckError(f"{d}: no such directory")
     if not path.exists():
         raise CheckError(f"{path} does not exist (copy exercises/{name}.py there and solve it)")
-    by_check = {c: fn for c, fn, _ in mapping(chapter)}
     functions = exercise_functions(name)
+    by_check = {c: fn for c, fn, _ in _map_checks(checks, functions)}
     groups: dict[str, list] = {fn: [] for fn in functions}
     for c in checks:
         groups.setdefault(by_check[c.__name__] or c.__name__, []).append(c)

@@ -84,7 +84,7 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
 
     unknown = sorted(set(options) - set(getattr(registry.get(semantic_id).load(), "OPTIONS", ()))) if options else []
     if unknown:
-        raise UsageError(f"{', '.join('--' + o.replace('_', '-') for o in unknown)} does not apply to {semantic_id}")
+        raise UsageError(f"{_flags(unknown)} does not apply to {semantic_id}")
     ctx = registry.make_context(semantic_id, mode, workload, run_label, progress=_progress, source=source,
                                 options=options,
                                 on_record=save_now if out is not None and mode != "dry_run" else None, smoke=smoke)
@@ -172,6 +172,11 @@ def _options(a) -> dict:
     return {k: getattr(a, k) for k in RUN_OPTIONS if getattr(a, k, None) is not None}
 
 
+def _flags(options) -> str:
+    """The command-line spelling of option names: ``domain_text`` -> ``--domain-text``."""
+    return ", ".join("--" + o.replace("_", "-") for o in options)
+
+
 def run_suite(a) -> int:
     """Every experiment of the suite in registry order, at ``--workload`` if given (else each one's
     default). A failing experiment prints its full traceback and the next one runs; exit 1 names
@@ -180,8 +185,8 @@ def run_suite(a) -> int:
         raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
     if a.id:
         raise UsageError("give either an experiment ID or --suite, not both")
-    if _options(a):
-        raise UsageError(f"{', '.join('--' + o.replace('_', '-') for o in _options(a))} applies to one experiment, not a suite")
+    if options := _options(a):
+        raise UsageError(f"{_flags(options)} applies to one experiment, not a suite")
     mode, source = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu"), _source(a)
     exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
     if a.workload:

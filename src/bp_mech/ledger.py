@@ -219,8 +219,9 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
     F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
     Pl = 4 * _layer_params(d)
     stay = lambda sizes: sum(x for x in sizes if x < cfg.offload_min_bytes)  # noqa: E731 (offload keeps them)
+    layer_stays, outer = stay(layer_saved_storages(arch, b, seq)), _outer_saved_storages(d, b, seq)
     saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F,
-             "offload": L * stay(layer_saved_storages(arch, b, seq)) + stay(_outer_saved_storages(d, b, seq))
+             "offload": L * layer_stays + stay(outer)
              }.get(strategy, L * A + R + F)
     logits_saved = [4 * n * V, 8 * n, 4]  # log-softmax output, targets (int64), a scalar
     logits_fwd = (stay(logits_saved) if strategy == "offload" else sum(logits_saved)) + 4 + (2 * n * C if amp else 0)
@@ -249,11 +250,11 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
         if strategy == "checkpoint":
             sv, tmp = (l + 1) * 4 * n * C + 8 * seq + R + A - 4 * n * C - 4 * n * I, 4 * n * C + 12 * n * I
         elif strategy == "offload":  # the small storages of layers 0..l stay; a and u come back (unpacked)
-            sv, tmp = (l + 1) * stay(layer_saved_storages(arch, b, seq)), 4 * n * C + 20 * n * I
+            sv, tmp = (l + 1) * layer_stays, 4 * n * C + 20 * n * I
             # RoPE cos/sin: saved by every layer, so back on the device from the top layer's attention
             # backward to layer 0's (the copy lives while a saved view of it waits)
-            rope = [x for x in _outer_saved_storages(d, b, seq)[:2] if x >= cfg.offload_min_bytes]
-            sv, tmp = sv + stay(_outer_saved_storages(d, b, seq)[:2]), tmp + (sum(rope) if l < L - 1 else 0)
+            rope = [x for x in outer[:2] if x >= cfg.offload_min_bytes]
+            sv, tmp = sv + stay(outer[:2]), tmp + (sum(rope) if l < L - 1 else 0)
         else:  # (amp: half-precision MLP gradients, approximate; the log-softmax moment dominates)
             sv, tmp = (l + 1) * A + R - half * n * I, 4 * n * C + 3 * half * n * I
         events[f"layer {l}'s MLP backward"] = row(**g, saved_activations=sv, other=batch_b + tmp, logits_loss=losses)

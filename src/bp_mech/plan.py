@@ -174,8 +174,13 @@ def _cost(led, s: Strategy, flops: dict, link: float) -> dict:
                 extra=recompute / (3 * flops["total"]) + transfer_s / plain_s)
 
 
+def needs(peak: int) -> int:
+    """The budget a step of this peak needs: ``peak * (1 + ALLOCATOR_SLACK) + CONTEXT_BYTES``."""
+    return int(peak * (1 + ALLOCATOR_SLACK)) + CONTEXT_BYTES
+
+
 def _row(led, s: Strategy, budget: int, flops: dict, link: float, cached: dict) -> dict:
-    need = int(led.peak * (1 + ALLOCATOR_SLACK)) + CONTEXT_BYTES
+    need = needs(led.peak)
     at = led.peak_stage if led.peak_stage in led.stages else "forward"  # (a peak inside the forward: its end)
     return dict(strategy=s.name, peak=led.peak, peak_stage=led.peak_stage, stages=led.totals(),
                 forward_peak=led.forward_peak, peak_ledger=led.stages[at], peak_ledger_stage=at,
@@ -281,7 +286,7 @@ def fits_instead(config, batch: int, seq: int, budget: int, leanest: dict, optio
     b1, t1 = (1, seq) if batch > 1 else (1, max(2, seq // 2))
     small = _session(config, b1, t1, options).measure(s.replace(micro_batches=1) if b1 % s.micro_batches else s)
     x0, x1 = (b1, batch) if batch > 1 else (t1, seq)
-    need0 = int(small.peak * (1 + ALLOCATOR_SLACK)) + CONTEXT_BYTES
+    need0 = needs(small.peak)
     slope = (leanest["needs"] - need0) / (x1 - x0) if x1 != x0 else 0
     fit_x = int(x0 + (budget - need0) / slope) if slope > 0 and budget >= need0 else None
     return dict(strategy=s.name, needs=leanest["needs"], small_shape=[b1, t1], small_needs=need0,

@@ -67,7 +67,6 @@ def format_text(p: dict) -> str:
 
 def no_fit_message(p: dict) -> str:
     f = p["fits_instead"]
-    alt = ""
     if f.get("batch"):
         alt = f"; about --batch {f['batch']} would fit with it"
     elif f.get("seq"):

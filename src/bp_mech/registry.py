@@ -1,11 +1,13 @@
 """The experiment registry: every ID of DESIGN.md, the module that implements it, how to run it.
 
-An experiment module (``bp_mech.<name>``) implements the mechanism and exposes:
+An experiment module (``bp_mech.experiments.<name>``, measuring the mechanism ``bp_mech.<name>``; a
+project's is ``bp_mech.projects.<name>``) exposes:
 
 * ``CANDIDATES``: the arms of its fixed comparison (tuple of str);
 * ``run(ctx: RunContext) -> list[Record]``: run every candidate, one record each;
-* optionally ``plan(ctx) -> dict`` (extra lines for ``--mode dry_run``) and
-  ``conformance() -> ConformanceRow`` (its framework-conformance check).
+* optionally ``plan(ctx) -> dict`` (extra lines for ``--mode dry_run``),
+  ``conformance() -> ConformanceRow`` (its framework-conformance check) and ``OPTIONS`` (the
+  ``ctx.options`` it reads), with ``check_options(ctx)`` (the CLI calls it before anything runs).
 
 The registry lists the IDs statically; a row whose module is not written yet is *planned*.
 The status of a row is computed from the modules, the chapter pages and the cached records,
@@ -37,7 +39,7 @@ class Experiment:
     semantic_id: str  # stable ID from the seed
     page: str  # "Part 02 · 09"
     number: str  # what `bp-mech check` takes: "09", "amp", ...
-    module: str  # "bp_mech.local_backward"
+    module: str  # the experiment module, e.g. "bp_mech.experiments.local_backward"
     doc: str  # the chapter page, relative to the repo root
     comparison: str  # the fixed comparison, as in the registry table
     metrics: str  # the main metrics

@@ -48,9 +48,10 @@ def cached(semantic_id: str, results_dir: Path = RESULTS_DIR) -> Cached:
     for p, r in results.load_records(results_dir, semantic_id):
         groups.setdefault(r.run_label, []).append((p, r))
     stale = set()
+    now = provenance.code_hash(exp.module) if groups else None  # hashed once, not per record (provenance.is_stale)
     for label, items in groups.items():
         results.check_mergeable(items)
-        if any(provenance.is_stale(r, exp.module) for _, r in items):
+        if any(r.code_hash != now for _, r in items):
             stale.add(label)
     return Cached(semantic_id, {k: [r for _, r in v] for k, v in groups.items()}, stale)
 

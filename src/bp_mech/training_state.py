@@ -77,12 +77,21 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def clock_state(clock) -> dict:
+    """The update clock's state (``scheduler.UpdateClock`` has no ``state_dict``): applied and skipped updates."""
+    return dict(updates=clock.updates, skipped=clock.skipped)
+
+
+def set_clock_state(clock, state: dict) -> None:
+    clock.updates, clock.skipped = state["updates"], state["skipped"]
+
+
 def capture_state(trainer) -> dict:
     """Everything the trainer's next update depends on, as copies: training on afterwards changes
     nothing in the returned dict (``state_dict()`` alone returns the live tensors)."""
     return copy.deepcopy(dict(
         model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
-        scaler=trainer.scaler.state_dict(), clock=dict(updates=trainer.clock.updates, skipped=trainer.clock.skipped),
+        scaler=trainer.scaler.state_dict(), clock=clock_state(trainer.clock),
         data=trainer.data.state_dict(), rng=rng_states(trainer.device)))
 
 
@@ -96,7 +105,7 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scaler.load_state_dict(state["scaler"])
-    trainer.clock.updates, trainer.clock.skipped = state["clock"]["updates"], state["clock"]["skipped"]
+    set_clock_state(trainer.clock, state["clock"])
     trainer.data.load_state_dict(state["data"])
     set_rng_states(state["rng"])
 
@@ -166,7 +175,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
         torch.save(dict(data_generator=trainer.data.generator.get_state(), **rng_states(trainer.device)), tmp / "rng.pt")
         trainer.model.config.to_json_file(tmp / "config.json")
         manifest = dict(format=FORMAT, **trainer_identity(trainer, workload), record=record,
-                        clock=dict(updates=trainer.clock.updates, skipped=trainer.clock.skipped),
+                        clock=clock_state(trainer.clock),
                         scaler=trainer.scaler.state_dict(),
                         data_position=dict(position=trainer.data.position, tokens=trainer.data.tokens),
                         files={f: dict(bytes=(tmp / f).stat().st_size, sha256=_sha256(tmp / f)) for f in FILES})

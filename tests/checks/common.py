@@ -24,6 +24,18 @@ def call(fn: str, f, *args, at: str, **kwargs):
         raise AssertionError(f"{fn}: raised {type(e).__name__} at {at}: {first}") from e
 
 
+def autograd_grads(fn, inputs, dy) -> tuple:
+    """The reference: autograd's gradients of ``fn(*inputs)`` for output gradient ``dy``, w.r.t. fresh
+    leaf copies of ``inputs``."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves, dy)
+
+
+def randn64(g: torch.Generator, *shape) -> torch.Tensor:
+    """A float64 standard-normal tensor of ``shape`` drawn from ``g``."""
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
 def describe(x) -> str:
     """What a solution returned, in words: ``a float32 tensor of shape (2, 3)``, ``an int``, ``None``."""
     if x is None:

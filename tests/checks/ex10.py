@@ -13,19 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from checks.common import assert_all_close, assert_close, call
+from checks.common import assert_all_close, assert_close, autograd_grads, call, randn64
 
 TOL = 1e-10  # float64: hand-written and autograd agree to rounding
 REF = "float64 autograd"
-
-
-def _grads(fn, inputs, dy):
-    leaves = [t.clone().requires_grad_() for t in inputs]
-    return torch.autograd.grad(fn(*leaves), leaves, dy)
-
-
-def _rand(g, *shape):
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
 
 
 def _sdpa(q, k, v):
@@ -35,12 +26,12 @@ def _sdpa(q, k, v):
 def check_softmax_backward(m):
     for seed, shape in enumerate([(3, 5, 9), (9,), (4, 7), (2, 2, 3, 6)]):
         g = torch.Generator().manual_seed(10 + seed)
-        S, dP = 2 * _rand(g, *shape), _rand(g, *shape)
+        S, dP = 2 * randn64(g, *shape), randn64(g, *shape)
         if len(shape) >= 2:  # causally masked rows: P holds exact zeros, as in attention
             n = shape[-1]
             S = S.masked_fill(torch.ones(shape[-2], n, dtype=torch.bool).triu(1), float("-inf"))
         at = f"shape {shape}" + (" with causally masked entries" if len(shape) >= 2 else "")
-        want = _grads(lambda s: torch.softmax(s, -1), [S], dP)[0]
+        want = autograd_grads(lambda s: torch.softmax(s, -1), [S], dP)[0]
         got = call("softmax_backward", m.softmax_backward, torch.softmax(S, -1), dP.clone(), at=at)
         assert_close("softmax_backward", "dS", got, want, tol=TOL, ref=REF, at=at)
 
@@ -48,8 +39,8 @@ def check_softmax_backward(m):
 def check_attention_head_backward(m):
     for seed, (T, d) in enumerate([(9, 16), (13, 4), (1, 8), (2, 3)]):
         g = torch.Generator().manual_seed(20 + seed)
-        q, k, v, dO = (_rand(g, T, d) for _ in range(4))
-        want = _grads(lambda q, k, v: _sdpa(q[None], k[None], v[None])[0], [q, k, v], dO)
+        q, k, v, dO = (randn64(g, T, d) for _ in range(4))
+        want = autograd_grads(lambda q, k, v: _sdpa(q[None], k[None], v[None])[0], [q, k, v], dO)
         at = f"T={T}, d={d}"
         got = call("attention_head_backward", m.attention_head_backward, q, k, v, dO, at=at)
         assert_all_close("attention_head_backward", ("dq", "dk", "dv"), got, want, tol=TOL, ref=REF, at=at)
@@ -60,8 +51,8 @@ def check_gqa_reduce(m):
 
     for seed, (H, Hkv) in enumerate([(6, 2), (6, 3), (4, 1), (14, 2), (5, 5)]):  # the last: plain MHA, n = 1
         g = torch.Generator().manual_seed(30 + seed)
-        x, dx = _rand(g, 2, Hkv, 5, 3), _rand(g, 2, H, 5, 3)
-        want = _grads(lambda x: repeat_kv(x, H // Hkv), [x], dx)[0]
+        x, dx = randn64(g, 2, Hkv, 5, 3), randn64(g, 2, H, 5, 3)
+        want = autograd_grads(lambda x: repeat_kv(x, H // Hkv), [x], dx)[0]
         at = f"H={H}, Hkv={Hkv}, dx shape {tuple(dx.shape)}"
         got = call("gqa_reduce", m.gqa_reduce, dx.clone(), Hkv, at=at)
         assert_close("gqa_reduce", "dkv", got, want, tol=TOL, ref="float64 autograd of transformers' repeat_kv", at=at)
@@ -78,8 +69,8 @@ def check_blockwise_backward(m):
     for seed, (lead, T, d, block) in enumerate([((2, 3), 37, 8, 8), ((2, 3), 32, 8, 8), ((2, 3), 20, 8, 32),
                                                  ((2, 3), 5, 8, 1), ((), 19, 4, 4), ((3,), 23, 16, 8)]):
         g = torch.Generator().manual_seed(40 + seed)
-        q, k, v, dO = (_rand(g, *lead, T, d) for _ in range(4))
-        want = _grads(_sdpa, [q, k, v], dO)
+        q, k, v, dO = (randn64(g, *lead, T, d) for _ in range(4))
+        want = autograd_grads(_sdpa, [q, k, v], dO)
         at = f"q shape {tuple(q.shape)}, block={block}"
         got = call("blockwise_backward", m.blockwise_backward, q, k, v, _sdpa(q, k, v), _lse(q, k), dO, block, at=at)
         assert_all_close("blockwise_backward", ("dq", "dk", "dv"), got, want, tol=TOL, ref=REF, at=at)
@@ -90,7 +81,7 @@ def check_blockwise_backward__memory(m):
 
     lead, T, d, block = (2, 2), 256, 8, 16
     g = torch.Generator().manual_seed(50)
-    q, k, v, dO = (_rand(g, *lead, T, d) for _ in range(4))
+    q, k, v, dO = (randn64(g, *lead, T, d) for _ in range(4))
     o, lse = _sdpa(q, k, v), _lse(q, k)
     at = f"q shape {tuple(q.shape)}, block={block}"
     with PeakMemory("cpu") as pm:
@@ -112,8 +103,8 @@ def check_rope_backward(m):
         pos = torch.randint(0, 4096, table_shape[:-1], generator=g).double()
         ang = pos[..., None] * 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-        x, dy = _rand(g, *x_shape), _rand(g, *x_shape)
-        want = _grads(lambda x: x * cos + rotate_half(x) * sin, [x], dy)[0]  # apply_rotary_pos_emb's formula
+        x, dy = randn64(g, *x_shape), randn64(g, *x_shape)
+        want = autograd_grads(lambda x: x * cos + rotate_half(x) * sin, [x], dy)[0]  # apply_rotary_pos_emb's formula
         at = f"dy shape {x_shape}, cos/sin shape {tuple(cos.shape)}"
         got = call("rope_backward", m.rope_backward, dy.clone(), cos, sin, at=at)
         assert_close("rope_backward", "dx", got, want, tol=TOL, ref="float64 autograd of transformers' RoPE", at=at)

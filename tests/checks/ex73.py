@@ -15,6 +15,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from checks.common import rel_error
+
 TOL = 1e-10  # float64: the simulated data-parallel gradient and the global mean's agree to rounding
 V, C, T = 23, 8, 9  # vocab, width, sequence length
 PADS = [0, 7, 1, 6, 0, 0, 2, 1]  # padded tail per row of a micro-batch of 8: uneven per rank for P = 2 and 4
@@ -51,10 +53,6 @@ def _targets(labels):
 def _sum_loss(model, mb):
     z = model(mb["input_ids"])[:, :-1]
     return F.cross_entropy(z.reshape(-1, V), _targets(mb["labels"]), ignore_index=-100, reduction="sum")
-
-
-def _rel(got, want):
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
 
 def _threaded_divisors(m, counts):
@@ -116,7 +114,7 @@ def check_loss_divisor(m):
             rank_loss = sum(_sum_loss(model, s) for s in shards[r]) / divs[r]
             for acc, d in zip(got, torch.autograd.grad(rank_loss, list(model.parameters()))):
                 acc += d / P
-        err = max(_rel(a, w) for a, w in zip(got, want))
+        err = max(rel_error(a, w) for a, w in zip(got, want))
         assert err <= TOL, (f"loss_divisor: the ranks' averaged gradient differs from float64 autograd of the global "
                             f"token mean, max rel error {err:.1e} > {TOL:g} at P={P}, k={k} (rank counts "
                             f"{[int(sum(c)) for c in counts]}); divide by the all-reduced count over P")

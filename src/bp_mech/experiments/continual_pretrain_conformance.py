@@ -38,10 +38,10 @@ class ClockState:
         self.clock = clock
 
     def state_dict(self) -> dict:
-        return dict(updates=self.clock.updates, skipped=self.clock.skipped)
+        return training_state.clock_state(self.clock)
 
     def load_state_dict(self, state: dict) -> None:
-        self.clock.updates, self.clock.skipped = state["updates"], state["skipped"]
+        training_state.set_clock_state(self.clock, state)
 
 
 def _trainer(w, ids, seed: int) -> cpt.Trainer:
@@ -91,16 +91,15 @@ def compare() -> dict:
         tmp = Path(tmp)
         ref = _trainer(w, ids, 0)
         acc = _accelerated(ref)
-        ours = []
+        ours, at_save = [], []  # our checkpoint directory; the live weights at AT
 
         def save(t):
             ours.append(training_state.save_training_state(t, tmp / "ours", wl, dict(semantic_id="conformance")))
             acc.save_state(str(tmp / "accelerate"))
             t.model.save_pretrained(tmp / "hf")
+            at_save.append([p.detach().clone() for p in t.model.parameters()])
 
-        at_save = []
-        run = cpt.domain_run(ref, {}, (), UPDATES, {AT}, lambda t: (save(t), at_save.append(
-            [p.detach().clone() for p in t.model.parameters()])))
+        run = cpt.domain_run(ref, {}, (), UPDATES, {AT}, save)
         want = [r["loss"] for r in run["steps"][AT:]]
         final = list(ref.model.parameters())
 

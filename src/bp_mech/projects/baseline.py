@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
+from bp_mech.experiments.accumulation import rel_diff
 from bp_mech.measure import summarize, timing_noise
 from bp_mech.projects import baseline_loop
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.results import json_safe
-from bp_mech.update_dynamics import global_grad_norm
 from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
 
 CANDIDATES = ("1-process", "2-processes")
@@ -119,11 +119,8 @@ def launch(cfg: LoopConfig, processes: int, workdir: Path) -> dict:
 
 
 def rel_l2(a, b, base=None) -> float:
-    """||a - b|| / ||b - base|| over all tensors, in float64 (base None: ||b||)."""
-    num = global_grad_norm([x.double() - y.double() for x, y in zip(a, b)], torch.float64).item()
-    den = global_grad_norm([y.double() - (0 if base is None else z.double())
-                            for y, z in zip(b, base or b)], torch.float64).item()
-    return num / den if den > 0 else num
+    """||a - b|| / ||b - base|| over all tensors, in float64 (base None: ||b||): Part 02 · 11's ``rel_diff``."""
+    return rel_diff(a, b, base)
 
 
 def compare(ref: dict, got: dict) -> dict:

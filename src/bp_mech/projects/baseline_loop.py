@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bp_mech import accumulation
-from bp_mech.measure import CPU_TIMING_THREADS, is_allocation_failure, timing_threads
+from bp_mech.measure import CPU_TIMING_THREADS, _sync, is_allocation_failure, timing_threads
 from bp_mech.projects import baseline_loss
 from bp_mech.scheduler import UpdateClock, WSDConfig
 from bp_mech.tracking import PeakMemory
@@ -89,11 +89,6 @@ def holdout_loss(acc, model, batches) -> float:
     return (acc.reduce(s, "sum") / acc.reduce(n, "sum")).item()
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divisor_fn, snapshot=None) -> dict:
     """``n_updates`` updates (the module docstring's steps 1-4); per update: the global loss, N, the
     time on this rank, the gradient norm before clipping, the clip coefficient, the LR, applied."""
@@ -116,7 +111,8 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
         _sync(acc.device)
         t0 = time.perf_counter()
         with pm:
-            divisor = divisor_fn([accumulation.count_targets(mb["labels"]) for mb in micro], P, all_reduce)
+            counts = [accumulation.count_targets(mb["labels"]) for mb in micro]  # this rank's, per micro-batch
+            divisor = divisor_fn(counts, P, all_reduce)
             loss_sum = torch.zeros((), device=acc.device)
             for mb in micro:
                 with acc.accumulate(model):
@@ -131,7 +127,7 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
                     opt.zero_grad(set_to_none=True)
             applied = not acc.optimizer_step_was_skipped
             clock.step(applied)  # the LR clock counts applied updates only
-            n_local = sum(accumulation.count_targets(mb["labels"]) for mb in micro)
+            n_local = sum(counts)
             loss_sum, n_total = all_reduce(torch.stack([loss_sum, n_local.to(loss_sum)]))  # one all-reduce for the log
             loss = (loss_sum / n_total).item()  # the global token mean (n_total < 2^24: exact in float32)
         _sync(acc.device)
@@ -150,7 +146,6 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
 def train(cfg: LoopConfig, out: Path | None = None) -> dict:
     """The baseline run (and the naive rerun) in this process, one rank of ``accelerate launch``."""
     from accelerate import Accelerator
-
     from accelerate.utils import DistributedDataParallelKwargs
 
     no_broadcast = DistributedDataParallelKwargs(broadcast_buffers=False)  # the only buffers: rotary constants

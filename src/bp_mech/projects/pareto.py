@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from bp_mech.measure import Timing, timing_noise
 
+
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Names of the Pareto-optimal points of ``{name: (peak, time)}`` (both minimized), ordered by
     increasing peak, then time, then name. Equal points do not dominate each other: both stay.
@@ -98,7 +99,7 @@ def budget_decision(cands: dict[str, Measured], budget: float | None, slack: flo
     if pick is None:
         leanest = min(points, key=lambda n: (points[n][0], points[n][1], n))
         return dict(out, leanest=leanest, leanest_needs_bytes=needed_bytes(points[leanest][0], slack, context))
-    runner = choose_for_budget({n: points[n] for n in out["fitting"] if n != pick}, budget, slack, context)
+    runner = next((n for n in out["fitting"] if n != pick), None)  # the next fastest: "fitting" is in pick order
     noise = runner and timing_noise(cands[pick].timing(), cands[runner].timing(), cands[pick].more_work(cands[runner]))
     return dict(out, pick=None if noise else pick, fastest_fitting=pick, runner_up=runner, noise=noise or None)
 
@@ -111,8 +112,9 @@ def pick_text(d: dict) -> str:
         return (f"none: {d['fastest_fitting']} or {d['runner_up']}, the time does not separate them (the first "
                 f"against the second: {d['noise']})")
     if d["leanest"]:
-        n = d["leanest_needs_bytes"]
-        need = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+        from bp_mech.report import fmt_bytes
+
+        need = fmt_bytes(d["leanest_needs_bytes"])
         return f"none: nothing fits; the leanest, {d['leanest']}, needs {need} with the headroom"
     return "none: no candidate passed the quality check" if d["budget_bytes"] is not None else "none: no budget"
 

@@ -161,8 +161,8 @@ def run(ctx) -> list:
     recs = [ctx.record("plain", **fields(d.plain), next_step=f"apply {top} (largest predicted saving)" if top else None,
                        metrics=metrics)]
     for r in REMEDIES:
-        if r.unfit(w):
-            recs.append(ctx.record(r.name, failure=r.unfit(w), memory_source=ctx.memory_source,
+        if why := r.unfit(w):
+            recs.append(ctx.record(r.name, failure=why, memory_source=ctx.memory_source,
                                    next_step="pick a batch the micro-batches divide"))
     for a in d.ranked:
         o = outcome(d, a)
@@ -170,7 +170,7 @@ def run(ctx) -> list:
         extra = fields(led) if led is not None else dict(memory_source=ctx.memory_source)
         recs.append(ctx.record(a["remedy"], **extra, failure=o["failure"], decision=o["decision"],
                                next_step=o["next_step"],
-                               metrics=json_safe(dict(o, attribution={k: v for k, v in a.items()}))))
+                               metrics=json_safe(dict(o, attribution=dict(a)))))
     return recs
 
 
