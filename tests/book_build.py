@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from bp_mech import ROOT
 JB = Path(sys.executable).with_name("jupyter-book")
 STRICT = ROOT / "_build" / "strict"  # --path-output of the strict build (under the git-ignored _build/)
 HTML = STRICT / "_build" / "html"

@@ -1,6 +1,6 @@
 """Shared test fixtures.
 
-``--impl`` picks which exercise solutions ``tests/test_exercises.py`` checks: ``answers``
+``--impl`` picks which exercise solutions ``tests/checks/test_exercises.py`` checks: ``answers``
 (default), ``exercises`` (the learner's stubs) or a directory holding ``exNN_*.py`` files.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers.generation  # noqa: F401  (it reads torch.cuda.Stream at import: before cpu_only replaces it)
 
-ROOT = Path(__file__).resolve().parents[1]
+from bp_mech import ROOT
 
 
 def pytest_addoption(parser):

@@ -8,9 +8,10 @@ import types
 import pytest
 import torch
 
-from bp_mech import amp, registry
+from bp_mech import amp
+from bp_mech.records import registry
 from bp_mech.amp import DynamicLossScaler, unscale_and_clip_
-from checks import ex_amp
+from bp_mech.checks import ex_amp
 
 
 def test_scaler_model_matches_gradscaler():
@@ -65,7 +66,7 @@ def test_unscale_and_clip_uses_the_global_norm():
 
 
 def test_autocast_is_off_for_fp32_and_casts_linear_outputs():
-    from bp_mech.workload import build_model, make_batches, parse_workload
+    from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     model, batch = build_model(w), make_batches(w, 1)[0]

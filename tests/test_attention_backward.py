@@ -1,6 +1,6 @@
 """Tests of bp_mech.attention_backward: values against autograd, finite differences and
 transformers (through the experiment's comparisons); saved bytes against the formula; and mutants
-that the exercise checks (tests/checks/ex10.py) must catch. The run, its plan and the conformance
+that the exercise checks (src/bp_mech/checks/ex10.py) must catch. The run, its plan and the conformance
 row: tests/experiments/test_attention_backward.py."""
 
 import math
@@ -11,8 +11,8 @@ import torch
 
 from bp_mech import attention_backward
 from bp_mech.experiments import attention_backward as experiment
-from bp_mech.tracking import PeakMemory
-from checks import ex10
+from bp_mech.bench.tracking import PeakMemory
+from bp_mech.checks import ex10
 
 CFG = attention_backward.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
 
@@ -38,7 +38,7 @@ def test_hand_attention_gradcheck(strategy):
 def test_rope_tables_match_transformers():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-    from bp_mech.workload import qwen2_config
+    from bp_mech.bench.workload import qwen2_config
 
     cfg = qwen2_config("tiny")
     d, T = cfg.hidden_size // cfg.num_attention_heads, 64
@@ -100,7 +100,7 @@ def test_eager_qwen2_attention_with_explicit_mask():
     """transformers' eager path with an explicit additive causal mask (no is_causal flag)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
-    from bp_mech.workload import qwen2_config
+    from bp_mech.bench.workload import qwen2_config
 
     cfg = qwen2_config("tiny", attn_implementation="eager")
     torch.manual_seed(1)

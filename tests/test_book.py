@@ -9,7 +9,7 @@ from pathlib import Path
 import book_build
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from bp_mech import ROOT
 
 
 def prose_lines(path: Path):

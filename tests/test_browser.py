@@ -36,7 +36,7 @@ import pytest
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
+from bp_mech import ROOT
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 WINDOW = (1280, 900)  # a laptop screen: the theme shows both sidebars, so the content column is at its narrowest
@@ -342,7 +342,7 @@ def test_page_reads_right(page, html_dir, site, driver, shots):
 def test_landing_page_maps_every_chapter(site, driver):
     """The landing page (the site's root redirects to it) lists every chapter of the registry in
     the course's order, with a computed status and whether it needs a GPU, and the set-up commands."""
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     driver.get(site)
     rows = None

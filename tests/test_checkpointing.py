@@ -11,10 +11,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech import checkpointing, counters
+from bp_mech import checkpointing
+from bp_mech.bench import counters
 from bp_mech.experiments import harness
-from bp_mech.workload import build_model, make_batches, parse_workload
-from checks import ex19
+from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.checks import ex19
 
 
 @pytest.fixture(scope="module")

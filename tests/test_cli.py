@@ -106,7 +106,7 @@ def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
 # --- the GPU suite: workload, plan totals, records saved as made, failures ----------------
 
 def _suite_ids():
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     return [e.semantic_id for e in registry.gpu_suite()]
 
@@ -135,7 +135,7 @@ def test_the_smoke_matrix_plans_about_two_minutes_and_the_full_one_about_six(cap
     once, few steps; nine experiments, each building its model at least once) must plan within about
     two minutes, the full matrix within about six and a half, well within one call, leaving time for
     the machine's start and one targeted rerun."""
-    from bp_mech.measure import SMOKE_SCHEDULE
+    from bp_mech.bench.timing import SMOKE_SCHEDULE
 
     smoke, plans = _suite_total(capsys, "--workload", "qwen05-b1s128", "--smoke")
     full, _ = _suite_total(capsys)
@@ -145,7 +145,7 @@ def test_the_smoke_matrix_plans_about_two_minutes_and_the_full_one_about_six(cap
 
 
 def test_suite_dry_run_goes_on_past_a_plan_that_cannot_be_made(capsys, monkeypatch):
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     ids, real_plan = _suite_ids(), registry.plan
     bad, bare = ids[0], ids[1]
@@ -168,7 +168,7 @@ def test_suite_dry_run_goes_on_past_a_plan_that_cannot_be_made(capsys, monkeypat
 
 
 def test_suite_bad_workload_is_one_line_before_anything_runs(capsys, monkeypatch):
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     monkeypatch.setattr(registry, "run", lambda ctx: pytest.fail("ran an experiment"))
     assert main(["run", "--suite", "gpu", "--mode", "cpu", "--workload", "qwen05-b1s99999"]) == 2
@@ -180,7 +180,7 @@ def test_suite_saves_records_as_made_prints_tracebacks_and_goes_on(tmp_path, cap
     traceback is printed, the next experiment runs; every record is saved exactly once."""
     import dataclasses
 
-    from bp_mech import registry, results
+    from bp_mech.records import registry, results
 
     ids = _suite_ids()[:3]
     monkeypatch.setattr(registry, "gpu_suite", lambda: [registry.get(i) for i in ids])
@@ -208,7 +208,7 @@ def test_suite_saves_records_as_made_prints_tracebacks_and_goes_on(tmp_path, cap
 
 
 def test_run_one_saves_each_record_before_the_next_is_made(tmp_path, capsys, monkeypatch):
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     out, seen = tmp_path / "rec", []
 
@@ -226,7 +226,7 @@ def test_run_one_saves_each_record_before_the_next_is_made(tmp_path, capsys, mon
 
 
 def test_an_invalid_record_is_refused_once_and_the_rest_are_saved(tmp_path, capsys, monkeypatch):
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     out = tmp_path / "rec"
     monkeypatch.setattr(registry, "run", lambda ctx: [ctx.record("bad", evidence_level="rumour"), ctx.record("good")])
@@ -241,7 +241,7 @@ def test_an_invalid_record_is_refused_once_and_the_rest_are_saved(tmp_path, caps
 def test_pretrained_snapshot_is_resolved_once_per_process(monkeypatch, tmp_path):
     import huggingface_hub
 
-    from bp_mech.workload import Workload, model_commit, resolve_pretrained
+    from bp_mech.bench.workload import Workload, model_commit, resolve_pretrained
 
     snap, calls = tmp_path / "snapshots" / ("ab" * 20), []
     snap.mkdir(parents=True)
@@ -258,7 +258,7 @@ def test_missing_pretrained_cache_is_one_line_and_status_2(tmp_path, capsys, mon
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    monkeypatch.setattr("bp_mech.registry.run", lambda ctx: pytest.fail("ran an experiment"))
+    monkeypatch.setattr("bp_mech.records.registry.run", lambda ctx: pytest.fail("ran an experiment"))
     argv = ["run", "TRAIN-LOCAL-BACKWARD", "--workload", "qwen05-b1s8", "--model-source", "pretrained",
             "--model-id", "bp-mech/not-cached", "--revision", "r1", "--local-files-only"]
     assert main(argv) == 2

@@ -1,5 +1,5 @@
 """Part 02 · 43, the mechanism: the formula (``bp_mech.ledger``) agrees with the measured and the
-fake-tensor ledger (``bp_mech.ledger_measure``) per stage and per class, the classes mean what they
+fake-tensor ledger (``bp_mech.bench.lifecycle``) per stage and per class, the classes mean what they
 say, the strategies train the same, and the exercise checks catch the classic mistakes."""
 
 import gc
@@ -9,11 +9,12 @@ import weakref
 import pytest
 import torch
 
-from bp_mech import ledger, ledger_measure
+from bp_mech import ledger
+from bp_mech.bench import lifecycle as ledger_measure
 from bp_mech.experiments import ledger as experiment
-from bp_mech.tracking import PeakMemory, StorageTracker
-from bp_mech.workload import ARCHITECTURES, build_model, make_batches, parse_workload
-from checks import ex43
+from bp_mech.bench.tracking import PeakMemory, StorageTracker
+from bp_mech.bench.workload import ARCHITECTURES, build_model, make_batches, parse_workload
+from bp_mech.checks import ex43
 
 TINY = parse_workload("tiny-b2s64")
 

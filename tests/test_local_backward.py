@@ -10,7 +10,7 @@ import torch
 
 from bp_mech import local_backward
 from bp_mech.experiments import local_backward as experiment
-from checks import ex09
+from bp_mech.checks import ex09
 
 pytestmark = pytest.mark.ch09
 

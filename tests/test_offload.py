@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bp_mech import checkpointing, counters, offload
+from bp_mech import checkpointing, offload
+from bp_mech.bench import counters
 from bp_mech.experiments import harness
-from bp_mech.tracking import PeakMemory
-from bp_mech.workload import build_model, make_batches, parse_workload, qwen2_config
-from checks import ex42
+from bp_mech.bench.tracking import PeakMemory
+from bp_mech.bench.workload import build_model, make_batches, parse_workload, qwen2_config
+from bp_mech.checks import ex42
 from conftest import ROOT, load_solution
 
 MIN = offload.CPU_MIN_BYTES

@@ -12,7 +12,7 @@ import torch
 
 from bp_mech.scheduler import (DECAY_TYPES, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers, scaler_step,
                                wsd_lr)
-from checks import ex12
+from bp_mech.checks import ex12
 from conftest import load_solution
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bp_mech import update_dynamics
-from bp_mech.workload import build_model, parse_workload
-from checks import ex55
+from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.checks import ex55
 
 
 def test_groups_cover_every_parameter_once():

@@ -14,4 +14,8 @@ The package follows the book, one concept per module:
   ``report`` and ``plots`` (what the chapters show), ``cli``.
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+ROOT = Path(__file__).resolve().parents[2]  # the repository this source tree sits in (src layout)
+RESULTS_DIR = ROOT / "book" / "results"  # the cached run records the book shows

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech.chunked_loss import IGNORE, shifted_targets  # IGNORE: label of a position that is not a target
-from bp_mech.workload import PAD_ID, Workload, make_adamw, make_batches
+from bp_mech.bench.workload import PAD_ID, Workload, make_adamw, make_batches
 
 
 # --- data ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
 from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
-from bp_mech.workload import make_adamw
+from bp_mech.bench.workload import make_adamw
 
 
 class DynamicLossScaler:

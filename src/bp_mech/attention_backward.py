@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bp_mech.counters import SavedBytesCounter
+from bp_mech.bench.counters import SavedBytesCounter
 from bp_mech.local_backward import linear_backward, linear_forward
 
 
@@ -44,7 +44,7 @@ class AttnConfig:
 
     @classmethod
     def from_arch(cls, arch: str, batch: int, block: int = 64) -> "AttnConfig":
-        from bp_mech.workload import ARCHITECTURES
+        from bp_mech.bench.workload import ARCHITECTURES
 
         a = ARCHITECTURES[arch]
         return cls(batch, a["num_attention_heads"], a["num_key_value_heads"],
@@ -254,7 +254,7 @@ def attention_fn(name: str, block: int = 64):
 
 def saved_bytes(fn, inputs) -> int:
     """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack hook sees
-    (``bp_mech.counters.SavedBytesCounter``: views of one storage count once)."""
+    (``bp_mech.bench.counters.SavedBytesCounter``: views of one storage count once)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs[:3]]
     counter = SavedBytesCounter()
     with counter:  # the graph keeps every saved storage alive while fn runs

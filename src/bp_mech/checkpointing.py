@@ -17,7 +17,7 @@ pays one extra forward of every checkpointed block.
 
 The experiment of the chapter (candidates, measured steps, decision, records) lives in
 ``bp_mech.experiments.checkpointing``; the recompute and the saved bytes are counted by
-``bp_mech.counters``.
+``bp_mech.bench.counters``.
 """
 
 from __future__ import annotations

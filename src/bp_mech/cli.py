@@ -16,14 +16,14 @@ import time
 import traceback
 from pathlib import Path
 
-from bp_mech import provenance, registry, results
-from bp_mech.environment import ProfileError, check_profile, cuda_available, preflight
-from bp_mech.measure import SMOKE_SCHEDULE, release_memory
+from bp_mech import RESULTS_DIR, ROOT
+from bp_mech.records import provenance, registry, results
+from bp_mech.records.environment import ProfileError, check_profile, cuda_available, preflight
+from bp_mech.bench.timing import SMOKE_SCHEDULE
+from bp_mech.bench.oom import release_memory
 from bp_mech.training_state import CheckpointError
-from bp_mech.workload import WorkloadError, model_commit, parse_workload
+from bp_mech.bench.workload import WorkloadError, model_commit, parse_workload
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (src layout)
-DEFAULT_RESULTS = ROOT / "book" / "results"
 
 
 class UsageError(ValueError):
@@ -219,7 +219,7 @@ def run_suite(a) -> int:
 
 
 def cmd_results(a) -> int:
-    d = Path(a.dir) if a.dir else DEFAULT_RESULTS
+    d = Path(a.dir) if a.dir else RESULTS_DIR
     if not d.exists():
         raise results.RecordError(f"{d}: no such file or directory")
     # validates every file; raises RecordError naming the first bad one
@@ -239,12 +239,12 @@ def cmd_results(a) -> int:
 
 
 def cmd_check(a) -> int:
-    """One line per exercise function and a summary (bp_mech.check); ``-v``: pytest's full output."""
-    from bp_mech import check
+    """One line per exercise function and a summary (bp_mech.checks.runner); ``-v``: pytest's full output."""
+    from bp_mech.checks import runner as check
 
     try:
         if a.verbose:
-            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_exercises.py"), "-m",
+            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "checks" / "test_exercises.py"), "-m",
                    check.marker(a.chapter), f"--impl={check.solutions_dir(a.dir)}", "-v", "-p", "no:cacheprovider"]
             return subprocess.call(cmd, cwd=ROOT)
         lines = check.check_chapter(a.chapter, a.dir)
@@ -276,7 +276,7 @@ def cmd_preflight(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from bp_mech import plan_report
+    from bp_mech.planner import report as plan_report
 
     return plan_report.run(a, progress=_progress)
 

@@ -36,7 +36,7 @@ import torch
 
 from bp_mech.accumulation import IGNORE, count_targets, token_loss_sum
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.workload import PAD_ID, WorkloadError, build_model, load_text, make_adamw, tokenize
+from bp_mech.bench.workload import PAD_ID, WorkloadError, build_model, load_text, make_adamw, tokenize
 
 
 @dataclass(frozen=True)

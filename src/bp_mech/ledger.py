@@ -8,8 +8,8 @@ tied embeddings, fp32 logits) from what each operator saves for backward. The ex
 answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
 ``block_saved_bytes``) are its building blocks.
 
-``bp_mech.ledger_measure`` fills the same table from a real or a fake-tensor step (the storage
-tracker of ``bp_mech.tracking``); ``bp_mech.experiments.ledger`` compares the three sources
+``bp_mech.bench.lifecycle`` fills the same table from a real or a fake-tensor step (the storage
+tracker of ``bp_mech.bench.tracking``); ``bp_mech.experiments.ledger`` compares the three sources
 (TRAIN-STATE-LEDGER).
 """
 

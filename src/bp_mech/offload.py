@@ -46,7 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bp_mech.tracking import host_side
+from bp_mech.bench.tracking import host_side
 
 OFFLOADABLE_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)  # offloaded; subclasses (DTensor, ...) stay as they are
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from bp_mech.workload import make_adamw
+from bp_mech.bench.workload import make_adamw
 
 EPS = 1e-6  # the eps of clip_grad_norm_'s coefficient
 GROUPS = ("embedding", "attention", "mlp", "norm_bias")  # parameter groups, by role

@@ -7,9 +7,11 @@ conformance check."""
 import pytest
 import torch
 
-from bp_mech import accumulation, registry, report, results
+from bp_mech import accumulation
+from bp_mech.records import registry, results
+from bp_mech.book import report
 from bp_mech.experiments import accumulation as experiment
-from bp_mech.workload import build_model, parse_workload
+from bp_mech.bench.workload import build_model, parse_workload
 
 W = parse_workload("tiny-b2s16")
 CFG = experiment.AccumConfig(updates=2, timed=3, warmup=1)

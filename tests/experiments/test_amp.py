@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from bp_mech import amp, registry, results
+from bp_mech import amp
+from bp_mech.records import registry, results
 from bp_mech.experiments import amp as experiment
 from bp_mech.experiments.amp import decide
-from bp_mech.measure import MAX_RATIO_SPREAD
+from bp_mech.bench.timing import MAX_RATIO_SPREAD
 
 
 def test_decision_rule():
@@ -167,7 +168,7 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch):
 def test_the_sequential_path_measures_each_candidate_alone():
     """The CUDA path (one candidate after another, measure_steps), run on the CPU: every candidate
     makes warm-up + timed updates (+ the tracked one measure_steps adds on the CPU), none interleaved."""
-    from bp_mech.workload import build_model, make_batches, parse_workload
+    from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     batches = make_batches(w, SMALL.warmup + SMALL.timed + 2)
@@ -189,7 +190,7 @@ def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(amp, "make_adamw", fused)
-    from bp_mech.workload import build_model, make_batches, parse_workload
+    from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     cfg = experiment.AmpConfig(timed=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))

@@ -1,9 +1,10 @@
 """Part 02 · 10, the experiment: its records validate (errors, saved bytes, the timing protocol, the
 decisions), the decision rule, the dry-run plan for qwen05, and the conformance row."""
 
-from bp_mech import attention_backward, registry, results
+from bp_mech import attention_backward
+from bp_mech.records import registry, results
 from bp_mech.experiments import attention_backward as experiment
-from bp_mech.measure import CPU_TIMING_THREADS, SMOKE_SCHEDULE
+from bp_mech.bench.timing import CPU_TIMING_THREADS, SMOKE_SCHEDULE
 
 
 def test_run_writes_valid_records(monkeypatch, tmp_path, cpu_only):

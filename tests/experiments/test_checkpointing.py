@@ -10,12 +10,12 @@ import torch
 # its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech import references, registry
+from bp_mech.records import references, registry
 from bp_mech.experiments import checkpointing as experiment
 from bp_mech.experiments import harness, strategies
-from bp_mech.measure import Timing
-from bp_mech.results import load_record, save_record
-from bp_mech.workload import PLAN_BUILD_S, parse_workload
+from bp_mech.bench.timing import Timing
+from bp_mech.records.results import load_record, save_record
+from bp_mech.bench.workload import PLAN_BUILD_S, parse_workload
 
 
 def test_decide_rule_and_the_seed_reference():

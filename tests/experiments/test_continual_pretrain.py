@@ -11,7 +11,8 @@ import torch
 import transformers.models.auto.modeling_auto  # noqa: F401  (reads torch.cuda.Stream at import: before cpu_only)
 
 from bp_mech import continual_pretrain as cpt
-from bp_mech import registry, results, training_state
+from bp_mech.records import registry, results
+from bp_mech import training_state
 from bp_mech.cli import main
 from bp_mech.experiments import continual_pretrain as experiment
 

@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
-from bp_mech import ledger, ledger_measure
+from bp_mech import ledger
+from bp_mech.bench import lifecycle as ledger_measure
 from bp_mech.experiments import ledger as experiment
-from bp_mech.workload import ARCHITECTURES, parse_workload
+from bp_mech.bench.workload import ARCHITECTURES, parse_workload
 from tests.conftest import ALLOCATOR_CALLS
 
 TINY = parse_workload("tiny-b2s64")
@@ -36,8 +37,8 @@ def test_conformance_against_memtracker():
 
 
 def test_run_gives_three_valid_records_per_strategy(monkeypatch):
-    from bp_mech import results
-    from bp_mech.registry import make_context
+    from bp_mech.records import results
+    from bp_mech.records.registry import make_context
 
     for name in ALLOCATOR_CALLS:  # a CPU run never touches torch.cuda
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: pytest.fail(f"torch.cuda.{_n} on a CPU run"))
@@ -67,7 +68,7 @@ def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_c
     """run() on its CUDA branch (the measured step replaced by a CPU one with allocator readings):
     gpu-measured records with the allocator's peaks, memory freed before each strategy, estimates
     with the foreach AdamW, and an out-of-memory strategy recorded as its failure."""
-    from bp_mech import registry, results
+    from bp_mech.records import registry, results
 
     real_env, real_track, calls = registry.environment_fields, ledger_measure.track, []
     monkeypatch.setattr(registry, "environment_fields", lambda profile, device="cpu": dict(
@@ -101,7 +102,7 @@ def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_c
 
 
 def test_dry_run_plan_for_qwen05():
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     p = registry.plan(registry.make_context("TRAIN-STATE-LEDGER", "dry_run", "qwen05-b2s512"))
     assert p["candidates"] == list(experiment.CANDIDATES)
@@ -113,7 +114,7 @@ def test_dry_run_plan_for_qwen05():
 
 def _gpu_record(sid, candidate, peak, workload="qwen05-b2s512", run_label="gpu-synthetic", updates=24, **fields):
     """A GPU record as the GPU suite writes one, made up here (temporary directory only)."""
-    from bp_mech import registry, results
+    from bp_mech.records import registry, results
 
     w = parse_workload(workload)
     fields = dict(dict(effective_batch=w.batch, input_shape=[w.batch, w.seq]), **fields)
@@ -126,7 +127,7 @@ def _gpu_record(sid, candidate, peak, workload="qwen05-b2s512", run_label="gpu-s
 
 @pytest.fixture
 def gpu_dir(tmp_path, monkeypatch):
-    from bp_mech import report
+    from bp_mech.book import report
 
     monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)  # the directory report.cached reads
     return tmp_path
@@ -137,7 +138,7 @@ def _peak(cfg, batch=2, seq=512):
 
 
 def test_gpu_records_are_matched_to_the_ledger_by_name(gpu_dir):
-    from bp_mech.results import save_record
+    from bp_mech.records.results import save_record
 
     off = ledger.LedgerConfig("offload")
     records = [_gpu_record("TRAIN-CHECKPOINT", "plain", int(_peak(ledger.LedgerConfig()) / 1.02)),
@@ -166,7 +167,7 @@ def test_gpu_records_are_matched_to_the_ledger_by_name(gpu_dir):
 
 
 def test_every_candidate_of_the_gpu_experiments_has_an_entry():
-    from bp_mech import registry
+    from bp_mech.records import registry
 
     for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION"):
         for c in registry.get(sid).load().CANDIDATES:  # the experiment module, wherever the registry puts it
@@ -175,7 +176,7 @@ def test_every_candidate_of_the_gpu_experiments_has_an_entry():
 
 
 def test_a_gpu_record_without_a_counterpart_entry_fails_loudly(gpu_dir):
-    from bp_mech.results import save_record
+    from bp_mech.records.results import save_record
 
     save_record(_gpu_record("TRAIN-OFFLOAD", "offload-nvme", 5_000_000_000), gpu_dir)
     with pytest.raises(ValueError, match=r"TRAIN-OFFLOAD record .*offload-nvme.*GPU_COUNTERPARTS"):
@@ -185,7 +186,7 @@ def test_a_gpu_record_without_a_counterpart_entry_fails_loudly(gpu_dir):
 def test_the_optimizer_state_is_counted_on_both_sides(gpu_dir):
     """The formula's peak holds AdamW's moments (2W + the fused step counters on the device); a GPU
     record counts them only if its step ran an update, so a record that ran none is refused."""
-    from bp_mech.results import save_record
+    from bp_mech.records.results import save_record
 
     a, cfg = ARCHITECTURES["qwen05"], ledger.LedgerConfig()
     n_tensors = 2 + a["num_hidden_layers"] * 12

@@ -4,7 +4,7 @@ conformance row against transformers' modules."""
 import pytest
 
 from bp_mech.experiments import local_backward as experiment
-from bp_mech.registry import make_context
+from bp_mech.records.registry import make_context
 
 pytestmark = pytest.mark.ch09
 

@@ -8,11 +8,12 @@ import pytest
 # its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech import offload, references, registry
+from bp_mech import offload
+from bp_mech.records import references, registry
 from bp_mech.experiments import harness, strategies
 from bp_mech.experiments import offload as experiment
-from bp_mech.results import load_record, save_record
-from bp_mech.workload import build_model, make_batches, parse_workload
+from bp_mech.records.results import load_record, save_record
+from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
 
 @pytest.fixture(scope="module")

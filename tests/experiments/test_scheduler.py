@@ -4,7 +4,7 @@ dry-run plan; the conformance row."""
 
 import pytest
 
-from bp_mech import registry, results
+from bp_mech.records import registry, results
 from bp_mech.experiments import scheduler as experiment
 from bp_mech.experiments.scheduler import ClockRun
 from bp_mech.scheduler import WSDConfig

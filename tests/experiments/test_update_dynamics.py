@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from bp_mech import registry, results, update_dynamics
+from bp_mech.records import registry, results
+from bp_mech import update_dynamics
 from bp_mech.experiments import update_dynamics as experiment
-from bp_mech.workload import build_model, make_batches, parse_workload
+from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
 W = parse_workload("tiny-b2s16")
 CFG = experiment.DynamicsConfig(updates=6, timed=3, warmup=1)

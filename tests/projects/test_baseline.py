@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from bp_mech import environment, registry, results
-from bp_mech.measure import timing_threads
+from bp_mech.records import environment, registry, results
+from bp_mech.bench.timing import timing_threads
 from bp_mech.projects import baseline, baseline_loop, baseline_loss
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.scheduler import wsd_lr
-from bp_mech.workload import build_model, parse_workload
-from checks import ex73
+from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.checks import ex73
 
 W = parse_workload("tiny-b2s32")
 # short runs: 8 updates, snapshots after 4; the 2-process run then repeats those 4 with per-rank means

@@ -10,13 +10,14 @@ import torch
 # transformers' generation module evaluates torch.cuda.Stream in its annotations: imported before cpu_only
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech import registry, strategy
+from bp_mech.records import registry
+from bp_mech.bench import strategy
 from bp_mech.experiments import harness
 from bp_mech.projects import memory_strategy as ms
 from bp_mech.projects import pareto
-from bp_mech.results import load_record, save_record
-from bp_mech.workload import build_model, make_batches, parse_workload
-from checks import ex76
+from bp_mech.records.results import load_record, save_record
+from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.checks import ex76
 from conftest import mutant
 
 EX = "ex76_memory_strategy"

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from bp_mech import registry, results
+from bp_mech.records import registry, results
 from bp_mech.ledger import CLASSES, Ledger, STAGES
 from bp_mech.projects import diagnosis, profiling, step_profile
-from bp_mech.workload import ARCHITECTURES, build_model, make_adamw, make_batches, parse_workload
-from checks import ex74
+from bp_mech.bench.workload import ARCHITECTURES, build_model, make_adamw, make_batches, parse_workload
+from bp_mech.checks import ex74
 from conftest import CUDA_CALLS, mutant
 
 EX = "ex74_profiling"

@@ -26,10 +26,12 @@ import torch
 
 from bp_mech import accumulation
 from bp_mech.experiments import harness
-from bp_mech.measure import SMOKE_SCHEDULE, all_finite, oom_as_failure, timing_noise
-from bp_mech.results import json_safe
+from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
+from bp_mech.bench.compare import all_finite
+from bp_mech.bench.oom import oom_as_failure
+from bp_mech.records.results import json_safe
 from bp_mech.update_dynamics import global_grad_norm
-from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, Workload, build_model, make_adamw, plan_seconds
+from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, Workload, build_model, make_adamw, plan_seconds
 
 CANDIDATES = ("full", "micro2", "micro4")
 MICRO = {"full": 1, "micro2": 2, "micro4": 4}  # micro-batches per update
@@ -265,8 +267,8 @@ def plan(ctx) -> dict:
 
 def conformance():
     """The hand-written loop vs ``accumulation.accelerate_updates``: first gradient and final parameters."""
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import parse_workload
+    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     cfg = AccumConfig(updates=2)

@@ -19,12 +19,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bp_mech import amp
-from bp_mech.environment import bf16_supported
+from bp_mech.records.environment import bf16_supported
 from bp_mech.experiments import harness
-from bp_mech.measure import SMOKE_SCHEDULE, all_finite, oom_as_failure, release_memory, timing_noise
-from bp_mech.results import json_safe
+from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
+from bp_mech.bench.compare import all_finite
+from bp_mech.bench.oom import oom_as_failure, release_memory
+from bp_mech.records.results import json_safe
 from bp_mech.scheduler import WSDConfig, scaler_step
-from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, plan_seconds
+from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, plan_seconds
 
 CANDIDATES = ("fp32", "fp16-amp", "bf16-amp", "fp16-overflow")
 LOW = {"fp32": None, "fp16-amp": torch.float16, "bf16-amp": torch.bfloat16, "fp16-overflow": torch.float16}
@@ -284,7 +286,7 @@ def plan(ctx) -> dict:
 def conformance():
     """DynamicLossScaler vs torch.amp.GradScaler (scale and skips over an overflow pattern), and
     unscale_and_clip_ vs GradScaler.unscale_ + clip_grad_norm_ (float32, CPU)."""
-    from bp_mech.registry import ConformanceRow
+    from bp_mech.records.registry import ConformanceRow
 
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=1.0)

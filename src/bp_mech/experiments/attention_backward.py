@@ -4,7 +4,7 @@
 Four candidates: ``autograd`` (the reference), the two hand-written strategies (``saved_probs``,
 ``recompute``) and ``sdpa``. For each: its errors (float64 vs autograd, float32 vs SDPA, the whole
 layer vs ``Qwen2Attention``), the bytes it saves for the backward over a sweep of lengths, the time
-of its backward alone (the CPU timing protocol of ``bp_mech.measure``: interleaved, one intra-op
+of its backward alone (the CPU timing protocol of ``bp_mech.bench.timing``: interleaved, one intra-op
 thread, ``harness.schedule`` rounds) and the peak of one forward and backward. The decision rule is
 ``decide``.
 """
@@ -21,8 +21,10 @@ from bp_mech import attention_backward
 from bp_mech.attention_backward import STRATEGIES, AttnConfig, attention_fn
 from bp_mech.experiments import harness
 from bp_mech.experiments.harness import relative_error
-from bp_mech.measure import all_finite, release_memory, time_interleaved
-from bp_mech.tracking import PeakMemory
+from bp_mech.bench.compare import all_finite
+from bp_mech.bench.oom import release_memory
+from bp_mech.bench.timing import time_interleaved
+from bp_mech.bench.tracking import PeakMemory
 
 CANDIDATES = ("autograd", *STRATEGIES, "sdpa")  # autograd is the reference
 SWEEP_T = (128, 256, 512, 1024, 2048)  # sequence lengths of the saved-state sweep
@@ -82,7 +84,7 @@ def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 4
     parameter gradients."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
-    from bp_mech.workload import qwen2_config
+    from bp_mech.bench.workload import qwen2_config
 
     cfg = qwen2_config(arch)
     torch.manual_seed(seed)
@@ -207,7 +209,7 @@ def run(ctx) -> list:
 
 def conformance():
     """Hand-written (both strategies) vs float64 autograd, vs float32 SDPA, vs transformers' Qwen2Attention."""
-    from bp_mech.registry import ConformanceRow
+    from bp_mech.records.registry import ConformanceRow
 
     cfg = AttnConfig.from_arch("tiny", 2, block=16)
     errs = errors(cfg, 72, names=tuple(STRATEGIES))

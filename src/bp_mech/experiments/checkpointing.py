@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bp_mech import checkpointing
 from bp_mech.experiments import harness, strategies
-from bp_mech.workload import PLAN_BASIS, build_model, make_batches
+from bp_mech.bench.workload import PLAN_BASIS, build_model, make_batches
 
 CANDIDATES = checkpointing.CONFIGURATIONS  # every configuration is an arm; "plain" is the baseline
 
@@ -50,8 +50,8 @@ def run(ctx) -> list:
 
 def conformance():
     """Our checkpointing vs Transformers' ``gradient_checkpointing_enable`` and ``torch.utils.checkpoint``."""
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import parse_workload
+    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model = build_model(w)

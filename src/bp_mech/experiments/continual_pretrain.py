@@ -33,9 +33,10 @@ import torch
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state
 from bp_mech.experiments import harness
-from bp_mech.measure import oom_as_failure, timing_threads
-from bp_mech.results import json_safe
-from bp_mech.workload import (PLAN_BASIS, PLAN_BUILD_S, WorkloadError, build_model, param_count, plan_seconds,
+from bp_mech.bench.oom import oom_as_failure
+from bp_mech.bench.timing import timing_threads
+from bp_mech.records.results import json_safe
+from bp_mech.bench.workload import (PLAN_BASIS, PLAN_BUILD_S, WorkloadError, build_model, param_count, plan_seconds,
                               workload_fields)
 
 SEMANTIC_ID = "TRAIN-CONTINUAL-PRETRAIN"
@@ -288,7 +289,7 @@ def conformance():
 
 def plot_gain_drift(evals: list[dict], title: str):
     """Domain and holdout loss per token over the domain updates (update 0: the baseline)."""
-    from bp_mech import plots  # (not 'from bp_mech.plots import': the code hash would import matplotlib)
+    from bp_mech.book import plots  # (not 'from bp_mech.book.plots import': the code hash would import matplotlib)
 
     fig, ax = plots.figure(6.4, 3.4)
     x = [e["update"] for e in evals]
@@ -303,7 +304,7 @@ def plot_gain_drift(evals: list[dict], title: str):
 
 def plot_resume(main_steps: list[dict], resumed_steps: list[dict], at: int, title: str):
     """The training loss per step of the uninterrupted run and, on top of it, of the resumed one."""
-    from bp_mech import plots  # (not 'from bp_mech.plots import': the code hash would import matplotlib)
+    from bp_mech.book import plots  # (not 'from bp_mech.book.plots import': the code hash would import matplotlib)
 
     fig, ax = plots.figure(6.4, 3.4)
     ax.plot(range(1, len(main_steps) + 1), [r["loss"] for r in main_steps], lw=2.5, alpha=0.5,

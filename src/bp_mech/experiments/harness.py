@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from bp_mech.counters import ForwardCounter, SavedBytesCounter
-from bp_mech.measure import (CPU_TIMING_THREADS, SMOKE_SCHEDULE, StepStats, measure_steps, oom_as_failure,
-                             release_memory, time_interleaved)
-from bp_mech.tracking import PeakMemory
+from bp_mech.bench.counters import ForwardCounter, SavedBytesCounter
+from bp_mech.bench.timing import CPU_TIMING_THREADS, SMOKE_SCHEDULE, StepStats, measure_steps, time_interleaved
+from bp_mech.bench.oom import oom_as_failure, release_memory
+from bp_mech.bench.tracking import PeakMemory
 from bp_mech.update_dynamics import global_grad_norm
-from bp_mech.workload import PLAN_BUILD_S, make_adamw, param_count, plan_seconds
+from bp_mech.bench.workload import PLAN_BUILD_S, make_adamw, param_count, plan_seconds
 
 # --- one step, equality -----------------------------------------------------------------
 
@@ -120,7 +120,7 @@ def schedule(device, smoke: bool = False) -> tuple[int, int]:
 
 
 def estimate_seconds(w, factors, device, smoke: bool = False) -> float:
-    """Planning estimate (``bp_mech.workload.plan_seconds``): per candidate, its warm-up and timed steps,
+    """Planning estimate (``bp_mech.bench.workload.plan_seconds``): per candidate, its warm-up and timed steps,
     the probe and the peak step at ``factor`` x a plain pass, plus the probe's gradient copy; one model
     build and the warm-up update that allocates AdamW's moments."""
     dev = torch.device(device).type

@@ -4,7 +4,7 @@ Per strategy, one ledger (lifecycle stage x object class, ``bp_mech.ledger``) fr
 
 * ``theoretical``: the formula for the Qwen2 block (``bp_mech.ledger.theoretical``);
 * ``track(..., fake=True)``: the step under ``FakeTensorMode``, storages counted by the storage
-  tracker (``bp_mech.ledger_measure``, ``fake-tensor``);
+  tracker (``bp_mech.bench.lifecycle``, ``fake-tensor``);
 * ``track(..., fake=False)``: the step run for real, storages tracked (``tracked-cpu``) or, on
   CUDA, the caching allocator's counters beside them (``cuda-allocator``).
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech import ledger, ledger_measure, tracking
+from bp_mech import ledger
+from bp_mech.bench import lifecycle as ledger_measure, tracking
 from bp_mech.ledger import STAGES, Ledger, LedgerConfig
 
 CANDIDATES = ledger.STRATEGIES
@@ -88,8 +89,8 @@ def run(ctx) -> list:
     GPU suite) measures on CUDA: the record's peaks are the allocator's, per phase; the estimate
     stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy
     that runs out of memory is that strategy's failure."""
-    from bp_mech.measure import oom_as_failure, release_memory
-    from bp_mech.workload import ARCHITECTURES
+    from bp_mech.bench.oom import oom_as_failure, release_memory
+    from bp_mech.bench.workload import ARCHITECTURES
 
     w, recs, gpu = ctx.workload, [], ctx.device == "cuda"
     for s in ctx.progress(CANDIDATES, desc="strategies"):
@@ -125,7 +126,7 @@ def run(ctx) -> list:
 
 def plan(ctx) -> dict:
     """The dry-run plan: what is measured where, and the formula's peak per strategy (no model)."""
-    from bp_mech.workload import ARCHITECTURES
+    from bp_mech.bench.workload import ARCHITECTURES
 
     w = ctx.workload
     peaks = {dev: {s: ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, LedgerConfig(strategy=s), dev).peak
@@ -147,8 +148,8 @@ def conformance():
     starts (our "after forward"), its backward peak and its state after backward."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import build_model, make_batches, parse_workload
+    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
     w, cfg = parse_workload("tiny-b2s64"), LedgerConfig()
     led = ledger_measure.track(w, cfg)
@@ -218,8 +219,9 @@ def gpu_references(results_dir=None) -> list[dict]:
     record's effective batch and sequence, on CUDA, against its ``peak_allocated``) or a stated reason
     it has none. Raises ``ValueError`` naming the record when its candidate is in neither, or when it
     ran no optimizer update (its peak would lack the AdamW state the formula counts)."""
-    from bp_mech import registry, report
-    from bp_mech.workload import ARCHITECTURES, parse_workload
+    from bp_mech.records import registry
+    from bp_mech.book import report
+    from bp_mech.bench.workload import ARCHITECTURES, parse_workload
 
     results_dir = report.RESULTS_DIR if results_dir is None else results_dir
     rows = []

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech import checkpointing, counters, offload
+from bp_mech import checkpointing, offload
+from bp_mech.bench import counters
 from bp_mech.experiments import harness, strategies
-from bp_mech.workload import build_model, make_batches
+from bp_mech.bench.workload import build_model, make_batches
 
 CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
 
@@ -120,8 +121,8 @@ def run(ctx, bandwidth: dict | None = None) -> list:
 def conformance():
     """Our offload vs PyTorch's ``save_on_cpu`` and the resident run: same loss and gradients;
     our D2H bytes equal the independently counted saved-activation bytes."""
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import parse_workload
+    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model, batch = build_model(w), make_batches(w, 1)[0]

@@ -17,7 +17,7 @@ import torch
 
 from bp_mech.scheduler import (DECAY_TYPES, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers,
                                scaler_step, transformers_schedule, wsd_lr)
-from bp_mech.workload import build_model, make_batches
+from bp_mech.bench.workload import build_model, make_batches
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def plan(ctx, run_cfg: ClockRun = ClockRun()) -> dict:
 def conformance():
     """Our WSD values vs transformers.get_wsd_schedule (bitwise), and the clock vs a real
     GradScaler run with injected overflows (the skipped call must not move the clock)."""
-    from bp_mech.registry import ConformanceRow, make_context
+    from bp_mech.records.registry import ConformanceRow, make_context
 
     worst = 0.0
     for decay_type in DECAY_TYPES:

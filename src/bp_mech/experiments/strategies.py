@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from bp_mech.experiments.harness import EQUAL_TOL, compare
-from bp_mech.measure import timing_noise
-from bp_mech.results import json_safe
+from bp_mech.bench.timing import timing_noise
+from bp_mech.records.results import json_safe
 
 # Decision rule, from ratios against the plain (resident) run of the same invocation:
 #   reject  if loss or gradients are not finite or differ beyond EQUAL_TOL, or the peak drops by less than MIN_USEFUL_SAVING;

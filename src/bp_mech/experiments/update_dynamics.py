@@ -29,9 +29,11 @@ import torch
 
 from bp_mech import update_dynamics
 from bp_mech.experiments import harness
-from bp_mech.measure import SMOKE_SCHEDULE, all_finite, oom_as_failure, timing_noise
-from bp_mech.results import json_safe
-from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, param_count, plan_seconds
+from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
+from bp_mech.bench.compare import all_finite
+from bp_mech.bench.oom import oom_as_failure
+from bp_mech.records.results import json_safe
+from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, param_count, plan_seconds
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
 TIME_BASELINE = {"high_lr": "base_lr", "high_lr_clip": "high_lr"}  # the step each one's time is compared with
@@ -217,8 +219,8 @@ def plan(ctx) -> dict:
 
 def conformance():
     """``update_dynamics.clip_by_global_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on a tiny Qwen2's gradients."""
-    from bp_mech.registry import ConformanceRow
-    from bp_mech.workload import parse_workload
+    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model = build_model(w)

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from bp_mech.experiments.accumulation import rel_diff
-from bp_mech.measure import summarize, timing_noise
+from bp_mech.bench.timing import summarize, timing_noise
 from bp_mech.projects import baseline_loop
 from bp_mech.projects.baseline_loop import LoopConfig
-from bp_mech.results import json_safe
-from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
+from bp_mech.records.results import json_safe
+from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
 
 CANDIDATES = ("1-process", "2-processes")
 PROCESSES = {"1-process": 1, "2-processes": 2}
@@ -241,7 +241,7 @@ def plan(ctx) -> dict:
 
 def plot_loss_curves(records, title: str = "Training loss per update"):
     """The loss curve of every record (x = update), the holdout loss before and after as markers."""
-    from bp_mech.plots import figure
+    from bp_mech.book.plots import figure
 
     fig, ax = figure(6.4, 3.6)
     for i, r in enumerate(records):

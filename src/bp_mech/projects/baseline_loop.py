@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 from bp_mech import accumulation
-from bp_mech.measure import CPU_TIMING_THREADS, _sync, is_allocation_failure, timing_threads
+from bp_mech.bench.timing import CPU_TIMING_THREADS, sync, timing_threads
+from bp_mech.bench.oom import is_allocation_failure
 from bp_mech.projects import baseline_loss
 from bp_mech.scheduler import UpdateClock, WSDConfig
-from bp_mech.tracking import PeakMemory
+from bp_mech.bench.tracking import PeakMemory
 from bp_mech.update_dynamics import clip_coefficient
-from bp_mech.workload import Workload, build_model, make_adamw, make_batches
+from bp_mech.bench.workload import Workload, build_model, make_adamw, make_batches
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
         tracked = u == cfg.peak_update
         pm = PeakMemory(acc.device, resident=[model.parameters(), state()]) if tracked else contextlib.nullcontext()
         lr = clock.lr
-        _sync(acc.device)
+        sync(acc.device)
         t0 = time.perf_counter()
         with pm:
             counts = [accumulation.count_targets(mb["labels"]) for mb in micro]  # this rank's, per micro-batch
@@ -130,7 +131,7 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
             n_local = sum(counts)
             loss_sum, n_total = all_reduce(torch.stack([loss_sum, n_local.to(loss_sum)]))  # one all-reduce for the log
             loss = (loss_sum / n_total).item()  # the global token mean (n_total < 2^24: exact in float32)
-        _sync(acc.device)
+        sync(acc.device)
         rows["seconds"].append(time.perf_counter() - t0)
         if tracked:
             peak = pm.peak_allocated

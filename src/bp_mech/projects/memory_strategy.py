@@ -1,6 +1,6 @@
 """Part 02 · 76 — TRAIN-MEMORY-STRATEGY: single and combined memory strategies, one decision.
 
-Every strategy of ``CANDIDATES`` (``bp_mech.strategy``: checkpointing, offload, fp16 autocast,
+Every strategy of ``CANDIDATES`` (``bp_mech.bench.strategy``: checkpointing, offload, fp16 autocast,
 accumulation, the chunked loss, and combinations) on one workload: full training steps on one model
 (``measure``: interleaved timing, a peak step each, a probe each against plain), one record each with
 quality (loss and gradient errors within the strategy's ``tolerance``), capacity (peak) and time
@@ -15,25 +15,25 @@ import math
 
 import torch
 
-from bp_mech import strategy
-from bp_mech.counters import ForwardCounter
+from bp_mech.bench import strategy
+from bp_mech.bench.counters import ForwardCounter
 from bp_mech.experiments import harness, strategies
-from bp_mech.measure import (CPU_TIMING_THREADS, SMOKE_SCHEDULE, oom_as_failure, release_memory, time_interleaved,
-                             timing_noise)
-from bp_mech import plan as plan_tool
+from bp_mech.bench.timing import CPU_TIMING_THREADS, SMOKE_SCHEDULE, time_interleaved, timing_noise
+from bp_mech.bench.oom import oom_as_failure, release_memory
+from bp_mech.planner import plan as plan_tool
 from bp_mech.ledger import LedgerConfig
-from bp_mech.plan import ALLOCATOR_SLACK, CONTEXT_BYTES
+from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES
 from bp_mech.projects.pareto import Measured, budget_decision, needed_bytes
-from bp_mech.results import json_safe
-from bp_mech.strategy import Strategy
-from bp_mech.tracking import PeakMemory
+from bp_mech.records.results import json_safe
+from bp_mech.bench.strategy import Strategy
+from bp_mech.bench.tracking import PeakMemory
 from bp_mech.update_dynamics import global_grad_norm
-from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_adamw, make_batches, plan_seconds, qwen2_config
+from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_adamw, make_batches, plan_seconds, qwen2_config
 
 # --- the candidates, the rules -----------------------------------------------------------------------
 
 # The singles that chapters 19, 42, AMP and 11 measured, the chunked loss, and the combinations that
-# remove different lines of the ledger together (names: ``bp_mech.strategy.parse``).
+# remove different lines of the ledger together (names: ``bp_mech.bench.strategy.parse``).
 CANDIDATES = ("plain", "checkpoint-all", "offload", "fp16", "micro2", "chunked-loss",
               "checkpoint-all+offload", "checkpoint-all+chunked-loss", "fp16+chunked-loss",
               "checkpoint-all+fp16+chunked-loss", "checkpoint-all+offload+chunked-loss",
@@ -56,7 +56,7 @@ CPU_BUDGET_FRACTION = 0.80
 # Planning only (``--mode dry_run``): a part's step time in plain steps; a combination's parts multiply.
 TIME_FACTOR = {"checkpoint-all": 1.35, "offload": 1.5, "fp16": 1.0, "micro2": 1.1, "chunked-loss": 1.05}
 PLAN_TRACE_S = {"tiny": 0.5, "qwen05": 2.0}  # planning: ``bp-mech plan``'s fake-tensor step per candidate, host
-# The seed's figures for the singles it measured (``bp_mech.references``): the course's reference, never ours.
+# The seed's figures for the singles it measured (``bp_mech.records.references``): the course's reference, never ours.
 SEED_REFERENCE = {"checkpoint-all": "TRAIN-CHECKPOINT", "offload": "TRAIN-OFFLOAD", "fp16": "TRAIN-AMP-BACKWARD"}
 
 
@@ -68,7 +68,7 @@ def tolerance(s: Strategy, device) -> tuple[float, float]:
 
 
 def headroom(device) -> tuple[float, int]:
-    """(allocator slack, context bytes): ``bp_mech.plan``'s; tracked CPU storages have no CUDA context."""
+    """(allocator slack, context bytes): ``bp_mech.planner.plan``'s; tracked CPU storages have no CUDA context."""
     return ALLOCATOR_SLACK, CONTEXT_BYTES if torch.device(device).type == "cuda" else 0
 
 
@@ -255,7 +255,7 @@ def plan(ctx) -> dict:
                     budget_bytes=budget_for(dev, None) or f"{CPU_BUDGET_FRACTION} x the plain peak")
 
     return dict(step="bp-mech plan's estimate of every candidate (fake tensors); full training steps "
-                     "(bp_mech.strategy.train_step) on one model and AdamW, interleaved; 1 step each for the peak; "
+                     "(bp_mech.bench.strategy.train_step) on one model and AdamW, interleaved; 1 step each for the peak; "
                      "1 probe each (no update) against plain",
                 modes=harness.plan_per_mode(fields), time_factor=TIME_FACTOR,
                 estimate_basis=f"{PLAN_BASIS}; steps x TIME_FACTOR; + PLAN_TRACE_S {PLAN_TRACE_S} per candidate",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bp_mech.measure import Timing, timing_noise
+from bp_mech.bench.timing import Timing, timing_noise
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -112,7 +112,7 @@ def pick_text(d: dict) -> str:
         return (f"none: {d['fastest_fitting']} or {d['runner_up']}, the time does not separate them (the first "
                 f"against the second: {d['noise']})")
     if d["leanest"]:
-        from bp_mech.report import fmt_bytes
+        from bp_mech.book.report import fmt_bytes
 
         need = fmt_bytes(d["leanest_needs_bytes"])
         return f"none: nothing fits; the leanest, {d['leanest']}, needs {need} with the headroom"
@@ -126,7 +126,7 @@ def plot_frontier(points: dict[str, tuple[int, float, float]], front: list[str],
     the budget dashed; the pick ringed. ``points`` = {candidate: (peak bytes, median s, P95 s)}."""
     from matplotlib.ticker import FormatStrFormatter
 
-    from bp_mech.plots import figure
+    from bp_mech.book.plots import figure
 
     fig, ax = figure(9.0, 4.6)
     scale, unit = (2**30, "GiB") if max(p for p, _, _ in points.values()) >= 2**30 else (2**20, "MiB")

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bp_mech import ledger_measure
+from bp_mech.bench import lifecycle as ledger_measure
 from bp_mech.ledger import CLASS_LABELS, CLASSES
-from bp_mech.measure import oom_as_failure, release_memory
-from bp_mech.plots import figure
+from bp_mech.bench.oom import oom_as_failure, release_memory
+from bp_mech.book.plots import figure
 from bp_mech.projects import diagnosis, step_profile
 from bp_mech.projects.diagnosis import POINT_LABELS, REMEDIES
 from bp_mech.projects.step_profile import CATEGORIES, ProfileConfig
-from bp_mech.results import json_safe
-from bp_mech.strategy import PLAIN
+from bp_mech.records.results import json_safe
+from bp_mech.bench.strategy import PLAIN
 
 CANDIDATES = ("plain", *(r.name for r in REMEDIES))
 ATTRIBUTION_TOL = 0.05  # |predicted - measured saving| / plain peak at which an attribution is accepted
@@ -154,7 +154,7 @@ def run(ctx) -> list:
     top = d.ranked[0]["remedy"] if d.ranked else None
     metrics = summary(d)
     if not gpu and not ctx.smoke:  # the attribution at the GPU workload's full size, under fake tensors
-        from bp_mech.workload import parse_workload
+        from bp_mech.bench.workload import parse_workload
 
         metrics["at_gpu_workload"] = json_safe(estimate_at(parse_workload(ctx.experiment.gpu_workload),
                                                            progress=ctx.progress))
@@ -185,7 +185,7 @@ def plan(ctx) -> dict:
     ``PROFILER_OVERHEAD`` x a plain pass and their analysis, two updates per ledger (a warm-up and the
     measured one), and on the CPU the full-size estimate (not in a smoke run)."""
     from bp_mech.experiments.harness import plan_per_mode
-    from bp_mech.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
+    from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
 
     w, cfg = ctx.workload, ProfileConfig()
     tokens, ledgers = w.batch * w.seq, 1 + len(REMEDIES)

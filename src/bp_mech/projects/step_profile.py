@@ -264,8 +264,8 @@ def profile_step(w, device="cpu", cfg: ProfileConfig = ProfileConfig(), trace_pa
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from bp_mech.experiments.harness import LR
-    from bp_mech.measure import timing_threads
-    from bp_mech.workload import build_model, make_adamw, make_batches
+    from bp_mech.bench.timing import timing_threads
+    from bp_mech.bench.workload import build_model, make_adamw, make_batches
 
     cuda = torch.device(device).type == "cuda"
     model, batch = build_model(w, device), make_batches(w, 1, device=device)[0]

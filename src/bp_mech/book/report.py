@@ -1,0 +1,192 @@
+"""What chapters call to show records: tables, cached GPU records, evidence labels.
+
+A chapter never shows an invalid record silently: ``cached`` validates every file of the
+experiment in ``book/results``, refuses mixed workloads or model commits within one run
+label, and marks stale records (their ``code_hash`` no longer matches the source).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+from bp_mech import RESULTS_DIR, ROOT  # noqa: F401  (chapters read report.RESULTS_DIR)
+from bp_mech.records import provenance, references, registry, results
+
+
+
+@dataclass
+class Cached:
+    """The cached records of one experiment, grouped by run label."""
+
+    semantic_id: str
+    groups: dict[str, list[results.Record]]  # run_label -> records (mergeable)
+    stale: set[str]  # run labels with at least one stale record
+
+    def gpu(self) -> dict[str, list[results.Record]]:
+        return {k: v for k, v in self.groups.items() if any(r.evidence_level == "gpu-measured" for r in v)}
+
+    def note(self) -> str:
+        """A visible sentence for the chapter: what is cached, or that nothing is."""
+        gpu = self.gpu()
+        if not gpu:
+            return (f"No GPU record of {self.semantic_id} is cached in book/results yet; the numbers on this "
+                    "page are the live CPU run (evidence level cpu-mechanism). Nothing is shown in their place.")
+        parts = []
+        for label, recs in gpu.items():
+            r = recs[0]
+            s = f"run label {label}: {r.device_name}, CUDA {r.cuda}, torch {r.torch}, workload {r.workload_id}"
+            parts.append(s + (" — STALE: the code changed since this run" if label in self.stale else ""))
+        return "Cached GPU records (gpu-measured): " + "; ".join(parts) + "."
+
+
+def cached(semantic_id: str, results_dir: Path = RESULTS_DIR) -> Cached:
+    exp = registry.get(semantic_id)
+    groups: dict[str, list] = {}
+    for p, r in results.load_records(results_dir, semantic_id):
+        groups.setdefault(r.run_label, []).append((p, r))
+    stale = set()
+    now = provenance.code_hash(exp.module) if groups else None  # hashed once, not per record (provenance.is_stale)
+    for label, items in groups.items():
+        results.check_mergeable(items)
+        if any(r.code_hash != now for _, r in items):
+            stale.add(label)
+    return Cached(semantic_id, {k: [r for _, r in v] for k, v in groups.items()}, stale)
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "–"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt(v, spec: str = ".3g") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float)):
+        return format(v, spec)
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None):
+    """A list of dicts as an IPython Markdown table (renders in the book)."""
+    from IPython.display import Markdown
+
+    columns = columns or list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "–")) for c in columns) + " |")
+    return Markdown("\n".join(lines))
+
+
+def record_rows(recs: list[results.Record], fields: list[str]) -> list[dict]:
+    """Rows for ``markdown_table``: candidate, the chosen fields, and the evidence level."""
+    out = []
+    for r in recs:
+        row = {"candidate": r.candidate}
+        for f in fields:
+            v = getattr(r, f)
+            row[f] = fmt_bytes(v) if f.startswith("peak") else fmt(v)
+        row["evidence"] = r.evidence_level
+        out.append(row)
+    return out
+
+
+def decision_text(r: results.Record, baseline: str) -> str:
+    """A record's decision for a table or a sentence, or why there is none: the baseline decides
+    nothing, a time ratio that is noise decides nothing (and says why), a failure says what to do."""
+    if r.decision:
+        return r.decision
+    if r.timing_noise:
+        return f"none: the time ratio is noise ({r.timing_noise})"
+    if r.candidate == baseline:
+        return "baseline"
+    return f"none: {r.next_step}" if r.next_step else "none"
+
+
+# --- provenance of cached records -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProvenanceBox:
+    """Where a cached record's numbers came from; renders as an HTML box (the book), MyST (Markdown
+    outputs) or plain text (``repr``)."""
+
+    title: str  # e.g. "Provenance: TRAIN-CHECKPOINT, run label gpu-default"
+    rows: tuple[tuple[str, str], ...]  # (what, value) in display order
+    stale: bool | None  # True: some record's code_hash differs from the source's; None: cannot tell
+
+    def _repr_html_(self) -> str:
+        kind = "warning" if self.stale is not False else "note"
+        body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in self.rows)
+        return (f'<div class="admonition {kind} bp-provenance"><p class="admonition-title">{html.escape(self.title)}'
+                f'</p><table class="bp-provenance-table"><tbody>{body}</tbody></table></div>')
+
+    def _repr_markdown_(self) -> str:
+        lines = "\n".join(f"- **{k}**: {v}" for k, v in self.rows)
+        return f":::{{admonition}} {self.title}\n:class: {'warning' if self.stale is not False else 'note'}\n{lines}\n:::"
+
+    def __repr__(self) -> str:
+        return "\n".join([self.title, *(f"  {k}: {v}" for k, v in self.rows)])
+
+
+def _stale(recs: list[results.Record]) -> tuple[bool | None, str]:
+    """(stale?, the sentence): every record's code_hash against the current source of its experiment."""
+    exp = registry.get(recs[0].semantic_id)
+    if not exp.implemented:
+        return None, f"cannot tell: {exp.module} is not in this source tree"
+    now = provenance.code_hash(exp.module)
+    old = [r for r in recs if r.code_hash != now]
+    hashes = ", ".join(sorted({str(r.code_hash) for r in recs}))
+    if not old:
+        return False, f"current: code_hash {hashes} matches this source"
+    which = ", ".join(r.candidate for r in old)
+    return True, (f"STALE: the code changed since this run (record code_hash {hashes}, this source {now}; "
+                  f"stale: {which}); rerun it to refresh the numbers")
+
+
+def _model(r: results.Record) -> str:
+    commit = (r.model_commit or "–")[:12]
+    if r.model_source == "pretrained":
+        return f"{r.model_id}, pretrained weights at commit {commit}"
+    if r.model_source == "config":
+        return (f"{r.model_id or 'the architecture'}, random init from the config (config hash {commit}): "
+                "memory and time are the architecture's; loss values are not the trained model's")
+    return f"{r.model_id or '–'} (source {r.model_source or 'not recorded'})"
+
+
+def provenance_box(record) -> ProvenanceBox:
+    """The box a chapter shows beside a cached (GPU) record, or beside the records of one run label
+    (a list of mergeable records): device, workload and model source, date, evidence level, whether
+    the code hash is current or stale (``provenance.is_stale``'s comparison) and the seed's reference
+    for the experiment where there is one (``references.SEED``)."""
+    recs = list(record) if isinstance(record, (list, tuple)) else [record]
+    r = recs[0]
+    device = ", ".join(x for x in (r.device_name, r.device_memory and fmt_bytes(r.device_memory),
+                                   r.cuda and f"CUDA {r.cuda}", r.torch and f"torch {r.torch}",
+                                   r.transformers and f"transformers {r.transformers}") if x) or "not recorded"
+    dates = sorted({(x.created_at or "not recorded") for x in recs})
+    stale, code = _stale(recs)
+    commits = sorted({x.git_commit[:12] for x in recs if x.git_commit})
+    evidence = ", ".join(sorted({x.evidence_level for x in recs}))
+    memory = ", ".join(sorted({x.memory_source for x in recs if x.memory_source}))
+    rows = [("device", device),
+            ("workload", f"{r.workload_id}, input {r.input_shape}, {r.dtype}, seed {r.seed}"),
+            ("model", _model(r)),
+            ("date", dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"),
+            ("evidence", evidence + (f" (memory: {memory})" if memory else "")),
+            ("code", code + (f"; git commit {', '.join(commits)}" if commits else "")
+             + (f"; bp-mech {r.bp_mech_version}" if r.bp_mech_version else ""))]
+    if ref := references.seed_reference(r.semantic_id):
+        rows.append(("seed's reference", ref.summary() + " — not this book's measurement"))
+    title = (f"Provenance: {r.semantic_id}, run label {r.run_label}"
+             + (f", candidate {r.candidate}" if len(recs) == 1 else f", {len(recs)} candidates")
+             + (" — STALE" if stale else ""))
+    return ProvenanceBox(title, tuple(rows), stale)
+

@@ -1,0 +1,214 @@
+"""Checks of exercises/ex11_gradient_accumulation.py (never against the answer file).
+
+The references are PyTorch's own: ``F.cross_entropy(..., reduction="mean", ignore_index=-100)``
+over the *whole* effective batch (its mean is token-weighted by definition) and float64 autograd
+of that full-batch loss. The batches are right-padded unevenly, so the micro-batches hold
+different numbers of target tokens and a mean of micro-batch means gives wrong numbers; the
+supervised fine-tuning batches also mask prompt tokens in the labels only (the inputs there are
+real tokens, so a count taken from the inputs is wrong), hold token id 0 as a real target, and put
+a micro-batch with no target at all. Logits come in float64, float32, bfloat16 and float16.
+"""
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from bp_mech.checks.common import assert_close, assert_value, call, describe
+
+TOL = 1e-10  # float64: accumulation and the full batch agree to rounding
+TOL_HALF = 1e-5  # 16-bit logits: a float32 computation differs from float64 by float32 rounding only
+V, C, E, T = 29, 12, 8, 10  # vocab, width, effective batch, sequence length
+PAD = V - 1  # the pad input id; real tokens are 0 .. V - 2 (0 included)
+PADS = [0, 6, 1, 8, 3, 0, 7, 2]  # padded tail per row: uneven for k = 2 and k = 4
+PROMPTS = [3, 0, 2, 1, 5, 4, 3, 8]  # prompt tokens masked in the labels; rows 6 and 7 have no target left
+REF = "F.cross_entropy over the whole batch"
+
+
+class ToyLM(torch.nn.Module):
+    """A small float64 causal LM: embedding, running mean over earlier positions, tanh mixer, head."""
+
+    def __init__(self, seed: int = 0, freeze_embedding: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+        self.emb = torch.nn.Parameter(r(V, C) * 0.5, requires_grad=not freeze_embedding)
+        self.mix = torch.nn.Parameter(r(C, C) / C ** 0.5)
+        self.head = torch.nn.Parameter(r(V, C) / C ** 0.5)
+
+    def forward(self, input_ids):
+        h = self.emb[input_ids]  # (B, T, C)
+        t = h.shape[1]
+        causal = torch.tril(torch.ones(t, t, dtype=h.dtype)) / torch.arange(1, t + 1, dtype=h.dtype)[:, None]
+        h = h + torch.tanh((causal @ h) @ self.mix.T)
+        return SimpleNamespace(logits=h @ self.head.T)  # (B, T, V)
+
+
+def padded_batch(seed: int = 0, pads=PADS, prompts=None) -> dict:
+    """Right padding (input PAD, label -100) and, with ``prompts``, prompt tokens masked in the labels only."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (E, T), generator=g)
+    ids[0, 4] = 0  # token id 0 is a real token and a real target
+    labels = ids.clone()
+    for r, p in enumerate(pads):
+        if p:
+            ids[r, T - p:] = PAD
+            labels[r, T - p:] = -100
+    for r, p in enumerate(prompts or ()):
+        labels[r, :p] = -100  # the input keeps the prompt token; only the label is masked
+    return {"input_ids": ids, "labels": labels}
+
+
+def full_batch_loss(logits, labels):
+    """The reference: torch's token mean over the shifted, non-ignored targets of the whole batch."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="mean")
+
+
+def _torch_count(labels) -> int:
+    """Targets as torch counts them: the ratio of its summed and its mean cross-entropy (0 when none)."""
+    z = torch.randn(*labels.shape, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    args = (z[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+    total = F.cross_entropy(*args, reduction="sum")
+    return 0 if total == 0 else round((total / F.cross_entropy(*args)).item())
+
+
+def check_split(m):
+    b = padded_batch(1)
+    b = {**b, "attention_mask": (b["input_ids"] != PAD).long(), "row_id": torch.arange(E),
+         "extra": torch.randn(E, T, 2)}  # keys of other shapes: (E, T), (E,), (E, T, 2)
+    for k in (1, 2, 4, 8):
+        at = f"k={k}, a batch of {E} rows with keys {list(b)}"
+        parts = call("split", m.split, b, k, at=at)
+        assert isinstance(parts, list) and len(parts) == k, (
+            f"split: returned {describe(parts)} of length {len(parts) if hasattr(parts, '__len__') else '?'}, "
+            f"expected a list of {k} micro-batches at {at}")
+        for key in b:
+            assert all(key in p for p in parts), f"split: key {key!r} missing from a micro-batch at {at}"
+            sizes = [p[key].shape[0] for p in parts]
+            assert sizes == [E // k] * k, f"split: {key!r} split into rows {sizes}, expected {[E // k] * k} at {at}"
+            assert torch.equal(torch.cat([p[key] for p in parts]), b[key]), (
+                f"split: {key!r} rows lost or reordered (concatenated micro-batches differ from the batch) at {at}")
+    for bad in (3, 0, -2):
+        try:
+            m.split(b, bad)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"split: raised {type(e).__name__}, expected ValueError at k={bad}, {E} rows") from e
+        raise AssertionError(f"split: no ValueError at k={bad}, {E} rows (k < 1 or E % k != 0 must raise)")
+
+
+def _count_case(m, labels, at):
+    got = call("count_targets", m.count_targets, labels.clone(), at=at)
+    if not (torch.is_tensor(got) and got.dim() == 0 and not got.is_floating_point()):
+        raise AssertionError(f"count_targets: returned {describe(got)}, expected a 0-dim integer tensor at {at}")
+    want = _torch_count(labels)
+    assert int(got) == want, (f"count_targets: {int(got)} targets, torch's cross_entropy counts {want} "
+                              f"(labels[:, 1:] != -100) at {at}")
+
+
+def check_count_targets(m):
+    for seed, pads in ((2, PADS), (3, [0] * E), (4, [T - 2] * E)):
+        labels = padded_batch(seed, pads)["labels"]
+        labels[0, 3] = -100  # an ignored position inside a row counts as not a target
+        _count_case(m, labels, f"labels shape {tuple(labels.shape)}, padding {pads}")
+
+
+def check_count_targets__prompt_masked(m):
+    b = padded_batch(5, PADS, PROMPTS)
+    _count_case(m, b["labels"], f"labels with prompts {PROMPTS} masked (inputs there are real tokens), "
+                                f"padding {PADS}, token id 0 as a target")
+    _count_case(m, b["labels"][6:], "2 rows with every label -100")
+    _count_case(m, b["labels"][:1, :1], "labels shape (1, 1): no position has a predecessor")
+
+
+def _shares(m, z, labels, n, k, at):
+    rows = range(0, E, E // k)
+    parts = [call("micro_batch_loss", m.micro_batch_loss, z[r:r + E // k], labels[r:r + E // k], n, at=at)
+             for r in rows]
+    for p in parts:
+        if not (torch.is_tensor(p) and p.dim() == 0):
+            raise AssertionError(f"micro_batch_loss: returned {describe(p)}, expected a 0-dim tensor at {at}")
+    return parts
+
+
+def check_micro_batch_loss(m):
+    for seed, prompts in ((5, None), (6, PROMPTS)):
+        g = torch.Generator().manual_seed(seed)
+        b = padded_batch(seed, PADS, prompts)
+        z = (torch.randn(E, T, V, generator=g, dtype=torch.float64) * 2).requires_grad_()
+        want = full_batch_loss(z, b["labels"])
+        want_grad = torch.autograd.grad(want, z)[0]
+        n = _torch_count(b["labels"])
+        for k, n_arg in ((2, n), (4, torch.tensor(n))):
+            at = (f"k={k}, n_total={n} as {type(n_arg).__name__}, float64 logits "
+                  f"{'with prompts masked' if prompts else 'padded'}")
+            total = sum(_shares(m, z, b["labels"], n_arg, k, at))
+            assert_value("micro_batch_loss", "the sum of the shares", total, want.item(), tol=TOL,
+                         ref=f"the full-batch mean ({REF})", at=at + " (divide by the whole batch's count)")
+            if not total.requires_grad:
+                raise AssertionError(f"micro_batch_loss: the share is not differentiable (no grad_fn) at {at}")
+            grad = torch.autograd.grad(total, z)[0]
+            assert_close("micro_batch_loss", "d(sum of shares)/dlogits", grad, want_grad, tol=TOL,
+                         ref="float64 autograd of the full-batch mean", at=at)
+
+
+def check_micro_batch_loss__half_precision(m):
+    b = padded_batch(7, PADS, PROMPTS)
+    g = torch.Generator().manual_seed(7)
+    z64 = torch.randn(E, T, V, generator=g, dtype=torch.float64) * 3
+    n = _torch_count(b["labels"])
+    for dtype, want_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                              (torch.float32, torch.float32)):
+        z = z64.to(dtype)
+        want = full_batch_loss(z.double(), b["labels"]).item()  # the same 16-bit values, in float64
+        at = f"{str(dtype)[6:]} logits shape {tuple(z.shape)}, k=2"
+        parts = _shares(m, z, b["labels"], n, 2, at)
+        for p in parts:
+            if p.dtype != want_dtype:
+                raise AssertionError(f"micro_batch_loss: returned {p.dtype}, expected {want_dtype} "
+                                     f"(compute the loss in float32, as transformers does) at {at}")
+        assert_value("micro_batch_loss", "the sum of the shares", sum(parts), want, tol=TOL_HALF,
+                     ref="the float64 full-batch mean of the same logits", at=at + " (upcast before the softmax)")
+
+
+def _accumulation_case(m, seed, b, label, freeze=False):
+    ref = ToyLM(seed, freeze)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    want_loss = full_batch_loss(ref(b["input_ids"]).logits, b["labels"])
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    want = dict(zip(names, torch.autograd.grad(want_loss, trainable)))
+    for k in (1, 2, 4):
+        at = f"k={k}, {label}"
+        model = ToyLM(seed, freeze)
+        loss = call("accumulated_backward", m.accumulated_backward, model, b, k, at=at)
+        if not torch.is_tensor(loss) or loss.dim() != 0 or loss.requires_grad:
+            raise AssertionError(f"accumulated_backward: returned {describe(loss)}, expected a detached 0-dim "
+                                 f"tensor (the accumulated loss) at {at}")
+        assert_value("accumulated_backward", "the returned loss", loss, want_loss.item(), tol=TOL,
+                     ref=f"the full-batch mean ({REF})", at=at)
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None, f"accumulated_backward: frozen {name} got a .grad at {at}"
+                continue
+            assert_close("accumulated_backward", f"{name}.grad", p.grad, want[name], tol=TOL,
+                         ref="float64 autograd of the full-batch mean", at=at)
+
+
+def check_accumulated_backward(m):
+    for seed in (6, 7):
+        _accumulation_case(m, seed, padded_batch(seed), f"uneven right padding {PADS}")
+
+
+def check_accumulated_backward__prompt_masked(m):
+    b = padded_batch(8, PADS, PROMPTS)
+    _accumulation_case(m, 8, b, f"prompts {PROMPTS} masked in the labels only, padding {PADS}, the last "
+                                f"micro-batch (k=4) without any target, embedding frozen", freeze=True)
+
+
+CHECKS = [check_split, check_count_targets, check_count_targets__prompt_masked, check_micro_batch_loss,
+          check_micro_batch_loss__half_precision, check_accumulated_backward,
+          check_accumulated_backward__prompt_masked]

@@ -1,0 +1,200 @@
+"""Checks of exercises/ex42_offload.py (never against the answer file).
+
+References: plain float64 autograd (gradients to 1e-12, also over a second backward that unpacks
+every saved tensor again); an independent counting-only ``saved_tensors_hooks`` pass written here
+(distinct non-parameter storages of at least ``MIN_BYTES``, each counted once); and weak references
+that tell whether a packed object still keeps the original storage alive. The parameters come as a
+list and as a generator (``model.parameters()``); the size rule is tried exactly at ``min_bytes``, one
+byte under it, at a non-default ``min_bytes``, on a two-element view of a large storage, and in
+bfloat16 and float16 (bytes, not elements).
+"""
+
+import gc
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from bp_mech.checks.common import assert_close, call
+
+TOL = 1e-12  # float64: offloading copies bytes, the arithmetic is unchanged
+MIN_BYTES = 1024
+FN = "CountingOffload"
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) / s[0] ** 0.5).requires_grad_()  # noqa: E731
+    W1, W2, b = r(32, 128), r(64, 32), r(32)
+    scale = torch.full((1,), 0.7, dtype=torch.float64, requires_grad=True)  # 8 bytes: stays resident
+    x = torch.randn(4, 16, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    return [W1, W2, b], scale, x
+
+
+def _toy(x, W1, W2, b, scale):
+    h = x @ W1  # (B, T, 128); saves x and W1
+    a, gate = h.chunk(2, -1)  # two views of h's storage
+    y = torch.sigmoid(a) * gate  # sigmoid saves its output; mul saves it and `gate`, a view of h
+    z = (y @ W2 + b).tanh() * scale  # saves y, W2, tanh's output, scale
+    return z.pow(2).sum()  # saves z
+
+
+def _reference_counts(params, scale, x):
+    """(distinct non-parameter storage bytes >= MIN_BYTES, the same summed per saved tensor)."""
+    ptrs = {p.untyped_storage().data_ptr() for p in params}
+    storages, per_tensor = {}, 0
+
+    def pack(t):
+        nonlocal per_tensor
+        st = t.untyped_storage()
+        if st.data_ptr() not in ptrs and st.nbytes() >= MIN_BYTES:
+            storages[st.data_ptr()] = st.nbytes()
+            per_tensor += st.nbytes()
+        return t  # kept alive: no address is reused while counting
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _toy(x, *params, scale)
+    return sum(storages.values()), per_tensor
+
+
+def _grads_twice(m, seed, as_generator):
+    params, scale, x = _params(seed)
+    leaves = [x, *params, scale]
+    want = torch.autograd.grad(_toy(x, *params, scale), leaves)
+    hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES,
+                 at="construction")
+    at = f"the toy forward (float64), parameters as a {'generator' if as_generator else 'list'}"
+    with hooks:
+        loss = call(FN, _toy, x, *params, scale, at=at)
+    first = call(FN, torch.autograd.grad, loss, leaves, retain_graph=True, at=at + ", first backward")
+    second = call(FN, torch.autograd.grad, loss, leaves,
+                  at=at + ", second backward (every saved tensor unpacked again)")
+    return hooks, first, second, want, (params, scale, x), at
+
+
+def check_CountingOffload(m):
+    for seed, as_generator in ((0, False), (3, True)):
+        _, first, second, want, _, at = _grads_twice(m, seed, as_generator)
+        for which, got in (("first", first), ("second", second)):
+            for name, a, b in zip(("dx", "dW1", "dW2", "db", "dscale"), got, want):
+                assert_close(FN, f"{name} of the {which} backward", a, b, tol=TOL, ref="plain float64 autograd", at=at)
+
+
+def check_CountingOffload__bytes(m):
+    hooks, _, _, _, inputs, at = _grads_twice(m, 1, False)
+    once, per_tensor = _reference_counts(*inputs)
+    assert hooks.d2h_bytes == once, (
+        f"{FN}: d2h_bytes is {hooks.d2h_bytes}, the distinct non-parameter storages of at least {MIN_BYTES} B "
+        f"saved in this forward hold {once} B (every saved view counted separately: {per_tensor} B) at {at}")
+    assert 2 * once <= hooks.h2d_bytes <= 2 * per_tensor, (
+        f"{FN}: h2d_bytes is {hooks.h2d_bytes} after two backwards: every moved storage comes back at least once "
+        f"per backward ({2 * once} B), at most once per saved tensor and backward ({2 * per_tensor} B) at {at}")
+
+
+def check_CountingOffload__parameters(m):
+    for as_generator in (False, True):
+        params, _, _ = _params(2)
+        params[2].requires_grad_(False)  # a frozen parameter is still a parameter
+        at = f"parameters as a {'generator' if as_generator else 'list'}, one of them frozen"
+        hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES, at=at)
+        for i, W in enumerate(params):
+            views = (("itself", W), ("detached", W.detach()), ("a flat view", W.view(-1)), ("transposed", W.t()))
+            for kind, v in views:
+                out = call(FN, lambda: hooks.unpack(hooks.pack(v)), at=f"parameter {i} ({kind}), {at}")
+                assert out is v, f"{FN}: parameter {i} ({kind}) came back as a copy, it must stay where it is at {at}"
+        assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
+            f"{FN}: parameters counted as moved, d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes} at {at}")
+
+
+def _moves(m, min_bytes, t, at):
+    """Pack and unpack ``t``; True when it was moved (and then counted at its storage's size, values intact)."""
+    hooks = call(FN, m.CountingOffload, [], min_bytes, at=at)
+    packed = call(FN, hooks.pack, t, at=at)
+    out = call(FN, hooks.unpack, packed, at=at)
+    if out is t:
+        assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
+            f"{FN}: kept the tensor but counted d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes} at {at}")
+        return False
+    n = t.untyped_storage().nbytes()
+    assert (hooks.d2h_bytes, hooks.h2d_bytes) == (n, n), (
+        f"{FN}: d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes}, the storage holds {n} B (counted once "
+        f"each way, in bytes) at {at}")
+    assert out.dtype == t.dtype and out.shape == t.shape and out.stride() == t.stride(), (
+        f"{FN}: unpack gave {out.dtype} {tuple(out.shape)} stride {out.stride()}, saved was {t.dtype} "
+        f"{tuple(t.shape)} stride {t.stride()} at {at}")
+    assert torch.equal(out, t), f"{FN}: unpack does not give back the saved values at {at}"
+    return True
+
+
+def check_CountingOffload__min_bytes(m):
+    big = torch.randn(64, 64, dtype=torch.float64)  # 32 KiB
+    cases = [  # (min_bytes, tensor, moves?, what)
+        (MIN_BYTES, torch.randn(10, dtype=torch.float64), False, "an 80 B float64 tensor"),
+        (MIN_BYTES, torch.randn(128, dtype=torch.float64), True, "a float64 tensor of exactly min_bytes (1024 B)"),
+        (MIN_BYTES, torch.randn(127, dtype=torch.float64), False, "a float64 tensor 8 B under min_bytes"),
+        (MIN_BYTES, torch.randn(512).bfloat16(), True, "a bfloat16 tensor of 512 elements = 1024 B"),
+        (MIN_BYTES, torch.randn(511).half(), False, "a float16 tensor of 511 elements = 1022 B"),
+        (MIN_BYTES, torch.randn(300).half(), False, "a float16 tensor of 600 B (300 elements)"),
+        (MIN_BYTES, big[3, 5:7], True, "a 2-element view of a 32 KiB storage (the rule is per storage)"),
+        (4096, torch.randn(256, dtype=torch.float64), False, "a 2 KiB tensor under min_bytes=4096"),
+        (4096, torch.randn(2048).bfloat16(), True, "a 4 KiB bfloat16 tensor at min_bytes=4096"),
+    ]
+    for min_bytes, t, want, what in cases:
+        at = f"{what}, min_bytes={min_bytes}"
+        got = _moves(m, min_bytes, t, at)
+        assert got == want, f"{FN}: {'moved' if got else 'kept'} {what}, expected it {'moved' if want else 'kept'} " \
+                            f"(storage bytes < min_bytes stay) at min_bytes={min_bytes}"
+
+
+def check_CountingOffload__storage_freed(m):
+    for dtype in (torch.float64, torch.bfloat16):
+        hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+        big = (torch.randn(64, 64, dtype=torch.float64) * 2).to(dtype)  # a fresh storage of 32 or 8 KiB
+        want = big.clone()
+        n = want.untyped_storage().nbytes()
+        at = f"a fresh {str(dtype)[6:]} tensor of {n} B"
+        ref = StorageWeakRef(big.untyped_storage())
+        packed = call(FN, hooks.pack, big, at=at)
+        del big
+        gc.collect()
+        assert ref.expired(), f"{FN}: the packed object still keeps the original storage alive (nothing freed) at {at}"
+        out = call(FN, hooks.unpack, packed, at=at)
+        assert out.dtype == dtype and torch.equal(out, want), (
+            f"{FN}: unpack does not give back the saved values at {at}")
+        assert hooks.d2h_bytes == hooks.h2d_bytes == n, (
+            f"{FN}: d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes}, expected {n} each way at {at}")
+
+
+def check_CountingOffload__views(m):
+    for dtype in (torch.float64, torch.float16):
+        hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+        base = (torch.randn(32, 64, dtype=torch.float64) + 1).to(dtype)
+        views = [base[:, :32], base.view(-1), base.t(), base[5:]]
+        n = base.untyped_storage().nbytes()
+        at = f"four views of one {str(dtype)[6:]} storage of {n} B"
+        packed = [call(FN, hooks.pack, v, at=at) for v in views]
+        assert hooks.d2h_bytes == n, f"{FN}: d2h_bytes is {hooks.d2h_bytes}, expected {n} (a storage once) at {at}"
+        for i, (v, p) in enumerate(zip(views, packed)):
+            out = call(FN, hooks.unpack, p, at=at)
+            assert out.dtype == v.dtype and out.shape == v.shape and out.stride() == v.stride(), (
+                f"{FN}: view {i} came back as {out.dtype} {tuple(out.shape)} stride {out.stride()}, saved was "
+                f"{v.dtype} {tuple(v.shape)} stride {v.stride()} at {at}")
+            assert torch.equal(out, v), f"{FN}: view {i} does not come back with its values at {at}"
+
+
+def check_CountingOffload__unpacked_twice(m):
+    hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+    t = torch.randn(32, 32, dtype=torch.float64)
+    want, n = t.clone(), t.untyped_storage().nbytes()
+    at = f"one {n} B tensor packed once, unpacked twice (a retained graph's second backward)"
+    packed = call(FN, hooks.pack, t, at=at)
+    first = call(FN, hooks.unpack, packed, at=at)
+    first.mul_(-3.0)  # backward may write into what it unpacked: the next unpack needs a fresh copy
+    second = call(FN, hooks.unpack, packed, at=at)
+    assert torch.equal(second, want), f"{FN}: the second unpack does not give back the saved values at {at}"
+    assert hooks.h2d_bytes == 2 * n, (
+        f"{FN}: h2d_bytes is {hooks.h2d_bytes}, expected {2 * n} (each unpack copies the storage back) at {at}")
+
+
+CHECKS = [check_CountingOffload, check_CountingOffload__bytes, check_CountingOffload__parameters,
+          check_CountingOffload__min_bytes, check_CountingOffload__storage_freed, check_CountingOffload__views,
+          check_CountingOffload__unpacked_twice]

@@ -1,0 +1,100 @@
+"""``bp-mech plan``'s output and command: the plan of ``bp_mech.planner.plan`` as a table (bytes per lifecycle
+stage, the peak, what fits, the counted time cost) or JSON, and its one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+from bp_mech.ledger import STAGES
+from bp_mech.planner.plan import GiB, PlanError, default_workers, load_config, parse_size, plan
+
+
+def _unit(values) -> tuple[int, str]:
+    """The table's unit: GiB, MiB or KiB, whichever the largest value needs (a tiny model's plan in GiB
+    would read 0.00 everywhere)."""
+    top = max(values, default=0)
+    return next(((k, u) for u, k in (("GiB", GiB), ("MiB", 2**20)) if top >= k), (2**10, "KiB"))
+
+
+def _gib(n) -> str:  # one value with its unit (report.fmt_bytes)
+    from bp_mech.book.report import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def format_text(p: dict) -> str:
+    """The plan as a table (GiB, MiB or KiB per lifecycle stage, the peak, what fits) and the recommendation."""
+    m = p["model"]
+    k, unit = _unit([r["needs"] for r in p["rows"]])
+
+    def num(n) -> str:
+        return f"{n / k:.2f}"
+
+    lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
+             f"batch {p['batch']} x seq {p['seq']}, budget {_gib(p['budget'])} — estimated (fake tensors, "
+             f"{p['adamw']} AdamW){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
+             f"fits when peak x {1 + p['headroom']['allocator_slack']:.2f} + {_gib(p['headroom']['context_bytes'])} "
+             "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
+             f"step (upper bound); {unit} per stage:", ""]
+    head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
+    rows = [[r["strategy"], *(num(r["stages"][x]) for x in STAGES), num(r["peak"]), num(r["needs"]),
+             "yes" if r["fits"] else "no", f"{r['cost']['extra']:+.0%}",
+             f"x{r['measured']['time_ratio']:.2f}" if r["measured"] else "-"] for r in p["rows"]]
+    widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        lines.append("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    lines += [f"skipped {k}: {v}" for k, v in p["skipped"].items()]
+    lines += [f"cached GPU records not used: {e}" for e in p["cache_errors"]]
+    best = next((r for r in p["rows"] if r["strategy"] == p["recommended"]), None)
+    if best is not None:
+        c = best["cost"]
+        line = (f"\nrecommended: {best['strategy']} — peak {_gib(best['peak'])} at {best['peak_stage']}, needs "
+                f"{_gib(best['needs'])} of {_gib(p['budget'])}; time {c['extra']:+.0%} of a plain step (counted: "
+                f"{c['recomputes']} recomputed sublayers, {c['recompute_flops'] / 1e12:.2f} TFLOP, "
+                f"{(c['d2h_bytes'] + c['h2d_bytes']) / 1e9:.2f} GB over the host link)")
+        if "micro" in best["strategy"]:
+            line += "; its micro-batches do the same FLOPs in smaller kernels, which the count does not price"
+        if best["measured"]:
+            ms = best["measured"]
+            line += f"; measured x{ms['time_ratio']:.2f} on {ms['device']} at {ms['workload']} ({ms['record']})"
+        lines.append(line)
+        big = best["peak"] / 200  # lines of at least 0.5 % of the peak
+        lines.append("  at its peak: " + ", ".join(f"{name} {_gib(v)}" for name, v in best["peak_ledger"].items()
+                                                  if v >= big))
+    lines.append(f"({len(p['rows'])} strategies traced in {p['elapsed_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def no_fit_message(p: dict) -> str:
+    f = p["fits_instead"]
+    if f.get("batch"):
+        alt = f"; about --batch {f['batch']} would fit with it"
+    elif f.get("seq"):
+        alt = f"; about --seq {f['seq']} would fit with it"
+    else:
+        alt = (f"; even at batch {f['small_shape'][0]} x seq {f['small_shape'][1]} it needs {_gib(f['small_needs'])}, "
+               f"and parameters, gradients and AdamW moments alone hold {_gib(f['model_state'])}")
+    return (f"no strategy fits {_gib(p['budget'])}: the leanest, {f['strategy']}, needs {_gib(f['needs'])} "
+            f"(with headroom){alt}")
+
+
+def run(a, progress=None) -> int:
+    """``bp-mech plan`` (argparse namespace from cli.py): print the plan (text or ``--json``); a budget no
+    strategy meets prints it too, then raises PlanError (one line, exit 2)."""
+    from bp_mech.bench.workload import parse_workload, qwen2_config
+
+    if bool(a.config) == bool(a.workload):
+        raise PlanError("plan needs exactly one of --config PATH/config.json and --workload ID")
+    if a.config:
+        config, batch, seq = load_config(a.config), a.batch, a.seq
+        if batch is None or seq is None:
+            raise PlanError("plan --config needs --batch and --seq")
+    else:
+        w = parse_workload(a.workload)
+        config, batch, seq = qwen2_config(w.arch), a.batch or w.batch, a.seq or w.seq
+    workers = a.workers if getattr(a, "workers", None) else default_workers()
+    p = plan(config, batch, seq, parse_size(a.budget), a.device_name, progress=progress, workers=workers)
+    print(json.dumps(p, indent=1, default=str) if a.json else format_text(p))
+    if p["recommended"] is None:
+        raise PlanError(no_fit_message(p))
+    return 0
