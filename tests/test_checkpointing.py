@@ -11,9 +11,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
+import dataclasses
+
 from bp_mech import checkpointing
 from bp_mech.bench import counters
-from bp_mech.experiments import harness
+from bp_mech.bench.compare import compare
+from bp_mech.bench.step import probe
+from bp_mech.bench.strategy import configured, parse
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 from bp_mech.checks import ex19
 
@@ -29,43 +33,41 @@ def probes(tiny):
     model, batches = tiny
     out = {}
     for name in checkpointing.CONFIGURATIONS:
-        with checkpointing.configure(model, name):
-            counter = counters.SavedBytesCounter(model.parameters())
-            out[name] = harness.probe(model, batches[0], "cpu", counter)
-            out[name]["saved"] = counter.bytes
+        with configured(model, parse(name)):
+            out[name] = probe(model, batches[0], parse(name))  # it counts the saved bytes, too
     return out
 
 
 def test_every_configuration_leaves_loss_and_every_gradient_bitwise_equal(probes):
     for name in checkpointing.CONFIGURATIONS[1:]:
-        c = harness.compare(probes["plain"], probes[name])
-        assert c["bitwise"], (name, c)
-        assert c["loss_error"] == c["grad_error"] == c["grad_norm_error"] == 0.0, (name, c)
+        c = compare(probes["plain"], probes[name])
+        assert c.bitwise, (name, c)
+        assert c.loss_error == c.grad_error == c.grad_norm_error == 0.0, (name, c)
 
 
 def test_compare_sees_a_changed_gradient(probes):
-    got = dict(probes["plain"], grads=[g.clone() for g in probes["plain"]["grads"]])
-    got["grads"][3][0] += 1e-3
-    c = harness.compare(probes["plain"], got)
-    assert not c["bitwise"] and c["grad_error"] > 0
+    got = dataclasses.replace(probes["plain"], grads=[g.clone() for g in probes["plain"].grads])
+    got.grads[3][0] += 1e-3
+    c = compare(probes["plain"], got)
+    assert not c.bitwise and c.grad_error > 0
 
 
 def test_recompute_counts_are_measured(probes, tiny):
     L = len(tiny[0].model.layers)
-    assert probes["plain"]["calls"] == {"layer": [1] * L, "attn": [1] * L, "mlp": [1] * L}
-    assert probes["plain"]["recomputes"] == 0
-    assert probes["checkpoint-all"]["calls"] == {"layer": [2] * L, "attn": [2] * L, "mlp": [2] * L}
-    assert probes["checkpoint-all"]["recomputes"] == 2 * L
+    assert probes["plain"].calls == {"layer": [1] * L, "attn": [1] * L, "mlp": [1] * L}
+    assert probes["plain"].recomputes == 0
+    assert probes["checkpoint-all"].calls == {"layer": [2] * L, "attn": [2] * L, "mlp": [2] * L}
+    assert probes["checkpoint-all"].recomputes == 2 * L
     every2 = [2 if i % 2 == 0 else 1 for i in range(L)]
-    assert probes["checkpoint-every2"]["calls"]["layer"] == every2
-    assert probes["checkpoint-every2"]["recomputes"] == 2 * math.ceil(L / 2)
-    assert probes["checkpoint-mlp"]["calls"] == {"layer": [1] * L, "attn": [1] * L, "mlp": [2] * L}
-    assert probes["checkpoint-mlp"]["recomputes"] == L
+    assert probes["checkpoint-every2"].calls["layer"] == every2
+    assert probes["checkpoint-every2"].recomputes == 2 * math.ceil(L / 2)
+    assert probes["checkpoint-mlp"].calls == {"layer": [1] * L, "attn": [1] * L, "mlp": [2] * L}
+    assert probes["checkpoint-mlp"].recomputes == L
 
 
 def test_checkpointing_keeps_less_until_backward(probes):
-    saved = {n: p["saved"] for n, p in probes.items()}
-    held = {n: p["held_after_forward"] for n, p in probes.items()}
+    saved = {n: p.saved_bytes for n, p in probes.items()}
+    held = {n: p.held_after_forward for n, p in probes.items()}
     for d in (saved, held):
         assert d["checkpoint-all"] < d["checkpoint-every2"] < d["plain"], d
         assert d["checkpoint-all"] < d["checkpoint-mlp"] < d["plain"], d

@@ -56,10 +56,10 @@ def test_run_cpu_writes_valid_records_and_validate_catches_truncation(tmp_path, 
     assert files[0].name in _err_line(capsys)
 
 
-def test_dry_run_prints_the_plan_and_touches_no_model(capsys):
+def test_dry_run_prints_what_would_run_and_touches_no_model(capsys):
     assert main(["run", "TRAIN-LOCAL-BACKWARD", "--mode", "dry_run", "--workload", "qwen05-b2s512"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["workload"] == "qwen05-b2s512" and "rmsnorm" in plan["candidates"]
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["workload"] == "qwen05-b2s512" and "rmsnorm" in dry["candidates"]
 
 
 def test_preflight_reports_json_status(capsys):
@@ -103,7 +103,7 @@ def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
     assert f.name in line and "evidence_level" in line
 
 
-# --- the GPU suite: workload, plan totals, records saved as made, failures ----------------
+# --- the GPU suite: workload, dry-run totals, records saved as made, failures ----------------
 
 def _suite_ids():
     from bp_mech.records import registry
@@ -111,15 +111,15 @@ def _suite_ids():
     return [e.semantic_id for e in registry.gpu_suite()]
 
 
-def test_suite_dry_run_plans_every_experiment_at_the_given_workload_with_a_total(capsys):
+def test_suite_dry_run_covers_every_experiment_at_the_given_workload_with_a_total(capsys):
     assert main(["run", "--suite", "gpu", "--mode", "dry_run", "--workload", "qwen05-b1s128"]) == 0
     cap = capsys.readouterr()
     doc = json.loads(cap.out)
-    plans, summary = doc["plans"], doc["summary"]
+    plans, summary = doc["dry_runs"], doc["summary"]
     assert [p["semantic_id"] for p in plans] == _suite_ids()
     assert {p["workload"] for p in plans} == {"qwen05-b1s128"}
     per = {p["semantic_id"]: p["modes"]["real_gpu"]["estimated_seconds"] for p in plans}
-    assert summary["estimated_seconds"] == per and summary["no_estimate"] == [] and summary["unplanned"] == []
+    assert summary["estimated_seconds"] == per and summary["no_estimate"] == [] and summary["no_dry_run"] == []
     assert summary["total_estimated_seconds"] == pytest.approx(sum(per.values()), abs=0.051)
     assert f"estimated {summary['total_estimated_seconds']:.0f} s" in cap.err.strip().splitlines()[-1]
 
@@ -127,10 +127,10 @@ def test_suite_dry_run_plans_every_experiment_at_the_given_workload_with_a_total
 def _suite_total(capsys, *args) -> tuple[float, list]:
     assert main(["run", "--suite", "gpu", "--mode", "dry_run", *args]) == 0
     doc = json.loads(capsys.readouterr().out)
-    return doc["summary"]["total_estimated_seconds"], doc["plans"]
+    return doc["summary"]["total_estimated_seconds"], doc["dry_runs"]
 
 
-def test_the_smoke_matrix_plans_about_two_minutes_and_the_full_one_about_six(capsys):
+def test_the_smoke_matrix_is_estimated_at_about_two_minutes_and_the_full_one_at_about_six(capsys):
     """The GPU machine is lent for 15 minutes, each call at most 10: the smoke phase (every code path
     once, few steps; nine experiments, each building its model at least once) must plan within about
     two minutes, the full matrix within about six and a half, well within one call, leaving time for
@@ -144,10 +144,10 @@ def test_the_smoke_matrix_plans_about_two_minutes_and_the_full_one_about_six(cap
     assert (ck["timed_rounds"], ck["warmup_rounds"]) == SMOKE_SCHEDULE
 
 
-def test_suite_dry_run_goes_on_past_a_plan_that_cannot_be_made(capsys, monkeypatch):
+def test_suite_dry_run_goes_on_past_one_that_cannot_be_made(capsys, monkeypatch):
     from bp_mech.records import registry
 
-    ids, real_plan = _suite_ids(), registry.plan
+    ids, real_plan = _suite_ids(), registry.dry_run
     bad, bare = ids[0], ids[1]
 
     def plan(ctx):
@@ -156,14 +156,14 @@ def test_suite_dry_run_goes_on_past_a_plan_that_cannot_be_made(capsys, monkeypat
         p = real_plan(ctx)
         return {k: v for k, v in p.items() if k != "modes"} if ctx.experiment.semantic_id == bare else p
 
-    monkeypatch.setattr(registry, "plan", plan)
+    monkeypatch.setattr(registry, "dry_run", plan)
     assert main(["run", "--suite", "gpu", "--mode", "dry_run", "--workload", "qwen05-b1s64"]) == 1
     cap = capsys.readouterr()
     summary = json.loads(cap.out)["summary"]
-    assert [u["semantic_id"] for u in summary["unplanned"]] == [bad] and summary["no_estimate"] == [bare]
+    assert [u["semantic_id"] for u in summary["no_dry_run"]] == [bad] and summary["no_estimate"] == [bare]
     assert set(summary["estimated_seconds"]) == set(ids) - {bad, bare}
     err = cap.err.strip().splitlines()
-    assert err[0] == f"bp-mech: {bad}: no plan at qwen05-b1s64: ValueError: cannot derive a sequence length"
+    assert err[0] == f"bp-mech: {bad}: no dry run at qwen05-b1s64: ValueError: cannot derive a sequence length"
     assert len(err) == 2 and "Traceback" not in cap.err and f"no estimate: {bare}" in err[1]
 
 
@@ -301,20 +301,20 @@ def _gpu_suite(tmp_path, preflight: str, *args, script=ROOT / "tools" / "gpu_sui
                           timeout=300, env=env)
 
 
-def test_gpu_suite_script_dry_run_writes_plans_logs_and_phase_times(tmp_path):
+def test_gpu_suite_script_dry_run_writes_dry_runs_logs_and_phase_times(tmp_path):
     p = _gpu_suite(tmp_path, "ok", "--phases", "smoke", "--smoke-workload", "qwen05-b1s64")
     out = tmp_path / "out"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "mode dry_run" in p.stdout.splitlines()[0]
     assert json.loads((out / "preflight.json").read_text()) == {"status": "ok"}
-    plan = json.loads((out / "plan-smoke.json").read_text())
-    assert [q["semantic_id"] for q in plan["plans"]] == _suite_ids()
-    assert {q["workload"] for q in plan["plans"]} == {"qwen05-b1s64"}
+    dry = json.loads((out / "dry-run-smoke.json").read_text())
+    assert [q["semantic_id"] for q in dry["dry_runs"]] == _suite_ids()
+    assert {q["workload"] for q in dry["dry_runs"]} == {"qwen05-b1s64"}
     log = (out / "smoke.log").read_text()
     assert "== phase smoke: start" in log and "0 record(s) valid" in log and "stub: refused" not in log
-    assert (out / "records" / "smoke").is_dir() and not (out / "plan-full.json").exists()
+    assert (out / "records" / "smoke").is_dir() and not (out / "dry-run-full.json").exists()
     phases = (out / "phases.txt").read_text().splitlines()
-    assert len(phases) == 1 and phases[0].startswith("== phase smoke: plan rc 0, rc 0, validate rc 0, 0 record(s)")
+    assert len(phases) == 1 and phases[0].startswith("== phase smoke: dry run rc 0, rc 0, validate rc 0, 0 record(s)")
 
 
 def test_gpu_suite_script_stops_on_a_failed_preflight(tmp_path):

@@ -1,6 +1,6 @@
 """Part 02 · 56, the mechanism (``bp_mech.continual_pretrain``, ``bp_mech.training_state``): the per-token loss
 against Transformers' own, the data stream, the clock under skipped updates, bit-for-bit resume from disk,
-the atomic save, every kind of bad checkpoint (one CheckpointError line, nothing loaded), and the exercise
+the atomic save, every kind of bad saved state (one TrainingStateError line, nothing loaded), and the exercise
 checks against the classic mistakes (mutants). The experiment: tests/experiments/test_continual_pretrain.py."""
 
 import copy
@@ -32,7 +32,7 @@ def trainer(seed=0, w=W, cfg=CFG, **config):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A run of 6 updates that saved its state at update 3 (``root``), and its losses after it."""
-    root = tmp_path_factory.mktemp("ckpt")
+    root = tmp_path_factory.mktemp("state")
     t = trainer()
     run = cpt.domain_run(t, {}, (), 6, {3}, lambda tr: ts.save_training_state(tr, root, WL, dict(semantic_id="X")))
     return root, [r["loss"] for r in run["steps"][3:]], [p.detach().clone() for p in t.model.parameters()]
@@ -84,7 +84,7 @@ def test_resume_from_disk_is_bit_for_bit(saved):
     root, want, final = saved
     assert (root / "latest").read_text().strip() == "step-000003"
     fresh = trainer(seed=1)
-    m = ts.load_training_state(fresh, root, WL, "X")  # the root: 'latest' names the checkpoint
+    m = ts.load_training_state(fresh, root, WL, "X")  # the root: 'latest' names the saved state
     assert m["clock"] == dict(updates=3, skipped=0) and m["data_position"]["position"] == 3
     assert set(m) == set(ts.FIELDS) and set(m["files"]) == set(ts.FILES)
     got = [r["loss"] for r in cpt.train(fresh, 6)]
@@ -124,43 +124,43 @@ def test_a_killed_save_leaves_the_previous_checkpoint(saved, tmp_path, monkeypat
     assert (root / "latest").read_text().strip() == "step-000005-1"
 
 
-def _corrupt(ckpt, how):
-    """Break a copy of a checkpoint; keep the manifest's sizes and hashes right where the break is elsewhere."""
-    state = json.loads((ckpt / "state.json").read_text())
+def _corrupt(directory, how):
+    """Break a copy of a saved state; keep the manifest's sizes and hashes right where the break is elsewhere."""
+    state = json.loads((directory / "state.json").read_text())
 
     def refresh(name):
-        state["files"][name] = dict(bytes=(ckpt / name).stat().st_size, sha256=ts._sha256(ckpt / name))
+        state["files"][name] = dict(bytes=(directory / name).stat().st_size, sha256=ts._sha256(directory / name))
 
     if how == "truncated weights":
-        data = (ckpt / "model.safetensors").read_bytes()
-        (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+        data = (directory / "model.safetensors").read_bytes()
+        (directory / "model.safetensors").write_bytes(data[: len(data) // 2])
     elif how == "flipped byte":
-        data = bytearray((ckpt / "model.safetensors").read_bytes())
+        data = bytearray((directory / "model.safetensors").read_bytes())
         data[-1] ^= 1
-        (ckpt / "model.safetensors").write_bytes(bytes(data))
+        (directory / "model.safetensors").write_bytes(bytes(data))
     elif how == "missing field":
         del state["clock"]
     elif how == "optimizer of another layout":
-        opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+        opt = torch.load(directory / "optimizer.pt", weights_only=True)
         opt["state"][0], opt["state"][1] = opt["state"][1], opt["state"][0]  # (384, 64) and (64,) moments swapped
-        torch.save(opt, ckpt / "optimizer.pt")
+        torch.save(opt, directory / "optimizer.pt")
         refresh("optimizer.pt")
     elif how == "optimizer with fewer parameters":
-        opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+        opt = torch.load(directory / "optimizer.pt", weights_only=True)
         opt["param_groups"][0]["params"] = opt["param_groups"][0]["params"][:-1]
-        torch.save(opt, ckpt / "optimizer.pt")
+        torch.save(opt, directory / "optimizer.pt")
         refresh("optimizer.pt")
     elif how == "weights missing a tensor":
         from safetensors.torch import load_file, save_file
 
-        w = load_file(ckpt / "model.safetensors")
+        w = load_file(directory / "model.safetensors")
         w.pop("model.norm.weight")
-        save_file(w, ckpt / "model.safetensors", metadata={"format": "pt"})
+        save_file(w, directory / "model.safetensors", metadata={"format": "pt"})
         refresh("model.safetensors")
     elif how == "bad json":
-        (ckpt / "state.json").write_text("{\"format\": ")
+        (directory / "state.json").write_text("{\"format\": ")
         return
-    (ckpt / "state.json").write_text(json.dumps(state))
+    (directory / "state.json").write_text(json.dumps(state))
 
 
 @pytest.mark.parametrize("how, needle", [
@@ -173,35 +173,35 @@ def _corrupt(ckpt, how):
     ("bad json", "not valid JSON"),
 ])
 def test_a_bad_checkpoint_is_one_line_and_loads_nothing(saved, tmp_path, how, needle):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(saved[0] / "step-000003", ckpt)
-    _corrupt(ckpt, how)
+    state = tmp_path / "state"
+    shutil.copytree(saved[0] / "step-000003", state)
+    _corrupt(state, how)
     fresh = trainer(seed=1)
     before = _snapshot(fresh)
-    with pytest.raises(ts.CheckpointError) as e:
-        ts.load_training_state(fresh, ckpt, WL)
-    assert needle in str(e.value) and str(ckpt) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ts.TrainingStateError) as e:
+        ts.load_training_state(fresh, state, WL)
+    assert needle in str(e.value) and str(state) in str(e.value) and "\n" not in str(e.value)
     after = _snapshot(fresh)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1:] == after[1:]
 
 
 @pytest.mark.parametrize("other, workload, needle", [
     (lambda: trainer(w=parse_workload("tiny-b1s32")), "tiny-b1s32",
-     "field 'workload.workload_id' is 'tiny-b1s16' in the checkpoint but 'tiny-b1s32' in this run"),
-    (lambda: trainer(num_hidden_layers=1), "tiny-b1s16", "field 'model_config.num_hidden_layers' is 2 in the checkpoint but 1"),
+     "field 'workload.workload_id' is 'tiny-b1s16' in the saved state but 'tiny-b1s32' in this run"),
+    (lambda: trainer(num_hidden_layers=1), "tiny-b1s16", "field 'model_config.num_hidden_layers' is 2 in the saved state but 1"),
     (lambda: trainer(cfg=cpt.TrainConfig(updates=6, lr=1e-3, warmup=2, decay=2)), "tiny-b1s16", "field 'train_config.lr'"),
 ], ids=["another-workload", "another-model-config", "another-train-config"])
 def test_a_checkpoint_of_another_run_is_refused(saved, other, workload, needle):
-    with pytest.raises(ts.CheckpointError, match=needle):
+    with pytest.raises(ts.TrainingStateError, match=needle):
         ts.load_training_state(other(), saved[0], workload_fields(parse_workload(workload)), "X")
 
 
 def test_a_checkpoint_of_another_experiment_is_refused(saved):
-    with pytest.raises(ts.CheckpointError, match="record.semantic_id"):
+    with pytest.raises(ts.TrainingStateError, match="record.semantic_id"):
         ts.load_training_state(trainer(seed=1), saved[0], WL, "TRAIN-BASELINE")
 
 
-def test_the_checkpoint_directory_is_a_transformers_model(saved):
+def test_the_state_directory_is_a_transformers_model(saved):
     from transformers import Qwen2ForCausalLM
 
     t = trainer(seed=1)

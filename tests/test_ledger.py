@@ -1,31 +1,32 @@
 """Part 02 · 43, the mechanism: the formula (``bp_mech.ledger``) agrees with the measured and the
 fake-tensor ledger (``bp_mech.bench.lifecycle``) per stage and per class, the classes mean what they
-say, the strategies train the same, and the exercise checks catch the classic mistakes."""
+say, and the exercise checks catch the classic mistakes. (The tracker's own behaviour on the one step:
+tests/bench/test_lifecycle.py.)"""
 
-import gc
+import re
 import types
-import weakref
 
 import pytest
-import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle as ledger_measure
-from bp_mech.experiments import ledger as experiment
-from bp_mech.bench.tracking import PeakMemory, StorageTracker
-from bp_mech.bench.workload import ARCHITECTURES, build_model, make_batches, parse_workload
+from bp_mech.bench import lifecycle
+from bp_mech.bench.step import StepOptions
+from bp_mech.bench.strategy import parse
+from bp_mech.bench.workload import ARCHITECTURES, parse_workload
 from bp_mech.checks import ex43
+from bp_mech.experiments import ledger as experiment
 
 TINY = parse_workload("tiny-b2s64")
+STRATEGIES = experiment.CANDIDATES  # plain, checkpoint-all, offload, fp16, micro2: what the formula models
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return {s: ledger_measure.track(TINY, ledger.LedgerConfig(strategy=s)) for s in ledger.STRATEGIES}
+    return {s: lifecycle.track(TINY, parse(s)) for s in STRATEGIES}
 
 
-def _formula(w, cfg, device="cpu"):
-    return ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, cfg, device)
+def _formula(w, s, device="cpu", options=StepOptions()):
+    return experiment.formula(ARCHITECTURES[w.arch], w.batch, w.seq, parse(s), device, options)
 
 
 def _assert_agrees(formula, led):
@@ -36,9 +37,9 @@ def _assert_agrees(formula, led):
     return line
 
 
-@pytest.mark.parametrize("strategy", ledger.STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_formula_matches_the_measured_ledger_per_stage_and_per_class(measured, strategy):
-    line = _assert_agrees(_formula(TINY, ledger.LedgerConfig(strategy=strategy)), measured[strategy])
+    line = _assert_agrees(_formula(TINY, strategy), measured[strategy])
     # the large lines are checked where they are large: the step's master state everywhere...
     assert {"forward/parameters", "forward/optimizer_states", "backward/gradients",
             "optimizer_peak/gradients", "zero_grad/optimizer_states"} <= set(line)
@@ -52,80 +53,56 @@ def test_formula_matches_the_measured_ledger_per_stage_and_per_class(measured, s
 def test_formula_follows_the_offload_threshold(min_bytes):
     """Part 02 · 42's ActivationOffload keeps the storages under ``min_bytes`` on the device: none (0),
     the 1/rms vectors and targets, and (1 MiB) every activation of tiny: then offload saves nothing."""
-    cfg = ledger.LedgerConfig(strategy="offload", offload_min_bytes=min_bytes)
-    led = ledger_measure.track(TINY, cfg)
-    _assert_agrees(_formula(TINY, cfg), led)
+    options = StepOptions(offload_min_bytes=min_bytes)
+    led = lifecycle.track(TINY, parse("offload"), options=options)
+    _assert_agrees(_formula(TINY, "offload", options=options), led)
     saved = led.stages["forward"]["saved_activations"]
-    plain = ledger_measure.track(TINY).stages["forward"]
+    plain = lifecycle.track(TINY).stages["forward"]
     assert (saved == 0) == (min_bytes == 0) and (saved == plain["saved_activations"]) == (min_bytes == 2**20)
 
 
-@pytest.mark.parametrize("strategy", ledger.STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_fake_tensor_step_is_counted_as_the_real_one(measured, strategy):
     """One tracker, one offload class, real or fake tensors: at tiny the estimate is the measured ledger
     byte for byte (stages, classes, host, forward peak), but for AMP's GradScaler, which runs only on
     real tensors: its scalars (found_inf, the inverse scale: 4 bytes each) are "other" bytes the
     estimate lacks."""
-    est, meas = ledger_measure.track(TINY, ledger.LedgerConfig(strategy=strategy), fake=True), measured[strategy]
+    est, meas = lifecycle.track(TINY, parse(strategy), fake=True), measured[strategy]
     assert (est.host, est.forward_peak) == (meas.host, meas.forward_peak)
     for stage in ledger.STAGES:
         diff = {c: meas.stages[stage][c] - est.stages[stage][c] for c in ledger.CLASSES}
         scaler = diff.pop("other")
-        assert set(diff.values()) == {0} and (scaler == 0 if strategy != "amp" else 0 <= scaler <= 8), (stage, diff)
+        assert set(diff.values()) == {0} and (scaler == 0 if strategy != "fp16" else 0 <= scaler <= 8), (stage, diff)
 
 
-def test_what_offload_moves_arrives_on_the_host(measured):
-    """Saved activations and logits the offload moved are exactly the host bytes in use after the forward."""
-    plain, off = measured["plain"].stages["forward"], measured["offload"]
-    moved = sum(plain[c] - off.stages["forward"][c] for c in ("saved_activations", "logits_loss"))
-    assert off.host["forward"] == moved > 0 and off.host["load"] == 0
-
-
-def test_host_buffers_are_host_bytes_even_when_allocated_inside_the_step():
-    """The offload's pool allocates its host buffers under ``tracking.host_side()`` in its first step; the
-    tracker books them as host bytes (never as device bytes) there as in a steady step that reuses them."""
-    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
-    cfg = ledger.LedgerConfig(strategy="offload")
-    opt = ledger_measure.make_optimizer(model.parameters(), cfg, "cpu")
-    hooks = ledger_measure.offload_hooks(model, cfg, "cpu")
-    seen = []
-    for _ in range(2):  # first step: the pool allocates; second: it reuses its buffers
-        tr = StorageTracker("cpu")
-        with tr:
-            ledger_measure.train_step(model, opt, batch, cfg, tr, hooks=hooks)
-        seen.append((tr.marks["forward"][0], sum(tr.host.values()), tr.marks["forward"][2]))
-    (dev1, host1, in_use1), (dev2, host2, in_use2) = seen
-    assert dev1 == dev2 and host1 == host2 == hooks.pool.allocated > 0 and in_use1 == in_use2 > 0
-
-
-@pytest.mark.parametrize("strategy", ["plain", "amp"])
+@pytest.mark.parametrize("strategy", ["plain", "fp16"])
 def test_formula_follows_the_peak_to_the_end_of_the_backward(strategy):
     """Short sequences: the tied embedding's three gradient-sized tensors set the peak."""
     w = parse_workload("tiny-b1s32")
-    formula = _formula(w, ledger.LedgerConfig(strategy=strategy))
+    formula = _formula(w, strategy)
     assert formula.moment.startswith("the end of the backward")
-    _assert_agrees(formula, ledger_measure.track(w, ledger.LedgerConfig(strategy=strategy)))
+    _assert_agrees(formula, lifecycle.track(w, parse(strategy)))
 
 
 def test_fused_adamw_updates_in_place():
     """The GPU runs' AdamW is fused: no temporaries, its step counters on the device; the CPU has the
     kernel too, so the formula's fused line is checked on real tensors here."""
-    cfg = ledger.LedgerConfig(adamw="fused")
-    led = ledger_measure.track(TINY, cfg)
-    _assert_agrees(_formula(TINY, cfg), led)
+    options = StepOptions(adamw="fused")
+    led = lifecycle.track(TINY, options=options)
+    _assert_agrees(_formula(TINY, "plain", options=options), led)
     assert led.total("optimizer_peak") == led.total("backward")
-    foreach = ledger_measure.track(TINY)
+    foreach = lifecycle.track(TINY)
     assert foreach.total("optimizer_peak") - foreach.total("backward") == ledger.param_bytes(ARCHITECTURES["tiny"])
 
 
-@pytest.mark.parametrize("strategy", ledger.STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_formula_matches_the_fake_tensor_estimate_at_qwen05(strategy):
     """The full Qwen2.5-0.5B step under fake tensors, with the GPU's settings (fused AdamW, offload
     threshold 1 MiB), per stage and per class."""
     w = parse_workload("qwen05-b2s512")
-    cfg = ledger.LedgerConfig(strategy=strategy).for_device("cuda")
-    est = ledger_measure.track(w, cfg, fake=True)
-    _assert_agrees(_formula(w, cfg, "cuda"), est)
+    options = StepOptions().for_device("cuda")
+    est = lifecycle.track(w, parse(strategy), fake=True, options=options)
+    _assert_agrees(_formula(w, strategy, "cuda", options), est)
     if strategy == "plain":  # the lines the chapter names: fp32 log-softmax output B*T*V*4, 2P of AdamW
         assert est.stages["forward"]["logits_loss"] >= 4 * w.batch * w.seq * 151936
         assert est.stages["zero_grad"]["optimizer_states"] >= 2 * ledger.param_bytes(ARCHITECTURES["qwen05"])
@@ -140,16 +117,6 @@ def test_layer_storages_sum_to_the_block_formula():
         assert sum(ledger.layer_saved_storages(a, 2, 64)) == ledger.block_saved_bytes(a, 2, 64)
 
 
-def test_tracker_peak_equals_the_shared_peak_memory_tool():
-    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
-    opt = ledger_measure.make_optimizer(model.parameters(), ledger.LedgerConfig(), "cpu")
-    ledger_measure.train_step(model, opt, batch, ledger.LedgerConfig(), StorageTracker("cpu"))  # warm-up
-    state = [v for st in opt.state.values() for v in st.values()]
-    with PeakMemory("cpu", resident=[model.parameters(), model.buffers(), state, batch.values()]) as pm:
-        ledger_measure.train_step(model, opt, batch, ledger.LedgerConfig(), StorageTracker("cpu"))
-    assert pm.peak_allocated == ledger_measure.track(TINY).peak
-
-
 def test_classes_mean_what_they_say(measured):
     P = ledger.param_bytes(ARCHITECTURES["tiny"])
     plain = measured["plain"].stages
@@ -159,54 +126,11 @@ def test_classes_mean_what_they_say(measured):
     assert plain["forward"]["saved_activations"] > 0 and plain["forward"]["gradients"] == 0
     off = measured["offload"]
     assert 0 < off.stages["forward"]["saved_activations"] < plain["forward"]["saved_activations"] / 100
-    ck = measured["checkpoint"].stages["forward"]["saved_activations"]
+    ck = measured["checkpoint-all"].stages["forward"]["saved_activations"]
     assert ck < plain["forward"]["saved_activations"] / 4  # only the layer inputs stay
-    amp = measured["amp"].stages["forward"]
+    amp = measured["fp16"].stages["forward"]
     assert amp["parameters"] > plain["forward"]["parameters"]  # autocast's half-precision weight copies
-    assert measured["accumulation"].stages["forward"]["gradients"] == P  # micro-batch 1's gradients wait
-
-
-LR = 1e-3  # the learning rate of the equality test's single AdamW update
-ADAM_EPS = 1e-8  # torch's default AdamW eps
-GRAD_RTOL = 1e-5  # float32 reordering: a gradient may differ by this relative to its tensor's max |g|
-
-
-def _one_update(strategy):
-    """One AdamW update of ``strategy`` from the same weights: loss, the gradients the update used
-    (copied by a step pre-hook, i.e. before it), and the parameters before and after."""
-    from bp_mech import checkpointing
-    
-    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
-    cfg = ledger.LedgerConfig(strategy=strategy, lr=LR)
-    opt = ledger_measure.make_optimizer(model.parameters(), cfg, "cpu")
-    grads, before = [], [p.detach().clone() for p in model.parameters()]
-    opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.detach().clone() for p in model.parameters()))
-    hooks = ledger_measure.offload_hooks(model, cfg, "cpu") if strategy == "offload" else None
-    with checkpointing.configure(model, cfg.checkpoint):
-        loss = ledger_measure.train_step(model, opt, batch, cfg, StorageTracker("cpu"), hooks=hooks)
-    return loss, grads, before, [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.mark.parametrize("strategy", ["checkpoint", "offload", "accumulation"])
-def test_memory_strategies_train_the_same_as_plain(strategy):
-    """Compared where the comparison is well-conditioned. The gradients: equal up to float32
-    reordering (accumulation sums two micro-batches; other CPUs' kernels order sums differently).
-    The update: AdamW's first step moves an element by lr * g / (|g| + eps) (m_hat = g, v_hat = g^2),
-    so where |g| is near eps a reordering-sized change of g (even of its sign) moves the update by up
-    to 2 lr: there only that bound holds. Where |g| >= 1000 eps and |g| exceeds the gradient's
-    tolerance (no sign change), the update moves by lr * (eps / |g|) * (dg / |g|) <= lr * 1e-3, plus
-    the rounding of p."""
-    loss0, g0, _, p0 = _one_update("plain")
-    loss1, g1, _, p1 = _one_update(strategy)
-    assert torch.allclose(loss0, loss1, rtol=1e-5, atol=0)  # float32: reordering only
-    f32 = torch.finfo(torch.float32).eps
-    for g, h, a, b in zip(g0, g1, p0, p1):
-        tol = GRAD_RTOL * g.abs().max()
-        assert (h - g).abs().max() <= tol, ((h - g).abs().max() / g.abs().max()).item()
-        diff = (b - a).abs()  # both updates start from the same weights
-        assert diff.max() <= 2 * LR * (1 + 1e-6) + 4 * f32 * a.abs().max()
-        sure = (g.abs() >= 1000 * ADAM_EPS) & (g.abs() >= tol)
-        assert (diff[sure] <= LR * 1e-3 + 4 * f32 * a.abs()[sure]).all(), (diff[sure] / LR).max().item()
+    assert measured["micro2"].stages["forward"]["gradients"] == P  # micro-batch 1's gradients wait
 
 
 def test_formula_exposes_the_gpt_constant_gap():
@@ -220,69 +144,27 @@ def test_formula_exposes_the_gpt_constant_gap():
     assert abs(s * b * h * (34 + 5 * a * s / h) - measured) / measured > 0.05
 
 
-# --- the CUDA paths, exercised on the CPU ---------------------------------------------
-
-
-
-def test_tracker_reads_the_allocator_around_every_phase(fake_cuda):
-    """On CUDA a phase's start resets the allocator's peak and the next start reads it (after a
-    synchronize); a stage mark reads the allocated bytes. The device decides; tensors stay on the CPU."""
-    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tr = StorageTracker("cuda")
-    ledger_measure.train_step(model, opt, batch, ledger.LedgerConfig(), tr)
-    mark = ["synchronize", "memory_allocated"]
-    read = ["synchronize", "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"]
-    # start forward, mark forward, start backward, mark backward, start optimizer, start zero_grad, mark, idle
-    assert fake_cuda == ["reset_peak_memory_stats"] + mark + read + mark + read + read + mark + read
-    phases = ("forward", "backward", "optimizer", "zero_grad")
-    assert set(tr.allocator) == {"forward", "backward", "zero_grad"} | {f"{p}_{k}" for p in phases
-                                                                       for k in ("peak", "reserved")}
-
-
-def test_the_tracker_lets_the_model_go_after_a_step():
-    """The allocator counts every live tensor: a tracker (kept alive by its own weakref callbacks
-    until the cycle collector runs) must not hold the autograd graph, which holds every parameter."""
-    model, batch = build_model(TINY), make_batches(TINY, 1)[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tr = StorageTracker("cpu")
-    with tr:
-        ledger_measure.train_step(model, opt, batch, ledger.LedgerConfig(), tr)
-    param = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
-    del model, opt
-    gc.collect()
-    assert param() is None and not tr.loss_nodes
-
-
-def test_a_skipped_warm_up_step_is_retried_and_counted(monkeypatch):
-    """AMP: a step the GradScaler skips (inf/NaN) allocates no AdamW state. track() warms up again,
-    so the measured step is still steady-state, and the skip is counted."""
-    class SkipOnce(torch.amp.GradScaler):  # an infinite first scale: the first step overflows
-        def __init__(self, device):
-            super().__init__(device, init_scale=float("inf"))
-
-        def update(self, new_scale=None):
-            super().update(2.0**16 if self.get_scale() == float("inf") else new_scale)
-
-    monkeypatch.setattr(torch.amp, "GradScaler", SkipOnce)
-    led = ledger_measure.track(TINY, ledger.LedgerConfig(strategy="amp"))
-    assert (led.updates, led.skipped, led.finite) == (3, 1, True)
-    formula = ledger.theoretical(ARCHITECTURES["tiny"], TINY.batch, TINY.seq, ledger.LedgerConfig(strategy="amp"))
-    assert max(abs(e) for e in experiment.stage_errors(formula, led).values()) <= experiment.STAGE_TOL
-
-
 def test_formula_on_cuda_counts_the_step_counters_where_adamw_keeps_them():
     """Fused (the GPU runs' default): counters on the device, no temporaries. foreach on CUDA: the
     counters are host scalars, and the update takes one temporary per tensor (W in all)."""
     a = ARCHITECTURES["qwen05"]
-    cpu, fused, foreach = (ledger.theoretical(a, 2, 512, ledger.LedgerConfig(adamw=f), dev)
+    cpu, fused, foreach = (ledger.theoretical(a, 2, 512, None, dev, adamw=f)
                            for f, dev in (("foreach", "cpu"), ("fused", "cuda"), ("foreach", "cuda")))
     n_tensors = 2 + a["num_hidden_layers"] * 12  # embedding (tied), final norm, 12 per layer
     assert cpu.total("zero_grad") == fused.total("zero_grad") == foreach.total("zero_grad") + 4 * n_tensors
     assert fused.total("optimizer_peak") == fused.total("backward")
     assert foreach.total("optimizer_peak") == foreach.total("backward") + ledger.param_bytes(a)
-    assert ledger.theoretical(a, 2, 512, ledger.LedgerConfig(), "cuda").stages == fused.stages  # fused by default
-    assert ledger.LedgerConfig().for_device("cpu").adamw == "foreach"
+    assert ledger.theoretical(a, 2, 512, None, "cuda").stages == fused.stages  # fused by default
+    assert StepOptions().for_device("cpu").adamw == "foreach"
+
+
+def test_the_formula_says_which_strategies_it_models():
+    assert all(ledger.unmodelled(parse(s)) is None for s in STRATEGIES)
+    for name, why in (("chunked-loss", "chunked loss"), ("checkpoint-mlp", "every decoder layer or none"),
+                      ("checkpoint-all+offload", "one strategy at a time")):
+        assert why in ledger.unmodelled(parse(name))
+        with pytest.raises(ValueError, match=re.escape(f"no formula for '{name}'")):
+            ledger.theoretical(ARCHITECTURES["tiny"], 2, 64, parse(name))
 
 
 # --- the exercise checks catch the classic mistakes -----------------------------------

@@ -8,13 +8,13 @@
 #   full   every GPU experiment at its default workload (the GPU matrix), run label gpu-default
 # Default: smoke only. --full: smoke then full. --phases full (or PHASES=full): full only.
 #
-# Under OUT: preflight.json; per phase plan-<phase>.json (its dry-run plan and estimate), <phase>.log,
+# Under OUT: preflight.json; per phase dry-run-<phase>.json (its dry run and estimate), <phase>.log,
 # records/<phase>/*.json (plain JSON records, validated after the phase); phases.txt (rc and wall time
 # of each phase). Exit: 2 when preflight fails (nothing runs), else 1 when a phase failed, else 0.
 #
 # Environment: PYTHON (default python3); PHASES (as --phases); PHASE_TIMEOUT_S (stop a phase with
 # SIGINT after that many seconds, so a call limit never kills the validation; default none);
-# BP_MECH_SUITE_MODE=dry_run (plan instead of running: the whole script without CUDA, for tests).
+# BP_MECH_SUITE_MODE=dry_run (a dry run instead of running: the whole script without CUDA, for tests).
 # Sets HF_HUB_OFFLINE=1 (pretrained weights come from the local cache or not at all), PYTHONPATH=src
 # and BP_MECH_GIT_COMMIT (git rev-parse HEAD, else the file GIT_COMMIT at the repo root, else unset: null in the records).
 # Then, on the book's machine: cp OUT/records/full/*.json book/results/ && bp-mech results validate
@@ -67,9 +67,9 @@ for phase in $phases; do
   if [ "$phase" = smoke ]; then args=(--workload "$smoke_workload" --run-label gpu-smoke --smoke); else args=(); fi
   records=$out/records/$phase log=$out/$phase.log
   mkdir -p "$records"
-  "$py" -m bp_mech run --suite gpu --mode dry_run "${args[@]}" "${extra[@]}" > "$out/plan-$phase.json" 2> "$log"
+  "$py" -m bp_mech run --suite gpu --mode dry_run "${args[@]}" "${extra[@]}" > "$out/dry-run-$phase.json" 2> "$log"
   prc=$?
-  tail -n 1 "$log"  # the plan's summary line: the estimate of this phase (or why there is none)
+  tail -n 1 "$log"  # the dry run's summary line: the estimate of this phase (or why there is none)
   echo "== phase $phase: start $(date -u +%FT%TZ)" | tee -a "$log"
   start=$SECONDS
   "${limit[@]}" "$py" -m bp_mech run --suite gpu --mode "$mode" "${args[@]}" --out "$records" "${extra[@]}" 2>&1 \
@@ -79,7 +79,7 @@ for phase in $phases; do
   "$py" -m bp_mech results validate "$records" 2>&1 | tee -a "$log"
   vrc=${PIPESTATUS[0]}
   n=$(find "$records" -name '*.json' | wc -l)
-  echo "== phase $phase: plan rc $prc, rc $rc, validate rc $vrc, $n record(s), wall $wall s, end $(date -u +%FT%TZ)" \
+  echo "== phase $phase: dry run rc $prc, rc $rc, validate rc $vrc, $n record(s), wall $wall s, end $(date -u +%FT%TZ)" \
     | tee -a "$log" "$out/phases.txt"
   [ $rc -ne 0 ] || [ $vrc -ne 0 ] && status=1
 done

@@ -21,7 +21,7 @@ from bp_mech.records import provenance, registry, results
 from bp_mech.records.environment import ProfileError, check_profile, cuda_available, preflight
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.bench.oom import release_memory
-from bp_mech.training_state import CheckpointError
+from bp_mech.training_state import TrainingStateError
 from bp_mech.bench.workload import WorkloadError, model_commit, parse_workload
 
 
@@ -89,12 +89,12 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
                                 options=options,
                                 on_record=save_now if out is not None and mode != "dry_run" else None, smoke=smoke)
     if mode == "dry_run":
-        print(json.dumps(registry.plan(ctx), indent=1, default=str, ensure_ascii=False))
+        print(json.dumps(registry.dry_run(ctx), indent=1, default=str, ensure_ascii=False))
         return 0
     if ctx.workload.source == "pretrained":
         model_commit(ctx.workload)  # resolve the snapshot now: a missing cache is one line, exit 2
     if ctx.options and hasattr(mod := ctx.experiment.load(), "check_options"):
-        mod.check_options(ctx)  # a missing text file, a bad checkpoint: one line, exit 2, before anything runs
+        mod.check_options(ctx)  # a missing text file, a bad saved state: one line, exit 2, before anything runs
     print(f"== {ctx.experiment.semantic_id} ({ctx.experiment.page}) on {ctx.workload.workload_id}, "
           f"mode {mode}", file=sys.stderr)
     recs = registry.run(ctx)
@@ -121,22 +121,22 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
-def plan_suite(suite: str, exps: list, workload: str | None, run_label: str | None, source: dict | None,
-               smoke: bool = False) -> int:
-    """Every experiment's plan and the suite's total planning estimate, as ONE JSON document
-    ``{"plans": [...], "summary": {...}}`` on stdout and a summary line on stderr. An experiment
-    whose plan cannot be made at ``workload`` gets one line and the rest go on (exit 1)."""
+def dry_run_suite(suite: str, exps: list, workload: str | None, run_label: str | None, source: dict | None,
+                  smoke: bool = False) -> int:
+    """Every experiment's dry run and the suite's total estimate, as ONE JSON document
+    ``{"dry_runs": [...], "summary": {...}}`` on stdout and a summary line on stderr. An experiment whose
+    dry run cannot be made at ``workload`` gets one line and the rest go on (exit 1)."""
     key, label = SUITE_ESTIMATE_MODE[suite], run_label or f"{suite}-default"
-    plans, seconds, no_estimate, unplanned = [], {}, [], []
+    runs, seconds, no_estimate, failed = [], {}, [], []
     for e in exps:
         w = workload or (e.gpu_workload if suite == "gpu" else e.cpu_workload)
         try:
-            p = registry.plan(registry.make_context(e.semantic_id, "dry_run", w, label, source=source, smoke=smoke))
+            p = registry.dry_run(registry.make_context(e.semantic_id, "dry_run", w, label, source=source, smoke=smoke))
         except Exception as exc:  # noqa: BLE001 (one line per experiment, then the next)
-            print(f"bp-mech: {e.semantic_id}: no plan at {w}: {_one_line(exc)}", file=sys.stderr)
-            unplanned.append(dict(semantic_id=e.semantic_id, workload=w, error=_one_line(exc)))
+            print(f"bp-mech: {e.semantic_id}: no dry run at {w}: {_one_line(exc)}", file=sys.stderr)
+            failed.append(dict(semantic_id=e.semantic_id, workload=w, error=_one_line(exc)))
             continue
-        plans.append(p)
+        runs.append(p)
         est = ((p.get("modes") or {}).get(key) or {}).get("estimated_seconds")
         if isinstance(est, (int, float)):
             seconds[e.semantic_id] = est
@@ -145,16 +145,16 @@ def plan_suite(suite: str, exps: list, workload: str | None, run_label: str | No
     total = round(sum(seconds.values()), 1)
     summary = dict(suite=suite, estimate_mode=key, workload=workload or "each experiment's default", smoke=smoke,
                    estimated_seconds=seconds, total_estimated_seconds=total, no_estimate=no_estimate,
-                   unplanned=unplanned)
-    print(json.dumps(dict(plans=plans, summary=summary), indent=1, default=str, ensure_ascii=False))
-    line = (f"bp-mech: suite {suite} at {summary['workload']}: {len(plans)} plan(s), estimated {total:.0f} s "
+                   no_dry_run=failed)
+    print(json.dumps(dict(dry_runs=runs, summary=summary), indent=1, default=str, ensure_ascii=False))
+    line = (f"bp-mech: suite {suite} at {summary['workload']}: {len(runs)} dry run(s), estimated {total:.0f} s "
             f"({total / 60:.1f} min) in mode {key}")
     if no_estimate:
         line += f"; no estimate: {', '.join(no_estimate)}"
-    if unplanned:
-        line += f"; no plan: {', '.join(u['semantic_id'] for u in unplanned)}"
+    if failed:
+        line += f"; no dry run: {', '.join(u['semantic_id'] for u in failed)}"
     print(line, file=sys.stderr)
-    return 1 if unplanned else 0
+    return 1 if failed else 0
 
 
 def cmd_run(a) -> int:
@@ -165,7 +165,7 @@ def cmd_run(a) -> int:
     return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, _source(a), a.smoke, _options(a))
 
 
-RUN_OPTIONS = ("domain_text", "holdout_text", "checkpoint_dir", "resume_from")  # experiment options (ctx.options)
+RUN_OPTIONS = ("domain_text", "holdout_text", "state_dir", "resume_from")  # experiment options (ctx.options)
 
 
 def _options(a) -> dict:
@@ -188,11 +188,11 @@ def run_suite(a) -> int:
     if options := _options(a):
         raise UsageError(f"{_flags(options)} applies to one experiment, not a suite")
     mode, source = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu"), _source(a)
-    exps = registry.gpu_suite() if a.suite == "gpu" else [e for e in registry.EXPERIMENTS.values() if e.implemented]
+    exps = registry.gpu_suite() if a.suite == "gpu" else list(registry.EXPERIMENTS.values())
     if a.workload:
         parse_workload(a.workload, **(source or {}))  # bad text or shape: one line, exit 2, nothing run
     if mode == "dry_run":
-        return plan_suite(a.suite, exps, a.workload, a.run_label, source, a.smoke)
+        return dry_run_suite(a.suite, exps, a.workload, a.run_label, source, a.smoke)
     if mode == "real_gpu" and not cuda_available():
         raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")
     if exps and source and source["source"] == "pretrained":  # resolve once, before anything runs
@@ -233,7 +233,7 @@ def cmd_results(a) -> int:
         print(f"{len(items)} record(s) valid in {d}")
         return 0
     for p, r in items:
-        stale = provenance.is_stale(r, registry.get(r.semantic_id).module) if registry.get(r.semantic_id).implemented else True
+        stale = provenance.is_stale(r, registry.get(r.semantic_id).module)
         print(f"{p.name}  {r.evidence_level}  {r.workload_id}  {r.candidate}{'  STALE' if stale else ''}")
     return 0
 
@@ -260,7 +260,7 @@ def cmd_conformance(a) -> int:
         raise UsageError("conformance needs --all-part02")
     rows = []
     for e in registry.EXPERIMENTS.values():
-        if e.implemented and hasattr(mod := e.load(), "conformance"):
+        if hasattr(mod := e.load(), "conformance"):
             rows.append(mod.conformance())
     for r in rows:
         print(f"{'PASS' if r.passed else 'FAIL'}  {r.page:<26} {r.semantic_id:<28} vs {r.reference}: {r.detail}")
@@ -301,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--local-files-only", action="store_true", help="pretrained: never touch the network")
     r.add_argument("--domain-text", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: your domain text file (UTF-8)")
     r.add_argument("--holdout-text", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: your holdout (retention) text file")
-    r.add_argument("--checkpoint-dir", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: keep the training-state checkpoints here")
+    r.add_argument("--state-dir", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: keep the saved training states here")
     r.add_argument("--resume-from", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: resume the 'resumed' candidate from this "
-                   "checkpoint (a step directory, or a --checkpoint-dir whose 'latest' names one)")
+                   "saved training state (a step directory, or a --state-dir whose 'latest' names one)")
     r.set_defaults(fn=cmd_run)
     s = sub.add_parser("results", help="list or validate cached records")
     s.add_argument("action", choices=("list", "validate"))
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, "cmd", None) == "preflight":
             check_profile(a.profile)
         return a.fn(a)
-    except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError, CheckpointError) as e:
+    except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError, TrainingStateError) as e:
         print(f"bp-mech: error: {e}", file=sys.stderr)
         return 2
 

@@ -256,7 +256,7 @@ def domain_run(trainer: Trainer, evals: dict[str, list], eval_at, until: int,
 
 
 def resume_difference(main: dict, resumed: dict, clock: dict, final, got) -> dict:
-    """A resumed ``domain_run`` against the uninterrupted one, from the checkpoint's ``clock``
+    """A resumed ``domain_run`` against the uninterrupted one, from the saved state's ``clock``
     (``{"updates", "skipped"}``): the losses of the steps after it (relative), the evaluations both made
     (absolute) and the final weights ``got`` against ``final`` (relative; 0.0 everywhere: bit for bit)."""
     calls = clock["updates"] + clock["skipped"]

@@ -15,52 +15,27 @@ tracker of ``bp_mech.bench.tracking``); ``bp_mech.experiments.ledger`` compares 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 STAGES = ("load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
 CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
-STRATEGIES = ("plain", "checkpoint", "offload", "amp", "accumulation")
 STAGE_LABELS = dict(load="after model load", forward="after forward", backward_peak="peak in backward",
                     backward="after backward", optimizer_peak="in the optimizer step", zero_grad="after zero_grad")
 CLASS_LABELS = dict(parameters="parameters", gradients="gradients", optimizer_states="optimizer states",
                     saved_activations="saved activations", logits_loss="logits & loss", other="other temporaries")
 
 
-ADAMW_FLAVOURS = ("fused", "foreach")  # AdamW implementations the ledger knows (torch.optim.AdamW flags)
-
-
 @dataclass(frozen=True)
-class LedgerConfig:
-    strategy: str = "plain"  # one of STRATEGIES
-    micro_batches: int = 2  # accumulation: micro-batches per update (must divide the batch)
-    amp_dtype: str = "float16"  # autocast dtype of the amp strategy
-    adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
-    offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
-    lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+class Counts:
+    """What a measured step did, counted: sublayer forwards (recomputes included) and offload copies."""
 
-    def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown ledger strategy {self.strategy!r}; known: {', '.join(STRATEGIES)}")
-        if self.adamw not in (None, *ADAMW_FLAVOURS):
-            raise ValueError(f"unknown AdamW flavour {self.adamw!r}; known: {', '.join(ADAMW_FLAVOURS)}")
-
-    @property
-    def checkpoint(self) -> str:
-        """The Part 02 · 19 candidate (``checkpointing.configure``) the model runs under."""
-        return "checkpoint-all" if self.strategy == "checkpoint" else "plain"
-
-    def for_device(self, device) -> "LedgerConfig":
-        """This config with its defaults resolved for ``device``: the AdamW flavour of
-        ``workload.make_adamw`` and Part 02 · 42's offload threshold ``offload.min_bytes``."""
-        from bp_mech.offload import min_bytes
-
-        cuda = torch.device(device).type == "cuda"
-        return dataclasses.replace(
-            self, adamw=self.adamw or ("fused" if cuda else "foreach"),
-            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes)
+    recomputes: int  # attention and MLP forwards beyond one per micro-batch
+    attn_calls: int  # attention forwards over all layers
+    mlp_calls: int  # MLP forwards over all layers
+    d2h_bytes: int  # bytes the offload copied to the host
+    h2d_bytes: int  # bytes it copied back
 
 
 @dataclass
@@ -78,7 +53,7 @@ class Ledger:
     moment: str | None = None  # formula only: which candidate moment is the backward peak
     updates: int = 0  # optimizer steps run, warm-up included (0: formula)
     skipped: int | None = None  # amp: of those, the ones the GradScaler skipped (inf/NaN)
-    counts: dict[str, int] = field(default_factory=dict)  # measured: sublayer forwards and recomputes, d2h/h2d bytes
+    counts: Counts | None = None  # measured: sublayer forwards and recomputes, offload copies (None: formula)
 
     def total(self, stage: str) -> int:
         return sum(self.stages[stage].values())
@@ -180,9 +155,25 @@ def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -
     return batch * _dims(cfg)["H"] * seq * seq * bytes_per_value
 
 
-def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), device="cpu") -> Ledger:
-    """The formula ledger of one steady-state step (derivation in the chapter), ``cfg`` resolved for
-    ``device`` (``LedgerConfig.for_device``: AdamW flavour, offload threshold).
+def unmodelled(strategy) -> str | None:
+    """Why ``theoretical`` has no formula for ``strategy`` (a ``bench.strategy.Strategy``), or None when
+    it has one: plain, and each of checkpoint-all, offload, fp16 / bf16 and micro<k> alone."""
+    if strategy.chunked_loss is not None:
+        return "the formula has no chunked loss (project 74 derives its own rule for it)"
+    if strategy.checkpoint not in ("plain", "checkpoint-all"):
+        return "the formula checkpoints every decoder layer or none (no selective checkpointing)"
+    parts = [strategy.checkpoint != "plain", strategy.offload, strategy.amp is not None, strategy.micro_batches > 1]
+    if sum(parts) > 1:
+        return "the formula takes one strategy at a time (project 76 measures the combinations)"
+    return None
+
+
+def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu", adamw: str | None = None,
+                offload_min_bytes: int | None = None) -> Ledger:
+    """The formula ledger of one steady-state step (derivation in the chapter) of ``strategy`` (a
+    ``bench.strategy.Strategy``, None: plain; ``unmodelled`` says which it covers) on ``device``, with
+    AdamW ``adamw`` ("fused" | "foreach"; None: fused on CUDA, foreach on the CPU, as ``make_adamw``)
+    and the offload's ``offload_min_bytes`` (None: ``offload.min_bytes(device)``).
 
     n = B T / k tokens per micro-batch, W = ``param_bytes``, M = 2W (+ 4-byte steps), E = 4 V C:
       after load       W (+ the RoPE buffers)
@@ -194,22 +185,29 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
       optimizer step   + W with the foreach AdamW (one temporary per tensor, all at once); + 0 fused
       after zero_grad  W + M
     saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); with
-    offload only the saved storages under ``cfg.offload_min_bytes`` (``layer_saved_storages``), which
+    offload only the saved storages under ``offload_min_bytes`` (``layer_saved_storages``), which
     Part 02 · 42's ``ActivationOffload`` leaves on the device (parameters it keeps cost nothing extra).
     """
+    from bp_mech.offload import min_bytes
+
+    if strategy is not None and (why := unmodelled(strategy)):
+        raise ValueError(f"no formula for {strategy.name!r}: {why}")
+    on_cpu = torch.device(device).type == "cpu"
+    fused = (adamw or ("foreach" if on_cpu else "fused")) == "fused"
+    threshold = min_bytes(device) if offload_min_bytes is None else offload_min_bytes
+    kind = "plain" if strategy is None else ("checkpoint" if strategy.checkpoint != "plain" else
+                                           "offload" if strategy.offload else "amp" if strategy.amp else
+                                           "accumulation" if strategy.micro_batches > 1 else "plain")
+    name = "plain" if strategy is None else strategy.name
     d = _dims(arch)
     C, Ckv, I, V, L, hd = d["C"], d["Ckv"], d["I"], d["V"], d["L"], d["hd"]
-    strategy = cfg.strategy
-    k = cfg.micro_batches if strategy == "accumulation" else 1
-    b, n, amp = batch // k, batch * seq // k, strategy == "amp"  # per micro-batch
+    k = strategy.micro_batches if kind == "accumulation" else 1
+    b, n, amp = batch // k, batch * seq // k, kind == "amp"  # per micro-batch
     W = param_bytes(arch)  # weights = gradients (fp32)
     n_tensors = 2 + L * 12 + (0 if d["tied"] else 1)
     params = W + 4 * hd  # + RoPE inv_freq buffers
     wl = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * I) if amp else 0  # autocast's half weight copies, per layer
     wcopy = L * wl + (2 * V * C if amp else 0)  # + lm_head's; each is freed by its layer's backward
-    cfg = cfg.for_device(device)
-    fused = cfg.adamw == "fused"
-    on_cpu = torch.device(device).type == "cpu"
     # two moments + a 4-byte step per tensor, on the device (CPU, or fused), a host scalar (foreach on CUDA)
     M = 2 * W + (4 * n_tensors if on_cpu or fused else 0)
     batch_b = 16 * batch * seq  # input_ids + labels, int64
@@ -218,13 +216,13 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
     R = 8 * seq * hd  # RoPE cos + sin, fp32, shared by the layers
     F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
     Pl = 4 * _layer_params(d)
-    stay = lambda sizes: sum(x for x in sizes if x < cfg.offload_min_bytes)  # noqa: E731 (offload keeps them)
+    stay = lambda sizes: sum(x for x in sizes if x < threshold)  # noqa: E731 (offload keeps them)
     layer_stays, outer = stay(layer_saved_storages(arch, b, seq)), _outer_saved_storages(d, b, seq)
     saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F,
              "offload": L * layer_stays + stay(outer)
-             }.get(strategy, L * A + R + F)
+             }.get(kind, L * A + R + F)
     logits_saved = [4 * n * V, 8 * n, 4]  # log-softmax output, targets (int64), a scalar
-    logits_fwd = (stay(logits_saved) if strategy == "offload" else sum(logits_saved)) + 4 + (2 * n * C if amp else 0)
+    logits_fwd = (stay(logits_saved) if kind == "offload" else sum(logits_saved)) + 4 + (2 * n * C if amp else 0)
     g_prev = W if k > 1 else 0  # accumulation: the last micro-batch starts with gradients
     losses = 4 * k
     opt_tmp = 0 if fused else W  # foreach: one temporary per tensor at once; fused: in place
@@ -247,13 +245,13 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
         # gradients so far (with k > 1 each new one is added in place into .grad and freed)
         grads = W + E + 4 * C * I if k > 1 else E + 4 * C + (L - 1 - l) * Pl + 4 * C * I
         g = dict(base, gradients=grads, parameters=params + (l + 1) * wl - (4 * C * I if amp else 0))
-        if strategy == "checkpoint":
+        if kind == "checkpoint":
             sv, tmp = (l + 1) * 4 * n * C + 8 * seq + R + A - 4 * n * C - 4 * n * I, 4 * n * C + 12 * n * I
-        elif strategy == "offload":  # the small storages of layers 0..l stay; a and u come back (unpacked)
+        elif kind == "offload":  # the small storages of layers 0..l stay; a and u come back (unpacked)
             sv, tmp = (l + 1) * layer_stays, 4 * n * C + 20 * n * I
             # RoPE cos/sin: saved by every layer, so back on the device from the top layer's attention
             # backward to layer 0's (the copy lives while a saved view of it waits)
-            rope = [x for x in outer[:2] if x >= cfg.offload_min_bytes]
+            rope = [x for x in outer[:2] if x >= threshold]
             sv, tmp = sv + stay(outer[:2]), tmp + (sum(rope) if l < L - 1 else 0)
         else:  # (amp: half-precision MLP gradients, approximate; the log-softmax moment dominates)
             sv, tmp = (l + 1) * A + R - half * n * I, 4 * n * C + 3 * half * n * I
@@ -265,4 +263,4 @@ def theoretical(arch, batch: int, seq: int, cfg: LedgerConfig = LedgerConfig(), 
     moment = max(events, key=lambda e: sum(events[e].values()))
     stages["backward_peak"] = events[moment]
     fpeak = sum(stages["forward"].values()) + 4 * n * V + 8 * b * (seq + 1) + (2 * n * V if amp else 0)
-    return Ledger("formula", strategy, {x: stages[x] for x in STAGES}, forward_peak=fpeak, moment=moment)
+    return Ledger("formula", name, {x: stages[x] for x in STAGES}, forward_peak=fpeak, moment=moment)

@@ -1,20 +1,20 @@
 """The full training state of a ``continual_pretrain.Trainer``: capture, restore, save, load.
 
-A run resumed from a checkpoint continues bit for bit (CPU) where the uninterrupted run goes only if
-the checkpoint holds everything the next update depends on: the weights (``model.safetensors``, tied
+A run resumed from a saved state continues bit for bit (CPU) where the uninterrupted run goes only if
+the saved state holds everything the next update depends on: the weights (``model.safetensors``, tied
 weights once, as ``save_pretrained`` stores them); AdamW's step and moments (``optimizer.pt``); the
 update clock of Part 02 · 12 (applied and skipped updates); the GradScaler; the RNG states (``rng.pt``:
 the data stream's generator, and torch's, Python's and NumPy's global ones, which nothing in this loop
 draws from but dropout or a shuffling sampler would); the data position; the identity of the run
 (workload, model config, training config, data) and of its record (``FIELDS``).
 
-``save_training_state`` writes a checkpoint into a temporary directory renamed into place only when
+``save_training_state`` writes a saved state into a temporary directory renamed into place only when
 complete, then points the ``latest`` file (replaced atomically) at it: a save killed at any point leaves
-the previous checkpoint and ``latest`` as they were (nothing is fsynced: after a power loss the sha256
+the previous saved state and ``latest`` as they were (nothing is fsynced: after a power loss the sha256
 in the manifest tells a damaged file). ``load_training_state`` checks the manifest field by field, the
 files' sizes and sha256, the weights' names, shapes and dtypes and the optimizer state's layout against
-the live trainer *before* it changes anything; a mismatch is one ``CheckpointError`` line and nothing
-is loaded. ``config.json`` makes a checkpoint a Transformers model directory (``from_pretrained``).
+the live trainer *before* it changes anything; a mismatch is one ``TrainingStateError`` line and nothing
+is loaded. ``config.json`` makes a saved state a Transformers model directory (``from_pretrained``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from bp_mech.continual_pretrain import text_sha256
 
 FORMAT = "bp-mech-training-state/1"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "config.json")
-LATEST = "latest"  # the file in a checkpoint root that names the newest complete checkpoint
+LATEST = "latest"  # the file in a saved state root that names the newest complete saved state
 IDENTITY = ("workload", "model_config", "train_config", "data")  # sections that must equal the run's
 FIELDS = {  # every field of state.json, and what it holds
     "format": "the layout version, " + FORMAT,
@@ -43,7 +43,7 @@ FIELDS = {  # every field of state.json, and what it holds
     "model_config": "the architecture fields of the model config",
     "train_config": "the training phase's config (LR schedule, clipping, scaler, data seed)",
     "data": "the training text's sha256 and token count, batch and sequence length",
-    "record": "the experiment, run label and candidate the checkpoint was made for",
+    "record": "the experiment, run label and candidate the saved state was made for",
     "clock": "the update clock: applied and skipped updates",
     "scaler": "the GradScaler's state (scale, growth tracker)",
     "data_position": "batches drawn and tokens seen",
@@ -51,8 +51,8 @@ FIELDS = {  # every field of state.json, and what it holds
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the one-line message names the path and the field."""
+class TrainingStateError(ValueError):
+    """A saved state that cannot be resumed from; the one-line message names the path and the field."""
 
 
 # --- in memory --------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def model_config_identity(config) -> dict:
 
 
 def identity(workload: dict, train_config, ids: torch.Tensor, batch: int, seq: int, model_config=None) -> dict:
-    """The sections of ``IDENTITY``: what a checkpoint must share with the run that resumes it.
+    """The sections of ``IDENTITY``: what a saved state must share with the run that resumes it.
     ``workload`` is the record's workload group; ``model_config`` a config object (None: not compared)."""
     return dict(workload=workload, train_config=dataclasses.asdict(train_config),
                 data=dict(text_sha256=text_sha256(ids), text_tokens=len(ids), batch=batch, seq=seq),
@@ -180,7 +180,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
                         data_position=dict(position=trainer.data.position, tokens=trainer.data.tokens),
                         files={f: dict(bytes=(tmp / f).stat().st_size, sha256=_sha256(tmp / f)) for f in FILES})
         (tmp / "state.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        os.rename(tmp, root / name)  # the checkpoint appears complete, or not at all
+        os.rename(tmp, root / name)  # the saved state appears complete, or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -192,7 +192,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
 
 
 def resolve(path) -> Path:
-    """A checkpoint directory, or a root whose ``latest`` names one."""
+    """A saved state directory, or a root whose ``latest`` names one."""
     path = Path(path)
     if (path / "state.json").exists() or not (path / LATEST).exists():
         return path
@@ -200,24 +200,24 @@ def resolve(path) -> Path:
 
 
 def read_manifest(path, identity: dict | None = None, semantic_id: str | None = None) -> tuple[Path, dict]:
-    """Validate a checkpoint without touching a model: the manifest field by field, the identity
+    """Validate a saved state without touching a model: the manifest field by field, the identity
     sections given in ``identity`` (None values skipped), the record's experiment, every file's size
-    and sha256. Returns (directory, manifest); raises CheckpointError."""
+    and sha256. Returns (directory, manifest); raises TrainingStateError."""
     path = resolve(path)
-    where = f"checkpoint {path}"
+    where = f"saved state {path}"
     if not (path / "state.json").is_file():
-        raise CheckpointError(f"{where}: no state.json (not a checkpoint directory, or a save that never finished)")
+        raise TrainingStateError(f"{where}: no state.json (not a saved state directory, or a save that never finished)")
     try:
         m = json.loads((path / "state.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{where}: state.json is not valid JSON (truncated or corrupt?): {e}") from None
+        raise TrainingStateError(f"{where}: state.json is not valid JSON (truncated or corrupt?): {e}") from None
     if not isinstance(m, dict):
-        raise CheckpointError(f"{where}: state.json must hold an object")
+        raise TrainingStateError(f"{where}: state.json must hold an object")
     for field in FIELDS:
         if field not in m:
-            raise CheckpointError(f"{where}: field '{field}' is missing ({FIELDS[field]})")
+            raise TrainingStateError(f"{where}: field '{field}' is missing ({FIELDS[field]})")
     if m["format"] != FORMAT:
-        raise CheckpointError(f"{where}: field 'format' is {m['format']!r}, expected {FORMAT!r}")
+        raise TrainingStateError(f"{where}: field 'format' is {m['format']!r}, expected {FORMAT!r}")
     for section, want in (identity or {}).items():
         if want is None:
             continue
@@ -225,27 +225,27 @@ def read_manifest(path, identity: dict | None = None, semantic_id: str | None = 
         for key in dict.fromkeys([*want, *(have if isinstance(have, dict) else {})]):
             if not isinstance(have, dict) or have.get(key) != want.get(key):
                 got = have.get(key) if isinstance(have, dict) else have
-                raise CheckpointError(f"{where}: field '{section}.{key}' is {got!r} in the checkpoint but "
-                                      f"{want.get(key)!r} in this run (a checkpoint of another {section.replace('_', ' ')})")
+                raise TrainingStateError(f"{where}: field '{section}.{key}' is {got!r} in the saved state but "
+                                      f"{want.get(key)!r} in this run (a saved state of another {section.replace('_', ' ')})")
     if semantic_id is not None and (m["record"] or {}).get("semantic_id") != semantic_id:
-        raise CheckpointError(f"{where}: field 'record.semantic_id' is {(m['record'] or {}).get('semantic_id')!r}, "
+        raise TrainingStateError(f"{where}: field 'record.semantic_id' is {(m['record'] or {}).get('semantic_id')!r}, "
                               f"this run is {semantic_id!r}")
     clock = m["clock"]
     if not (isinstance(clock, dict) and all(isinstance(clock.get(k), int) and clock[k] >= 0 for k in ("updates", "skipped"))):
-        raise CheckpointError(f"{where}: field 'clock' must hold non-negative integers 'updates' and 'skipped', got {clock!r}")
+        raise TrainingStateError(f"{where}: field 'clock' must hold non-negative integers 'updates' and 'skipped', got {clock!r}")
     if not isinstance(m["data_position"], dict) or not isinstance(m["data_position"].get("position"), int):
-        raise CheckpointError(f"{where}: field 'data_position.position' must be an integer")
+        raise TrainingStateError(f"{where}: field 'data_position.position' must be an integer")
     for f in FILES:
         info, p = m["files"].get(f) if isinstance(m["files"], dict) else None, path / f
         if not isinstance(info, dict) or "bytes" not in info or "sha256" not in info:
-            raise CheckpointError(f"{where}: field 'files.{f}' is missing")
+            raise TrainingStateError(f"{where}: field 'files.{f}' is missing")
         if not p.is_file():
-            raise CheckpointError(f"{where}: {f} is missing")
+            raise TrainingStateError(f"{where}: {f} is missing")
         if p.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{where}: {f} is {p.stat().st_size} bytes, the manifest says {info['bytes']} "
+            raise TrainingStateError(f"{where}: {f} is {p.stat().st_size} bytes, the manifest says {info['bytes']} "
                                   "(truncated or replaced)")
         if _sha256(p) != info["sha256"]:
-            raise CheckpointError(f"{where}: {f} does not match its sha256 in the manifest (corrupt)")
+            raise TrainingStateError(f"{where}: {f} does not match its sha256 in the manifest (corrupt)")
     return path, m
 
 
@@ -258,18 +258,18 @@ def _check_layout(where: str, trainer, weights_path: Path, opt_state) -> None:
         with safe_open(weights_path, "pt") as f:
             have = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-        raise CheckpointError(f"{where}: model.safetensors cannot be read: {e}") from None
+        raise TrainingStateError(f"{where}: model.safetensors cannot be read: {e}") from None
     for k in sorted(set(want) ^ set(have)):
-        raise CheckpointError(f"{where}: weight {k!r} is {'missing from' if k in want else 'unknown to'} this model")
+        raise TrainingStateError(f"{where}: weight {k!r} is {'missing from' if k in want else 'unknown to'} this model")
     for k, t in want.items():
         dtype = str(t.dtype).removeprefix("torch.")
         if have[k][0] != tuple(t.shape) or _ST_DTYPES.get(have[k][1]) != dtype:
-            raise CheckpointError(f"{where}: weight {k!r} is {have[k][1]} {list(have[k][0])} in the checkpoint, "
+            raise TrainingStateError(f"{where}: weight {k!r} is {have[k][1]} {list(have[k][0])} in the saved state, "
                                   f"{dtype} {list(t.shape)} in this model")
     groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
     live = trainer.optimizer.param_groups
     if not isinstance(groups, list) or [len(g["params"]) for g in groups] != [len(g["params"]) for g in live]:
-        raise CheckpointError(f"{where}: optimizer state of another parameter layout: parameters per group "
+        raise TrainingStateError(f"{where}: optimizer state of another parameter layout: parameters per group "
                               f"{[len(g['params']) for g in groups or []]}, this optimizer has "
                               f"{[len(g['params']) for g in live]}")
     params = [p for g in live for p in g["params"]]
@@ -277,32 +277,32 @@ def _check_layout(where: str, trainer, weights_path: Path, opt_state) -> None:
     for i, p in zip(ids, params):
         for key, t in opt_state["state"].get(i, {}).items():
             if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{where}: optimizer state of another parameter layout: parameter {i} is "
-                                      f"{list(p.shape)} here, its {key} {list(t.shape)} in the checkpoint")
+                raise TrainingStateError(f"{where}: optimizer state of another parameter layout: parameter {i} is "
+                                      f"{list(p.shape)} here, its {key} {list(t.shape)} in the saved state")
 
 
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 def load_training_state(trainer, path, workload: dict, semantic_id: str | None = None) -> dict:
-    """Validate the checkpoint at ``path`` against ``trainer`` (``read_manifest`` with the trainer's
+    """Validate the saved state at ``path`` against ``trainer`` (``read_manifest`` with the trainer's
     identity, then the weights' and the optimizer state's layout) and restore it. Nothing is loaded
     unless everything checks. Returns the manifest."""
     from safetensors.torch import load_file
 
     path, m = read_manifest(path, trainer_identity(trainer, workload), semantic_id)
-    where = f"checkpoint {path}"
+    where = f"saved state {path}"
     try:
         opt_state = torch.load(path / "optimizer.pt", map_location=trainer.device, weights_only=True)
         rng = torch.load(path / "rng.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 (unpickling errors come in many classes)
-        raise CheckpointError(f"{where}: optimizer.pt or rng.pt cannot be read: {type(e).__name__}") from None
+        raise TrainingStateError(f"{where}: optimizer.pt or rng.pt cannot be read: {type(e).__name__}") from None
     _check_layout(where, trainer, path / "model.safetensors", opt_state)
     missing = {"torch", "python", "numpy", "data_generator"} - set(rng)
     if missing:
-        raise CheckpointError(f"{where}: rng.pt lacks the RNG state(s) {sorted(missing)}")
+        raise TrainingStateError(f"{where}: rng.pt lacks the RNG state(s) {sorted(missing)}")
     if set(m["scaler"]) != set(trainer.scaler.state_dict()):
-        raise CheckpointError(f"{where}: field 'scaler' has keys {sorted(m['scaler'])}, this GradScaler "
+        raise TrainingStateError(f"{where}: field 'scaler' has keys {sorted(m['scaler'])}, this GradScaler "
                               f"{sorted(trainer.scaler.state_dict())} (enabled in one, disabled in the other?)")
     weights = load_file(path / "model.safetensors", device=str(trainer.device))
     full = {name: weights[kept] for name, kept in tied_names(trainer.model.state_dict()).items()}

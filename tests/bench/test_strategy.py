@@ -1,4 +1,4 @@
-"""Composable strategies (``bp_mech.bench.strategy``): names round-trip, every mechanism switches off to a
+"""Composable strategies (``bp_mech.bench.strategy``) under the one step (``bench.step.train_step``): names round-trip, every mechanism switches off to a
 no-op and is undone after its block, and every pair of mechanisms leaves loss and gradients equal to
 the plain step within what the pair allows: bitwise where no operation changes (checkpointing,
 offload), float32 reordering where sums are split (accumulation, chunked loss), 16-bit rounding under
@@ -14,6 +14,7 @@ import torch
 
 from bp_mech import accumulation, checkpointing, chunked_loss
 from bp_mech.bench import strategy as S
+from bp_mech.bench.step import train_step
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
 W = parse_workload("tiny-b4s32")
@@ -53,12 +54,12 @@ def setup():
 
 
 def step(setup, s: S.Strategy):
-    """Loss and gradients of one train_step under ``s`` (lr 0: the update leaves the weights alone)."""
+    """Loss and gradients of one train_step under ``s`` without its update (the gradients stay; unscaled
+    under fp16)."""
     model, batch = setup
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loss = S.train_step(model, opt, batch, s)
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
+    r = train_step(model, None, batch, s, update=False)
+    return r.loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_applied_is_undone_after_its_block(setup):
     with S.applied(model, s) as ctx:
         assert isinstance(model.lm_head, chunked_loss.ChunkedHead) and model(**batch).logits is None
         assert ctx.offload is not None and ctx.scaler.is_enabled()
-        S.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, s, ctx=ctx)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, s, applied=ctx)
         assert ctx.d2h_bytes > 0 and ctx.d2h_bytes == ctx.h2d_bytes
     assert model.lm_head is head and "forward" not in vars(model)
     assert [n for n, _ in model.named_parameters()] == names
@@ -153,5 +154,5 @@ def test_applied_is_undone_after_its_block(setup):
 def test_a_step_refuses_micro_batches_that_do_not_divide_the_batch(setup):
     model, batch = setup
     with pytest.raises(ValueError, match="divide"):
-        S.train_step(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                     S.Strategy(micro_batches=3))
+        train_step(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                   S.Strategy(micro_batches=3))

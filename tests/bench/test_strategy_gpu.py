@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from bp_mech import checkpointing, offload
-from bp_mech.records import registry
-from bp_mech.experiments import harness
+from bp_mech.bench.compare import EXACT_TOL, compare
+from bp_mech.bench.step import probe
+from bp_mech.bench.strategy import Applied, Strategy, configured, parse
+from bp_mech.experiments.dry_run import schedule
 from bp_mech.experiments.offload import count_saved
+from bp_mech.records import registry
 from bp_mech.records.results import load_record, save_record
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
@@ -26,21 +29,21 @@ def gpu_model():
 
 
 def _equal(ref, got):
-    c = harness.compare(ref, got)
-    loss_tol, grad_tol = harness.EQUAL_TOL["cuda"]
-    return got["finite"] and c["loss_error"] <= loss_tol and c["grad_error"] <= grad_tol, c
+    c = compare(ref, got)
+    return got.finite and c.within(EXACT_TOL["cuda"]), c
 
 
 @pytest.mark.parametrize("setup", ["plain", "checkpoint-all"])
 def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setup):
     model, batches = gpu_model
-    ref = harness.probe(model, batches[0], "cuda")
+    ref = probe(model, batches[0])
     counted = count_saved(model, batches[0], setup)
     off = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN_BYTES), "cuda")
     assert off.pool.pin and off.stream is not None
+    s = Strategy(checkpoint=setup, offload=True)
     for _ in range(3):  # the host pool is reused from the second step on
-        with checkpointing.configure(model, setup):
-            got = harness.probe(model, batches[0], "cuda", off)
+        with configured(model, s):
+            got = probe(model, batches[0], s, applied=Applied(model, s, "cuda", hooks=off))
         ok, c = _equal(ref, got)
         assert ok, c
         assert off.d2h_bytes == off.h2d_bytes == counted.bytes_at_least(MIN_BYTES) > 0
@@ -49,12 +52,13 @@ def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setu
 
 def test_checkpointing_on_cuda_is_equal_within_the_stated_tolerance(gpu_model):
     model, batches = gpu_model
-    ref = harness.probe(model, batches[0], "cuda")
+    ref = probe(model, batches[0])
     for name in checkpointing.CONFIGURATIONS[1:]:
-        with checkpointing.configure(model, name):
-            got = harness.probe(model, batches[0], "cuda")
+        s = parse(name)
+        with configured(model, s):
+            got = probe(model, batches[0], s)
         ok, c = _equal(ref, got)
-        assert ok and got["recomputes"] > 0, (name, c)
+        assert ok and got.recomputes > 0, (name, c)
 
 
 @pytest.mark.parametrize("sid", ["TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"])
@@ -65,8 +69,8 @@ def test_the_experiments_run_on_cuda_and_write_gpu_records(tmp_path, sid):
         back = load_record(save_record(r, tmp_path))
         assert back.evidence_level == "gpu-measured" and back.memory_source == "cuda-allocator", back.failure
         assert back.failure is None and back.all_finite and back.peak_allocated > 0
-        assert back.threads is None and back.updates == sum(harness.schedule("cuda")) + 1
-        if back.candidate not in ("plain", "resident"):
+        assert back.threads is None and back.updates == sum(schedule("cuda")) + 1 and back.step_clock == "wall"
+        if back.candidate != "plain":
             assert back.metrics["equal"], back.metrics
         if back.transfer_bytes:
             assert back.transfer_bytes["d2h"] == back.transfer_bytes["h2d"] > 0

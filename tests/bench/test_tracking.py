@@ -22,9 +22,9 @@ def test_cpu_peak_tracks_live_and_freed_tensors_exactly():
         pm.mark("one")
         c = torch.ones(n // 2)  # +128 KiB
         pm.mark("end")
-    assert pm.memory_source == "tracked-cpu" and pm.peak_reserved is None
+    assert pm.memory_source == "tracked-cpu" and pm.peak.reserved is None
     assert pm.marks == {"three": 3 * 4 * n, "one": 4 * n, "end": 4 * n + 2 * n}
-    assert pm.peak_allocated == 3 * 4 * n
+    assert pm.peak.allocated == 3 * 4 * n
     del c
 
 
@@ -32,7 +32,7 @@ def test_cpu_peak_of_views_counts_the_storage_once():
     with PeakMemory("cpu") as pm:
         x = torch.ones(1000)
         v1, v2 = x[:10], x.view(10, 100)  # noqa: F841 (views share x's storage)
-    assert pm.peak_allocated == 4000
+    assert pm.peak.allocated == 4000
 
 
 def test_cpu_peak_of_a_training_step_is_deterministic():
@@ -44,7 +44,7 @@ def test_cpu_peak_of_a_training_step_is_deterministic():
         model.zero_grad(set_to_none=True)
         with PeakMemory("cpu", resident=[model.parameters()]) as pm:
             model(x).square().mean().backward()
-        peaks.append(pm.peak_allocated)
+        peaks.append(pm.peak.allocated)
     params = sum(p.numel() * 4 for p in model.parameters())
     assert peaks[0] == peaks[1]
     acts = 2 * 16 * 64 * 4  # the two (16, 64) hidden activations autograd saves
@@ -58,7 +58,7 @@ def test_views_of_storages_that_existed_before_are_not_counted():
     with PeakMemory("cpu") as pm:
         wt = w.t()  # a view: allocates nothing
         y = wt[:1] * 2  # 1 KiB
-    assert pm.peak_allocated == 256 * 4
+    assert pm.peak.allocated == 256 * 4
     del y
 
 
@@ -69,7 +69,7 @@ def test_in_place_writes_count_what_the_block_allocated_or_declared():
         declared.add_(1)  # declared: counted from the start, once
         fresh = torch.zeros(N)
         fresh.mul_(2)  # written in place: still one storage
-    assert pm.peak_allocated == 2 * 4 * N
+    assert pm.peak.allocated == 2 * 4 * N
     del fresh
 
 
@@ -86,7 +86,7 @@ def test_host_side_allocations_are_host_bytes_not_device_bytes():
             pool_buffer.copy_(a)
         b = a + 1
         host = dict(pm.tracker.host)
-    assert pm.peak_allocated == 2 * 4 * N  # a and b
+    assert pm.peak.allocated == 2 * 4 * N  # a and b
     assert sorted(host.values()) == [4 * N, 2 * 4 * N]  # the pool's buffer, the fresh one
     assert pm.tracker.host_depth == 0
     del fresh, b
@@ -98,7 +98,7 @@ def test_host_side_tells_every_tracker_on_the_stack():
         with host_side():
             assert outer.tracker.host_depth == inner.tracker.host_depth == 1
             h = torch.ones(4 * N)
-    assert outer.peak_allocated == inner.peak_allocated == 4 * N
+    assert outer.peak.allocated == inner.peak.allocated == 4 * N
     assert outer.tracker.host_depth == inner.tracker.host_depth == 0
     del a, h
 
@@ -171,7 +171,7 @@ def test_sparse_and_empty_outputs_are_not_storages():
     with PeakMemory("cpu") as pm:
         s = torch.sparse_coo_tensor(idx, val, (2, 2))
         e = torch.empty(0)
-    assert pm.peak_allocated == 0
+    assert pm.peak.allocated == 0
     del s, e
 
 
@@ -190,7 +190,7 @@ def test_peak_memory_on_cuda_reads_the_allocator_and_tracks_nothing(monkeypatch)
     assert pm.tracker is None and pm.memory_source == "cuda-allocator"
     assert log == ["synchronize", "reset_peak_memory_stats", "memory_allocated", "synchronize",
                    "max_memory_allocated", "max_memory_reserved"]
-    assert (pm.peak_allocated, pm.peak_reserved, pm.marks) == (5000, 6000, {"inside": 3000})
+    assert (pm.peak.allocated, pm.peak.reserved, pm.marks) == (5000, 6000, {"inside": 3000})
     del x
 
 

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from bp_mech import accumulation
-from bp_mech.records import registry, results
+from bp_mech.bench.compare import relative_l2
+from bp_mech.bench.workload import build_model, parse_workload
 from bp_mech.book import report
 from bp_mech.experiments import accumulation as experiment
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.experiments import harness
+from bp_mech.records import registry, results
 
 W = parse_workload("tiny-b2s16")
 CFG = experiment.AccumConfig(updates=2, timed=3, warmup=1)
@@ -42,24 +44,24 @@ def test_token_weighted_equals_full_batch_naive_does_not(setup):
 def test_measure_resident_and_incremental_peak(setup):
     model, init, batches = setup
     out = experiment.measure(model, init, batches, CFG, "cpu")
-    assert all(failure is None for _, failure in out.values())
-    full, four = out["full"][0], out["micro4"][0]
+    assert all(isinstance(m, harness.Measured) for m in out.values())
+    full, four = out["plain"], out["micro4"]
     n_params = sum(p.numel() for p in model.parameters())
     # float32 params + exp_avg + exp_avg_sq, plus one float32 `step` per parameter tensor
-    assert full["resident_bytes"] == 3 * 4 * n_params + 4 * len(list(model.parameters()))
-    for m, _ in out.values():
-        assert m["stats"].peak_allocated - m["resident_bytes"] > 4 * n_params  # the incremental peak: grads at least
-        assert m["stats"].memory_source == "tracked-cpu" and m["stats"].timing.warmup_excluded == CFG.warmup
-        t = m["stats"].timing
+    assert full.resident_bytes == 3 * 4 * n_params + 4 * len(list(model.parameters()))
+    for m in out.values():
+        assert m.peak.allocated - m.resident_bytes > 4 * n_params  # the incremental peak: grads at least
+        assert m.peak.source == "tracked-cpu" and m.timing.warmup_excluded == CFG.warmup
+        t = m.timing
         assert t.interleaved and t.threads == 1 and len(t.samples) == CFG.timed
-        assert m["steps"] == 1 + CFG.warmup + CFG.timed  # tracked + warm-up + timed (the warm update comes before)
-    assert four["stats"].peak_allocated < full["stats"].peak_allocated  # activations of 1/4 of the batch
+        assert m.updates == 2 + CFG.warmup + CFG.timed  # warm + tracked + warm-up + timed
+    assert four.peak.allocated < full.peak.allocated  # activations of 1/4 of the batch
     # the sequential (CUDA) path, run on the CPU: the same tracked peak, a function of the program
-    seq = experiment.measure(model, init, batches, CFG, "cpu", interleave=False)
-    for name, (m, _) in seq.items():
-        assert m["stats"].peak_allocated == out[name][0]["stats"].peak_allocated
-        assert m["resident_bytes"] == full["resident_bytes"] and m["steps"] == out[name][0]["steps"]
-        assert not m["stats"].timing.interleaved and len(m["stats"].timing.samples) == CFG.timed
+    seq = experiment.measure(model, init, batches, CFG, "cpu", together=False)
+    for name, m in seq.items():
+        assert m.peak.allocated == out[name].peak.allocated
+        assert m.resident_bytes == full.resident_bytes and m.updates == out[name].updates
+        assert not m.timing.interleaved and len(m.timing.samples) == CFG.timed
 
 
 @pytest.mark.parametrize("diff,saving,time,noise,want", [
@@ -88,9 +90,9 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
         assert r.threads == 1 and r.metrics["interleaved"] and r.warmup_excluded == CFG.warmup
         by_run = r.metrics["updates_by_run"]
         assert by_run["measurement"] == 2 + CFG.warmup + CFG.timed and r.updates == sum(by_run.values())
-        assert by_run["equivalence_token"] == CFG.updates == r.update_count
-        assert by_run["equivalence_naive"] == (0 if r.candidate == "full" else CFG.updates)
-        if r.candidate == "full":
+        assert by_run["equivalence_token"] == CFG.updates and r.strategy == r.candidate
+        assert by_run["equivalence_naive"] == (0 if r.candidate == "plain" else CFG.updates)
+        if r.candidate == "plain":
             assert r.timing_noise is None and r.decision is None
             continue
         assert r.grad_error <= 1e-5 and r.metrics["naive"]["grad_rel_diff"] > 1e-3
@@ -98,17 +100,17 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
         if m["time_ratio"] < 1.0:  # more passes, measured faster: noise, whatever the spread
             assert r.timing_noise and "strictly more work" in r.timing_noise
         assert m["peak_saving"] == 1 - r.peak_allocated / next(
-            x for x in recs if x.candidate == "full" and x.workload_id == r.workload_id).peak_allocated
+            x for x in recs if x.candidate == "plain" and x.workload_id == r.workload_id).peak_allocated
         want = experiment.decide(r.grad_error, 1e-5, m["peak_saving"], m["time_ratio"], r.timing_noise)
         assert (r.decision, r.next_step) == want
     c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
     assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
     monkeypatch.undo()  # the plan of the real configs
-    plan = registry.plan(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
+    plan = registry.dry_run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
     gpu = plan["modes"]["real_gpu"]
     assert plan["workloads"] == ["qwen05-b2s128", "qwen05-b2s256"] and gpu["estimated_seconds"] < 75
     assert gpu["timed_rounds"] == experiment.config_for("cuda").timed >= 20 and "H200" in plan["estimate_basis"]
-    assert gpu["measured_steps"] == gpu["timed_rounds"] + gpu["warmup_rounds"] and not gpu["interleaved"]
+    assert gpu["measured_steps"] == 1 + gpu["timed_rounds"] + gpu["warmup_rounds"] and not gpu["interleaved"]
     assert plan["modes"]["cpu"]["interleaved"] and plan["modes"]["cpu"]["threads"] == 1
 
 
@@ -120,23 +122,23 @@ def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     again = experiment.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
-    assert experiment.rel_diff(again["grad"], clean["grad"]) == 0.0 and again["losses"] == clean["losses"]
+    assert relative_l2(again["grad"], clean["grad"]) == 0.0 and again["losses"] == clean["losses"]
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_oom_in_one_candidate_is_its_failure(monkeypatch, interleave):
-    real = experiment.prepare_candidate
+@pytest.mark.parametrize("together", [True, False])
+def test_oom_in_one_candidate_is_its_failure(monkeypatch, together):
+    real = harness.train_step
 
-    def flaky(model, init, batches, k, cfg, device):
-        if k == 2:
-            accumulation.accumulated_backward(model, batches[0], k)  # leaves gradients behind, as a real OOM would
+    def flaky(model, opt, batch, strategy, **kw):
+        if strategy.micro_batches == 2:
+            accumulation.accumulated_backward(model, batch, 2)  # leaves gradients behind, as a real OOM would
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, init, batches, k, cfg, device)
+        return real(model, opt, batch, strategy, **kw)
 
     real_measure = experiment.measure
     monkeypatch.setattr(experiment, "config_for", lambda device, smoke=False: CFG)
-    monkeypatch.setattr(experiment, "prepare_candidate", flaky)
-    monkeypatch.setattr(experiment, "measure", lambda *a, **kw: real_measure(*a, **kw, interleave=interleave))
+    monkeypatch.setattr(harness, "train_step", flaky)
+    monkeypatch.setattr(experiment, "measure", lambda *a, **kw: real_measure(*a, **kw, together=together))
     recs = {(r.metrics["seq"], r.candidate): r
             for r in experiment.run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "cpu", "tiny-b2s16"))}
     for s in (8, 16):
@@ -164,7 +166,7 @@ def test_real_gpu_tiny(tmp_path):
         results.load_record(results.save_record(r, tmp_path))
         assert r.evidence_level == "gpu-measured" and r.memory_source == "cuda-allocator" and r.failure is None
         assert r.peak_reserved >= r.peak_allocated > r.metrics["resident_bytes"] > 0
-        if r.candidate != "full":
+        if r.candidate != "plain":
             assert r.grad_error <= experiment.EQUIV_TOL["cuda"] and r.decision in ("accept", "tune")
 
 

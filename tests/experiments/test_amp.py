@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from bp_mech import amp
-from bp_mech.records import registry, results
-from bp_mech.experiments import amp as experiment
-from bp_mech.experiments.amp import decide
 from bp_mech.bench.timing import MAX_RATIO_SPREAD
+from bp_mech.experiments import amp as experiment
+from bp_mech.experiments import harness
+from bp_mech.experiments.amp import decide
+from bp_mech.records import registry, results
 
 
 def test_decision_rule():
@@ -43,7 +44,7 @@ def cpu_records():
 
 
 def peak_saving(recs, name):
-    return 1 - recs[name].peak_allocated / recs["fp32"].peak_allocated
+    return 1 - recs[name].peak_allocated / recs["plain"].peak_allocated
 
 
 def test_cpu_run_records(cpu_records, tmp_path):
@@ -52,22 +53,24 @@ def test_cpu_run_records(cpu_records, tmp_path):
         results.load_record(results.save_record(r, tmp_path))
         assert r.failure is None and r.evidence_level == "cpu-mechanism"
     cfg = experiment.CPU_CONFIG
-    for name in ("fp32", "fp16-amp", "bf16-amp"):
+    for name in ("plain", "fp16", "bf16"):
         r = cpu_records[name]
         applied = r.metrics["applied_per_step"]
-        assert len(applied) == 1 + cfg.warmup + cfg.timed  # tracked + warm-up + timed: every optimizer call
-        assert r.updates == sum(applied) and r.updates + r.skipped_updates == len(applied)
-        assert r.update_count == r.updates  # the LR clock counted exactly the applied updates
+        assert len(applied) == 2 + cfg.warmup + cfg.timed  # warm + tracked + warm-up + timed: every optimizer call
+        assert r.updates == sum(applied) and r.updates + r.skipped_updates == len(applied) and r.strategy == name
+        lr = r.metrics["lr_per_step"]  # the LR clock counted exactly the applied updates
+        assert lr[0] == cfg.schedule.base_lr * experiment.wsd_lr(0, cfg.schedule) / cfg.schedule.base_lr
+        assert lr[-1] == experiment.wsd_lr(sum(applied[:-1]), cfg.schedule)
         assert r.all_finite and r.warmup_excluded == cfg.warmup and len(r.metrics["step_samples_s"]) == cfg.timed
         assert r.threads == 1 and r.metrics["interleaved"] is True
         assert r.peak_allocated > 0 and r.memory_source == "tracked-cpu" and r.step_p95_s >= r.step_median_s
-    assert cpu_records["fp32"].decision is None and cpu_records["fp32"].timing_noise is None
-    for name in ("fp16-amp", "bf16-amp"):
+    assert cpu_records["plain"].decision is None and cpu_records["plain"].timing_noise is None
+    for name in ("fp16", "bf16"):
         r = cpu_records[name]
         m = r.metrics
         assert m["loss_rel_diff"] <= experiment.LOSS_REL_TOL and m["peak_saving"] == peak_saving(cpu_records, name)
-        assert m["time_ratio"] == r.step_median_s / cpu_records["fp32"].step_median_s
-        assert m["p95_ratio"] == r.step_p95_s / cpu_records["fp32"].step_p95_s
+        assert m["time_ratio"] == r.step_median_s / cpu_records["plain"].step_median_s
+        assert m["p95_ratio"] == r.step_p95_s / cpu_records["plain"].step_p95_s
         spread = max(m["time_ratio"], m["p95_ratio"]) / min(m["time_ratio"], m["p95_ratio"])
         assert (r.timing_noise is not None) == (spread > MAX_RATIO_SPREAD)  # AMP is not "strictly more work"
         want = decide(r.all_finite, r.skipped_updates / len(m["applied_per_step"]), m["loss_rel_diff"],
@@ -75,15 +78,15 @@ def test_cpu_run_records(cpu_records, tmp_path):
         assert (r.decision, r.next_step) == want
         if r.decision in ("tune", "reject") or r.decision is None:
             assert r.next_step
-    assert cpu_records["fp16-amp"].metrics["loss_scale_trace"][0] == cfg.init_scale
-    assert cpu_records["bf16-amp"].metrics["scaler"] is False
+    assert cpu_records["fp16"].metrics["loss_scale_trace"][0] == cfg.init_scale
+    assert cpu_records["bf16"].metrics["scaler"] is False
 
 
 def test_overflow_sample_semantics(cpu_records):
     r, cfg = cpu_records["fp16-overflow"], experiment.CPU_CONFIG
     m = r.metrics
     assert m["skipped_calls"] == list(cfg.overflow_calls) and r.skipped_updates == len(cfg.overflow_calls)
-    assert r.updates == r.update_count == cfg.overflow_n - len(cfg.overflow_calls)  # successful steps only
+    assert r.updates == cfg.overflow_n - len(cfg.overflow_calls) and r.strategy is None  # successful steps only
     assert r.updates + r.skipped_updates == len(m["applied_per_step"]) == cfg.overflow_n
     assert r.failure is None and r.decision is None  # the scaler recovered: growth after the last overflow
     assert m["scaler_matches_reference"] and m["params_unchanged_on_skip"] and m["clock_held_on_skip"]
@@ -96,13 +99,13 @@ def test_overflow_sample_semantics(cpu_records):
 
 
 def test_gpu_plan_fits_budget():
-    p = registry.plan(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
+    p = registry.dry_run(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
     gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
     gpu_cfg, cpu_cfg = experiment.GPU_CONFIG, experiment.CPU_CONFIG
     assert gpu["config"]["timed"] == gpu["timed_rounds"] == gpu_cfg.timed >= 20
     assert cpu["config"]["timed"] == cpu["timed_rounds"] == cpu_cfg.timed
     assert gpu["config"]["schedule"]["base_lr"] == 1e-4
-    assert gpu["measured_steps"] == gpu_cfg.warmup + gpu_cfg.timed  # alone on the GPU: no tracked step
+    assert gpu["measured_steps"] == 1 + gpu_cfg.warmup + gpu_cfg.timed  # the tracked step, alone on the GPU
     assert cpu["measured_steps"] == 1 + cpu_cfg.warmup + cpu_cfg.timed  # the tracked step gives the CPU's peak
     assert cpu["interleaved"] and cpu["threads"] == 1 and not gpu["interleaved"] and gpu["threads"] is None
     assert 10 <= gpu["estimated_seconds"] <= 60 and set(gpu["estimated_seconds_per_candidate"]) == set(experiment.CANDIDATES)
@@ -116,7 +119,7 @@ def test_first_three_gpu_experiments_fit_the_budget():
     for sid in ("TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-UPDATE-DYNAMICS"):
         ctx = registry.make_context(sid, "dry_run", registry.get(sid).gpu_workload)
         assert ctx.workload.arch == "qwen05"
-        total += registry.plan(ctx)["modes"]["real_gpu"]["estimated_seconds"]
+        total += registry.dry_run(ctx)["modes"]["real_gpu"]["estimated_seconds"]
     assert total <= 170, total
 
 
@@ -146,38 +149,39 @@ SMALL = experiment.AmpConfig(timed=2, warmup=1, overflow_n=4, overflow_calls=(1,
 
 
 def test_oom_in_one_candidate_is_its_failure(monkeypatch):
-    real = experiment.trainer
+    real = harness.train_step
 
-    def flaky(model, name, *a, **kw):
-        if name == "fp16-amp":
+    def flaky(model, opt, batch, strategy, **kw):
+        if strategy.name == "fp16":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, name, *a, **kw)
+        return real(model, opt, batch, strategy, **kw)
 
-    monkeypatch.setattr(experiment, "trainer", flaky)
+    monkeypatch.setattr(harness, "train_step", flaky)
     monkeypatch.setattr(experiment, "CPU_CONFIG", SMALL)
     recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
-    bad = recs["fp16-amp"]
+    bad = recs["fp16"]
     assert bad.failure.startswith("out of memory") and bad.peak_allocated is None and bad.decision is None
     assert bad.next_step and bad.updates is None
-    ok = recs["bf16-amp"]  # the run went on, and was timed with the others
+    ok = recs["bf16"]  # the run went on, and was timed with the others
     assert ok.failure is None and ok.metrics["time_ratio"] > 0 and len(ok.metrics["step_samples_s"]) == SMALL.timed
     assert ok.decision is not None or ok.timing_noise is not None
     assert recs["fp16-overflow"].skipped_updates == 1
 
 
 def test_the_sequential_path_measures_each_candidate_alone():
-    """The CUDA path (one candidate after another, measure_steps), run on the CPU: every candidate
-    makes warm-up + timed updates (+ the tracked one measure_steps adds on the CPU), none interleaved."""
+    """The CUDA path (one arm after another, alone), run on the CPU: every arm makes its warm update, the
+    tracked one, warm-up and timed updates, none interleaved."""
     from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     batches = make_batches(w, SMALL.warmup + SMALL.timed + 2)
-    out = experiment.measure(build_model(w), ["fp32", "bf16-amp"], SMALL, "cpu", batches, interleave=False)
-    for name, (r, failure) in out.items():
-        assert failure is None and r["updates"] == r["steps"] == 1 + SMALL.warmup + SMALL.timed and r["skipped"] == 0
-        t = r["stats"].timing
+    out = experiment.measure(build_model(w), ["plain", "bf16"], SMALL, "cpu", batches, together=False)
+    for name, m in out.items():
+        assert isinstance(m, harness.Measured) and m.updates == 2 + SMALL.warmup + SMALL.timed and m.skipped == 0
+        t = m.timing
         assert not t.interleaved and len(t.samples) == SMALL.timed and t.warmup_excluded == SMALL.warmup
-        assert r["stats"].peak_allocated > 0 and math.isfinite(r["eval_loss"])
+        assert m.peak.allocated > 0 and math.isfinite(m.finish.eval_loss)
+        assert len(m.finish.trace["applied"]) == m.updates
 
 
 def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
@@ -207,20 +211,22 @@ def test_a_diverged_candidate_still_saves_without_jsonschema(monkeypatch, tmp_pa
     GPU machine has no jsonschema, so the built-in validator checks the record."""
     import sys
 
-    real = experiment.finish
+    import dataclasses
 
-    def diverged(tr, *a, **kw):
-        out = real(tr, *a, **kw)
-        if tr.low is torch.bfloat16:
-            out["eval_loss"] = math.nan
-            out["trace"]["loss"][-1] = math.inf
+    real = experiment.measure
+
+    def diverged(*a, **kw):  # the bf16 arm's run diverges: its last loss inf, its held-out loss NaN
+        out = real(*a, **kw)
+        o = out["bf16"].finish
+        o.trace["loss"][-1] = math.inf
+        out["bf16"].finish = dataclasses.replace(o, eval_loss=math.nan)
         return out
 
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
-    monkeypatch.setattr(experiment, "finish", diverged)
+    monkeypatch.setattr(experiment, "measure", diverged)
     monkeypatch.setattr(experiment, "CPU_CONFIG", SMALL)
     recs = {r.candidate: r for r in registry.run(registry.make_context("TRAIN-AMP-BACKWARD", "cpu", "tiny-b1s16"))}
-    r = recs["bf16-amp"]
+    r = recs["bf16"]
     assert r.decision == "reject" and r.all_finite is False
     assert r.metrics["eval_loss"] is None and r.metrics["loss_per_step"][-1] is None
     for rec in recs.values():

@@ -39,7 +39,7 @@ def test_decide_names_every_failed_check():
 
 def test_plan_for_qwen05():
     ctx = registry.make_context("TRAIN-ATTENTION-BACKWARD", "dry_run", "qwen05-b2s512")
-    p = registry.plan(ctx)
+    p = registry.dry_run(ctx)
     assert (p["attention"]["heads"], p["attention"]["kv_heads"], p["attention"]["head_dim"]) == (14, 2, 64)
     assert p["saved_bytes_formula_float32"]["saved_probs"] > p["saved_bytes_formula_float32"]["recompute"]
     assert p["rounds"]["real_gpu"]["timed_rounds"] >= 20  # at least 20 timed steps on the GPU

@@ -10,27 +10,33 @@ import torch
 # its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech.records import references, registry
-from bp_mech.experiments import checkpointing as experiment
-from bp_mech.experiments import harness, strategies
+from bp_mech.bench.compare import EXACT_TOL, compare
+from bp_mech.bench.oom import Failed
+from bp_mech.bench.rates import ASSUMED_BUILD_S
+from bp_mech.bench.step import Probe
 from bp_mech.bench.timing import Timing
+from bp_mech.bench.tracking import Peak
+from bp_mech.bench.workload import parse_workload
+from bp_mech.experiments import checkpointing as experiment
+from bp_mech.experiments import decision, dry_run, harness
+from bp_mech.records import references, registry
 from bp_mech.records.results import load_record, save_record
-from bp_mech.bench.workload import PLAN_BUILD_S, parse_workload
 
 
 def test_decide_rule_and_the_seed_reference():
     s = references.SEED["TRAIN-CHECKPOINT"]  # the seed's figures, in one place
-    assert strategies.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "accept"
-    assert strategies.decide(False, 0.5, 1.0)[0] == "reject"
-    assert strategies.decide(True, 0.01, 1.0)[0] == "reject"
-    assert strategies.decide(True, 0.10, 1.1)[0] == "tune"
-    assert strategies.decide(True, 0.40, 3.0)[0] == "tune"
+    assert s.strategy == "checkpoint-all" and references.for_strategy("checkpoint-all") is s
+    assert decision.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "accept"
+    assert decision.decide(False, 0.5, 1.0)[0] == "reject"
+    assert decision.decide(True, 0.01, 1.0)[0] == "reject"
+    assert decision.decide(True, 0.10, 1.1)[0] == "tune"
+    assert decision.decide(True, 0.40, 3.0)[0] == "tune"
 
 
 def test_run_writes_valid_records(tmp_path, cpu_only):
     ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
     recs = experiment.run(ctx)
-    assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
+    assert [r.candidate for r in recs] == [r.strategy for r in recs] == list(experiment.CANDIDATES)
     by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
     assert by["plain"].decision is None and by["plain"].recompute_count == 0
     L = len(by["plain"].metrics["forward_calls"]["layer"])
@@ -42,8 +48,9 @@ def test_run_writes_valid_records(tmp_path, cpu_only):
         assert r.peak_allocated < by["plain"].peak_allocated  # tracked storages: deterministic
         assert r.metrics["saved_activation_bytes"] < by["plain"].metrics["saved_activation_bytes"]
         assert r.decision in ("accept", "tune", "reject")
-        assert r.warmup_excluded == harness.schedule("cpu")[1] and r.threads == 1
-        assert r.updates == sum(harness.schedule("cpu")) + 1 and r.skipped_updates == 0  # warm-up + timed + peak step
+        assert r.warmup_excluded == dry_run.schedule("cpu")[1] and r.threads == 1 and r.step_clock == "thread_time"
+        assert r.wall_median_s > 0 and len(r.metrics["wall_samples_s"]) == len(r.metrics["step_samples_s"])
+        assert r.updates == sum(dry_run.schedule("cpu")) + 1 and r.skipped_updates == 0  # tracked + warm-up + timed
         assert r.metrics["more_work"] == (name != "plain")  # every candidate recomputes
 
 
@@ -65,11 +72,18 @@ def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(tmp_path,
     assert not any(layer.gradient_checkpointing for layer in seen[0].model.layers)  # the configuration was undone
 
 
-def _fake(loss, grads, finite=True, peak=100, median=1.0):
-    return dict(loss=loss, grads=grads, grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)),
-                calls={}, recomputes=0, held_after_forward=0, finite=finite,
-                timing=Timing(median, median, 2, [median] * 4, threads=1, interleaved=True), peak_allocated=peak,
-                peak_reserved=None, memory_source="tracked-cpu", updates=5)
+def _probe(loss, grads, finite=True):
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    return Probe(loss, grads, norm, finite, {}, 0, 0, 0, 0)
+
+
+def _measured(name, p, base=None, peak=100, median=1.0):
+    """A measured arm as ``harness.same_weights`` gives it, with ``p`` its probe and ``base`` the plain one."""
+    t = Timing([median] * 4, [median] * 4, 2, "thread_time", 1, True)
+    cmp = compare(base, p) if base is not None else None
+    equal = p.finite if base is None else p.finite and base.finite and cmp.within(EXACT_TOL["cpu"])
+    return harness.Measured(name, t, Peak(peak, None, "tracked-cpu"), 10, 5, 0, [True] * 5, p, cmp, equal,
+                            strategy=experiment.ARMS[name])
 
 
 def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_only):
@@ -77,25 +91,29 @@ def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_
     naive running max passes it), and NaN must not make the record unsavable (strict JSON)."""
     g = [torch.ones(3), torch.ones(2)]
     bad = [torch.ones(3), torch.tensor([1.0, float("nan")])]
-    c = harness.compare(_fake(1.0, g), _fake(1.0, bad, finite=False))
-    assert c["grad_error"] == math.inf and not c["bitwise"] and c["loss_error"] == 0.0
-    assert harness.compare(_fake(1.0, g), _fake(float("nan"), g, finite=False))["loss_error"] == math.inf
+    c = compare(_probe(1.0, g), _probe(1.0, bad, finite=False))
+    assert c.grad_error == math.inf and not c.bitwise and c.loss_error == 0.0 and not c.within((1.0, 1.0))
+    assert compare(_probe(1.0, g), _probe(float("nan"), g, finite=False)).loss_error == math.inf
     ctx = registry.make_context("TRAIN-CHECKPOINT", "cpu", "tiny-b2s32")
-    results = {"plain": (_fake(1.0, g), None), "checkpoint-all": (_fake(1.0, bad, finite=False, peak=50), None),
-               "checkpoint-every2": (_fake(1.0, [x * (1 + 1e-3) for x in g], peak=50), None),
-               "checkpoint-mlp": (None, "out of memory: CUDA out of memory")}
-    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in strategies.make_records(ctx, results, "plain")}
+    plain = _probe(1.0, g)
+    results = {"plain": _measured("plain", plain),
+               "checkpoint-all": _measured("checkpoint-all", _probe(1.0, bad, finite=False), plain, peak=50),
+               "checkpoint-every2": _measured("checkpoint-every2", _probe(1.0, [x * (1 + 1e-3) for x in g]), plain,
+                                              peak=50),
+               "checkpoint-mlp": Failed("out of memory: CUDA out of memory", "checkpoint-mlp")}
+    recs = decision.strategy_records(ctx, results, experiment.ARMS)
+    by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
     nan = by["checkpoint-all"]
     assert nan.decision == "reject" and not nan.all_finite and nan.grad_error is None and not nan.metrics["equal"]
     assert nan.metrics["grad_norm"] is None  # stored as null, not NaN
-    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > harness.EQUAL_TOL["cpu"][1]
+    assert by["checkpoint-every2"].decision == "reject" and by["checkpoint-every2"].grad_error > EXACT_TOL["cpu"][1]
     assert by["checkpoint-mlp"].failure and by["plain"].decision is None
 
 
 def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
     total = 0
     for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"):
-        plan = registry.plan(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
+        plan = registry.dry_run(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
         gpu = plan["modes"]["real_gpu"]
         assert gpu["timed_rounds"] >= 20 and gpu["warmup_rounds"] >= 1 and gpu["interleaved"]
         total += gpu["estimated_seconds"]
@@ -104,10 +122,10 @@ def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
 
 def test_the_estimate_scales_with_the_workload():
     w = parse_workload("qwen05-b2s512")
-    one = harness.estimate_seconds(w, [1.0], "cuda")
-    assert harness.estimate_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
-    assert harness.estimate_seconds(w, [1.0, 2.0], "cuda") > 2 * one - PLAN_BUILD_S["cuda"]
-    assert harness.estimate_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: planned, and slow
+    one = dry_run.same_weights_seconds(w, [1.0], "cuda")
+    assert dry_run.same_weights_seconds(parse_workload("qwen05-b2s1024"), [1.0], "cuda") > one + 1
+    assert dry_run.same_weights_seconds(w, [1.0, 2.0], "cuda") > 2 * one - ASSUMED_BUILD_S["cuda"]
+    assert dry_run.same_weights_seconds(w, [1.0], "cpu") > 10 * one  # qwen05 on 2 CPU cores: estimated, and slow
 
 
 def test_conformance_passes():

@@ -1,7 +1,7 @@
 """Part 02 · 56, the experiment (``bp_mech.experiments.continual_pretrain``): the records of a short run
 (values, validation, the resume bit for bit), the decision rule, the dry-run plan, the conformance row,
-and the command line: the reader's own texts, saving and resuming a checkpoint across processes, and a
-bad checkpoint as one line with exit status 2."""
+and the command line: the reader's own texts, saving and resuming a saved state across processes, and a
+bad saved state as one line with exit status 2."""
 
 import json
 import math
@@ -17,7 +17,7 @@ from bp_mech.cli import main
 from bp_mech.experiments import continual_pretrain as experiment
 
 SMALL = experiment.CPTConfig(cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2),
-                             cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), checkpoint_at=3, eval_every=2,
+                             cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), save_at=3, eval_every=2,
                              timed=3, warmup=1)
 
 
@@ -40,16 +40,17 @@ def test_run_records(small, tmp_path, cpu_only):
     assert dom.metrics["domain_gain"] == evals[0]["domain"] - evals[-1]["domain"]
     assert dom.metrics["holdout_drift"] == evals[-1]["holdout"] - evals[0]["holdout"]
     assert (dom.decision, dom.next_step) == experiment.decide_domain(dom.metrics, True)
-    assert dom.update_count == 6 and dom.skipped_updates == 0 and dom.updates == 6 + 1 + SMALL.warmup + SMALL.timed + 1
+    assert dom.metrics["updates_by_run"]["domain"] == 6 and dom.skipped_updates == 0
+    assert dom.updates == 6 + 1 + SMALL.warmup + SMALL.timed + 1 and dom.strategy == base.strategy == "plain"
     assert dom.peak_allocated > 0 and dom.step_median_s > 0 and dom.threads == 1
-    ckpt = dom.metrics["checkpoint"]
-    assert ckpt["fields"] == list(training_state.FIELDS) and ckpt["at_update"] == 3
-    assert ckpt["bytes"] == sum(ckpt["files"].values()) and ckpt["data_position"] == dict(position=3, tokens=3 * 2 * 16)
+    state = dom.metrics["saved_state"]
+    assert state["fields"] == list(training_state.FIELDS) and state["at_update"] == 3
+    assert state["bytes"] == sum(state["files"].values()) and state["data_position"] == dict(position=3, tokens=3 * 2 * 16)
     resume = res.metrics["resume"]
     assert resume["bitwise"] and resume["steps"] == 3 and res.output_error == 0.0 and res.decision == "accept"
     assert [r["loss"] for r in res.metrics["steps"]] == [r["loss"] for r in dom.metrics["steps"][3:]]
     assert res.metrics["evals"] == [e for e in evals if e["update"] >= 3]
-    assert res.updates == 3 and res.update_count == 6
+    assert res.updates == 3 and res.metrics["clock_updates"] == 6
 
 
 @pytest.mark.parametrize("first, last, want", [
@@ -69,12 +70,12 @@ def test_decision_rule(first, last, want):
 
 
 def test_plan():
-    plan = registry.plan(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run", "qwen05-b2s512"))
+    plan = registry.dry_run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run", "qwen05-b2s512"))
     gpu, cpu = plan["modes"]["real_gpu"], plan["modes"]["cpu"]
     assert 20 <= gpu["estimated_seconds"] <= 45 and gpu["timed_rounds"] >= 20  # a short GPU run
-    assert gpu["checkpoint_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["checkpoint_at"] > 0
-    assert "random-init architecture" in plan["base"] and plan["checkpoint_fields"] == list(training_state.FIELDS)
-    tiny = registry.plan(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run"))["modes"]["cpu"]
+    assert gpu["state_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["save_at"] > 0
+    assert "random-init architecture" in plan["base"] and plan["state_fields"] == list(training_state.FIELDS)
+    tiny = registry.dry_run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run"))["modes"]["cpu"]
     assert tiny["pretrain_updates"] == 100 and tiny["threads"] == 1 and tiny["estimated_seconds"] < 30
 
 
@@ -90,36 +91,36 @@ def _err(capsys):
 
 
 def test_cli_own_texts_checkpoint_and_resume_in_a_second_run(small, tmp_path, capsys):
-    """A run with the reader's texts keeps its checkpoints; a second run, which builds everything anew as a
+    """A run with the reader's texts keeps its saved states; a second run, which builds everything anew as a
     new process would, resumes from the one at update 3 and continues bit for bit."""
     domain, holdout = tmp_path / "domain.txt", tmp_path / "holdout.txt"
     domain.write_text("Pumps move water through the loop; valves set the flow. " * 12, encoding="utf-8")
     holdout.write_text("Bread rises when yeast ferments the dough. " * 8, encoding="utf-8")
     texts = ["--domain-text", str(domain), "--holdout-text", str(holdout)]
-    ckpt, out = tmp_path / "ckpt", tmp_path / "rec"
+    state, out = tmp_path / "state", tmp_path / "rec"
     base = ["run", "TRAIN-CONTINUAL-PRETRAIN", "--workload", "tiny-b2s16", "--out", str(out), *texts]
-    assert main([*base, "--checkpoint-dir", str(ckpt)]) == 0
-    assert (ckpt / "latest").read_text().strip() == "step-000006" and (ckpt / "step-000003" / "state.json").exists()
+    assert main([*base, "--state-dir", str(state)]) == 0
+    assert (state / "latest").read_text().strip() == "step-000006" and (state / "step-000003" / "state.json").exists()
     first = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__domain.json").read_text())
     assert first["metrics"]["texts"]["domain"]["source"] == str(domain)
-    assert main([*base, "--resume-from", str(ckpt / "step-000003")]) == 0
+    assert main([*base, "--resume-from", str(state / "step-000003")]) == 0
     second = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__resumed.json").read_text())
-    assert second["metrics"]["checkpoint"]["resumed_from"] == str(ckpt / "step-000003")
+    assert second["metrics"]["saved_state"]["resumed_from"] == str(state / "step-000003")
     assert second["metrics"]["resume"]["bitwise"] and second["decision"] == "accept"
     assert [r["loss"] for r in second["metrics"]["steps"]] == [r["loss"] for r in first["metrics"]["steps"][3:]]
     # the root: its 'latest' (update 6) is resolved before this run's own saves move it to step-000006-1
-    assert main([*base, "--checkpoint-dir", str(ckpt), "--resume-from", str(ckpt)]) == 0
+    assert main([*base, "--state-dir", str(state), "--resume-from", str(state)]) == 0
     third = json.loads((out / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s16__cpu-default__resumed.json").read_text())
-    assert third["metrics"]["checkpoint"]["resumed_from"] == str(ckpt / "step-000006")
+    assert third["metrics"]["saved_state"]["resumed_from"] == str(state / "step-000006")
     assert third["metrics"]["resume"]["steps"] == 0 and third["metrics"]["resume"]["bitwise"]
-    assert (ckpt / "latest").read_text().strip() == "step-000006-1"
+    assert (state / "latest").read_text().strip() == "step-000006-1"
     capsys.readouterr()
-    (ckpt / "step-000003" / "optimizer.pt").write_bytes(b"truncated")
-    assert main([*base, "--resume-from", str(ckpt / "step-000003")]) == 2
-    assert _err(capsys) == [f"bp-mech: error: checkpoint {ckpt / 'step-000003'}: optimizer.pt is 9 bytes, the "
-                            f"manifest says {first['metrics']['checkpoint']['files']['optimizer.pt']} (truncated or replaced)"]
-    assert main(["run", "TRAIN-CONTINUAL-PRETRAIN", "--workload", "tiny-b2s16", "--resume-from", str(ckpt)]) == 2
-    assert "(a checkpoint of another data)" in _err(capsys)[0]  # the shipped domain text is not the reader's
+    (state / "step-000003" / "optimizer.pt").write_bytes(b"truncated")
+    assert main([*base, "--resume-from", str(state / "step-000003")]) == 2
+    assert _err(capsys) == [f"bp-mech: error: saved state {state / 'step-000003'}: optimizer.pt is 9 bytes, the "
+                            f"manifest says {first['metrics']['saved_state']['files']['optimizer.pt']} (truncated or replaced)"]
+    assert main(["run", "TRAIN-CONTINUAL-PRETRAIN", "--workload", "tiny-b2s16", "--resume-from", str(state)]) == 2
+    assert "(a saved state of another data)" in _err(capsys)[0]  # the shipped domain text is not the reader's
 
 
 @pytest.mark.parametrize("argv, needle", [

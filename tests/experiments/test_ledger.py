@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle as ledger_measure
-from bp_mech.experiments import ledger as experiment
+from bp_mech.bench import lifecycle
+from bp_mech.bench.step import StepOptions
+from bp_mech.bench.strategy import parse
 from bp_mech.bench.workload import ARCHITECTURES, parse_workload
+from bp_mech.experiments import ledger as experiment
 from tests.conftest import ALLOCATOR_CALLS
 
 TINY = parse_workload("tiny-b2s64")
@@ -20,7 +22,7 @@ TINY = parse_workload("tiny-b2s64")
 def test_a_line_off_by_more_than_its_tolerance_is_tune_with_the_line_named():
     """The decision uses both: a large line off by 10 % fails even where its stage total is within 5 %."""
     formula = ledger.theoretical(ARCHITECTURES[TINY.arch], TINY.batch, TINY.seq)
-    measured = ledger_measure.track(TINY)
+    measured = lifecycle.track(TINY)
     assert experiment.decide(formula, measured)[:2] == ("accept", None)
     wrong = copy.deepcopy(formula)
     wrong.stages["zero_grad"]["optimizer_states"] = int(1.1 * formula.stages["zero_grad"]["optimizer_states"])
@@ -60,8 +62,9 @@ def test_run_gives_three_valid_records_per_strategy(monkeypatch):
             assert "forward/optimizer_states" in r.metrics["formula_class_error"]
         assert by[s].updates == by[s + "-estimated"].updates == 2  # 1 warm-up + 1 measured optimizer step
         assert by[s + "-formula"].updates is None  # no step ran
-    assert (by["amp"].updates, by["amp"].update_count, by["amp"].skipped_updates) == (2, 2, 0)
-    assert (by["plain"].updates, by["plain"].update_count, by["plain"].skipped_updates) == (2, 2, None)
+        assert by[s].strategy == by[s + "-estimated"].strategy == by[s + "-formula"].strategy == s
+    assert (by["fp16"].updates, by["fp16"].skipped_updates) == (2, 0)
+    assert (by["plain"].updates, by["plain"].skipped_updates) == (2, None)
 
 
 def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_cuda):
@@ -70,21 +73,22 @@ def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_c
     with the foreach AdamW, and an out-of-memory strategy recorded as its failure."""
     from bp_mech.records import registry, results
 
-    real_env, real_track, calls = registry.environment_fields, ledger_measure.track, []
+    real_env, real_track, calls = registry.environment_fields, lifecycle.track, []
     monkeypatch.setattr(registry, "environment_fields", lambda profile, device="cpu": dict(
         real_env(profile, "cpu"), cuda="13.0", device_name="NVIDIA H200", device_memory=150_000_000_000))
 
-    def track(w, cfg=ledger.LedgerConfig(), device="cpu", fake=False):
-        calls.append((cfg.strategy, (cfg.adamw, cfg.offload_min_bytes), str(device), fake))
+    def track(w, s, device="cpu", fake=False, options=StepOptions()):
+        o = options.for_device(device)
+        calls.append((s.name, (o.adamw, o.offload_min_bytes), str(device), fake))
         if fake:
-            return real_track(w, cfg, fake=True)
-        if cfg.strategy == "offload":
+            return real_track(w, s, fake=True, options=options)
+        if s.offload:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        led = real_track(w, cfg)
+        led = real_track(w, s, options=options)
         led.allocator = dict(forward=1, forward_peak=10, backward_peak=30, forward_reserved=40, backward_reserved=20)
         return led
 
-    monkeypatch.setattr(ledger_measure, "track", track)
+    monkeypatch.setattr(lifecycle, "track", track)
     monkeypatch.setattr(experiment, "CANDIDATES", ("plain", "offload"))
     ctx = registry.make_context("TRAIN-STATE-LEDGER", "real_gpu", "tiny-b2s64")
     recs = {r.candidate: r for r in experiment.run(ctx)}
@@ -104,83 +108,68 @@ def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_c
 def test_dry_run_plan_for_qwen05():
     from bp_mech.records import registry
 
-    p = registry.plan(registry.make_context("TRAIN-STATE-LEDGER", "dry_run", "qwen05-b2s512"))
+    p = registry.dry_run(registry.make_context("TRAIN-STATE-LEDGER", "dry_run", "qwen05-b2s512"))
     assert p["candidates"] == list(experiment.CANDIDATES)
     assert (p["stage_tolerance"], p["class_tolerance"]) == (experiment.STAGE_TOL, experiment.CLASS_TOL)
-    assert 8e9 < p["formula_peak_bytes_cuda"]["checkpoint"] < p["formula_peak_bytes_cuda"]["plain"] < 12e9
+    assert 8e9 < p["formula_peak_bytes_cuda"]["checkpoint-all"] < p["formula_peak_bytes_cuda"]["plain"] < 12e9
 
 
 # --- the GPU records of 11, 19, 42 and AMP, matched by name (synthetic records) -----------
 
-def _gpu_record(sid, candidate, peak, workload="qwen05-b2s512", run_label="gpu-synthetic", updates=24, **fields):
-    """A GPU record as the GPU suite writes one, made up here (temporary directory only)."""
+def _gpu_record(sid, candidate, peak, workload="qwen05-b2s512", run_label="gpu-synthetic", updates=24,
+                strategy="same", **fields):
+    """A GPU record as the GPU suite writes one, made up here (temporary directory only); its strategy is
+    its candidate's name unless given."""
     from bp_mech.records import registry, results
 
     w = parse_workload(workload)
     fields = dict(dict(effective_batch=w.batch, input_shape=[w.batch, w.seq]), **fields)
     return results.Record(semantic_id=sid, workload_id=workload, run_label=run_label, page=registry.get(sid).page,
-                          candidate=candidate, model_id="Qwen/Qwen2.5-0.5B", model_commit="config-synthetic",
+                          candidate=candidate, strategy=candidate if strategy == "same" else strategy,
+                          model_id="Qwen/Qwen2.5-0.5B", model_commit="config-synthetic",
                           model_source="config", dtype="float32", seed=0, evidence_level="gpu-measured",
                           memory_source="cuda-allocator", cuda="12.8", device_name="synthetic",
                           peak_allocated=peak, updates=updates, **fields)
 
 
 @pytest.fixture
-def gpu_dir(tmp_path, monkeypatch):
-    from bp_mech.book import report
-
-    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)  # the directory report.cached reads
+def gpu_dir(tmp_path):
     return tmp_path
 
 
-def _peak(cfg, batch=2, seq=512):
-    return ledger.theoretical(ARCHITECTURES["qwen05"], batch, seq, cfg.for_device("cuda"), "cuda").peak
+def _peak(name, batch=2, seq=512):
+    return experiment.formula(ARCHITECTURES["qwen05"], batch, seq, parse(name), "cuda").peak
 
 
-def test_gpu_records_are_matched_to_the_ledger_by_name(gpu_dir):
+def test_gpu_records_are_matched_to_the_formula_by_their_strategy(gpu_dir):
     from bp_mech.records.results import save_record
 
-    off = ledger.LedgerConfig("offload")
-    records = [_gpu_record("TRAIN-CHECKPOINT", "plain", int(_peak(ledger.LedgerConfig()) / 1.02)),
-               _gpu_record("TRAIN-CHECKPOINT", "checkpoint-all", _peak(ledger.LedgerConfig("checkpoint"))),
+    records = [_gpu_record("TRAIN-CHECKPOINT", "plain", int(_peak("plain") / 1.02)),
+               _gpu_record("TRAIN-CHECKPOINT", "checkpoint-all", _peak("checkpoint-all")),
                _gpu_record("TRAIN-CHECKPOINT", "checkpoint-mlp", 7_000_000_000),
-               _gpu_record("TRAIN-OFFLOAD", "offload", _peak(off)),
-               _gpu_record("TRAIN-AMP-BACKWARD", "bf16-amp", _peak(ledger.LedgerConfig("amp", amp_dtype="bfloat16"))),
-               _gpu_record("TRAIN-GRADIENT-ACCUMULATION", "micro2", _peak(ledger.LedgerConfig("accumulation"), 8, 256),
+               _gpu_record("TRAIN-OFFLOAD", "offload", _peak("offload")),
+               _gpu_record("TRAIN-OFFLOAD", "save_on_cpu", 5_000_000_000, strategy=None),
+               _gpu_record("TRAIN-AMP-BACKWARD", "bf16", _peak("bf16")),
+               _gpu_record("TRAIN-GRADIENT-ACCUMULATION", "micro2", _peak("micro2", 8, 256),
                            workload="qwen05-b2s256", run_label="gpu-default-s256", effective_batch=8,
                            input_shape=[4, 256])]
     for r in records:
         save_record(r, gpu_dir)
-    rows = {(r["experiment"], r["candidate"]): r for r in experiment.gpu_references()}
+    rows = {(r["experiment"], r["candidate"]): r for r in experiment.gpu_references(gpu_dir)}
     assert len(rows) == len(records)
     plain = rows["TRAIN-CHECKPOINT", "plain"]
     assert plain["ledger"] == "plain, fused AdamW" and plain["formula_error"] == pytest.approx(0.02, abs=1e-6)
-    assert rows["TRAIN-CHECKPOINT", "checkpoint-all"]["ledger"].startswith("checkpoint")
-    assert rows["TRAIN-OFFLOAD", "offload"]["ledger"] == "offload (min 1048576 B), fused AdamW"
-    assert rows["TRAIN-AMP-BACKWARD", "bf16-amp"]["ledger"] == "amp bfloat16, fused AdamW"
+    assert rows["TRAIN-CHECKPOINT", "checkpoint-all"]["ledger"] == "checkpoint-all, fused AdamW"
+    assert rows["TRAIN-OFFLOAD", "offload"]["ledger"] == "offload, fused AdamW"
+    assert rows["TRAIN-AMP-BACKWARD", "bf16"]["ledger"] == "bf16, fused AdamW"
     acc = rows["TRAIN-GRADIENT-ACCUMULATION", "micro2"]  # the effective batch of 8 in 2 micro-batches of 4
-    assert acc["ledger"] == "accumulation x2, fused AdamW" and acc["formula_error"] == 0
-    for k in [("TRAIN-CHECKPOINT", "checkpoint-all"), ("TRAIN-OFFLOAD", "offload"), ("TRAIN-AMP-BACKWARD", "bf16-amp")]:
+    assert acc["ledger"] == "micro2, fused AdamW" and acc["formula_error"] == 0
+    for k in [("TRAIN-CHECKPOINT", "checkpoint-all"), ("TRAIN-OFFLOAD", "offload"), ("TRAIN-AMP-BACKWARD", "bf16")]:
         assert rows[k]["formula_error"] == 0, rows[k]
-    mlp = rows["TRAIN-CHECKPOINT", "checkpoint-mlp"]  # stated, not compared
-    assert mlp["note"].startswith("no ledger counterpart") and mlp["formula_peak"] is None
-
-
-def test_every_candidate_of_the_gpu_experiments_has_an_entry():
-    from bp_mech.records import registry
-
-    for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION"):
-        for c in registry.get(sid).load().CANDIDATES:  # the experiment module, wherever the registry puts it
-            entry = experiment.GPU_COUNTERPARTS[sid, c]
-            assert isinstance(entry, ledger.LedgerConfig) or entry.startswith("no ledger counterpart: ")
-
-
-def test_a_gpu_record_without_a_counterpart_entry_fails_loudly(gpu_dir):
-    from bp_mech.records.results import save_record
-
-    save_record(_gpu_record("TRAIN-OFFLOAD", "offload-nvme", 5_000_000_000), gpu_dir)
-    with pytest.raises(ValueError, match=r"TRAIN-OFFLOAD record .*offload-nvme.*GPU_COUNTERPARTS"):
-        experiment.gpu_references()
+    mlp = rows["TRAIN-CHECKPOINT", "checkpoint-mlp"]  # stated, not compared: the formula says why
+    assert "every decoder layer or none" in mlp["note"] and mlp["formula_peak"] is None
+    torch_arm = rows["TRAIN-OFFLOAD", "save_on_cpu"]
+    assert "not one of the book's strategies" in torch_arm["note"] and torch_arm["formula_peak"] is None
 
 
 def test_the_optimizer_state_is_counted_on_both_sides(gpu_dir):
@@ -188,16 +177,16 @@ def test_the_optimizer_state_is_counted_on_both_sides(gpu_dir):
     record counts them only if its step ran an update, so a record that ran none is refused."""
     from bp_mech.records.results import save_record
 
-    a, cfg = ARCHITECTURES["qwen05"], ledger.LedgerConfig()
+    a = ARCHITECTURES["qwen05"]
     n_tensors = 2 + a["num_hidden_layers"] * 12
-    save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak(cfg)), gpu_dir)
-    (row,) = experiment.gpu_references()
+    save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak("plain")), gpu_dir)
+    (row,) = experiment.gpu_references(gpu_dir)
     assert row["formula_optimizer_states"] == 2 * ledger.param_bytes(a) + 4 * n_tensors and row["formula_error"] == 0
-    save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak(cfg) - row["formula_optimizer_states"], updates=0),
+    save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak("plain") - row["formula_optimizer_states"], updates=0),
                 gpu_dir)  # the same run without an update: its peak lacks the moments
     with pytest.raises(ValueError, match=r"TRAIN-CHECKPOINT record .*'plain'.*updates=0.*no optimizer state"):
-        experiment.gpu_references()
+        experiment.gpu_references(gpu_dir)
 
 
 def test_no_gpu_record_no_rows(gpu_dir):
-    assert experiment.gpu_references() == []
+    assert experiment.gpu_references(gpu_dir) == []

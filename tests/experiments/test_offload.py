@@ -3,15 +3,18 @@ validate (equality, D2H = the independent count, peaks, transfer bound); the see
 seed's decision; the conformance check passes."""
 
 import pytest
+import torch
 
 # transformers' generation module (imported with AutoModelForCausalLM) evaluates torch.cuda.Stream in
 # its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
 from transformers import AutoModelForCausalLM  # noqa: F401
 
 from bp_mech import offload
-from bp_mech.records import references, registry
-from bp_mech.experiments import harness, strategies
+from bp_mech.bench.step import train_step
+from bp_mech.bench.strategy import Applied
+from bp_mech.experiments import decision
 from bp_mech.experiments import offload as experiment
+from bp_mech.records import references, registry
 from bp_mech.records.results import load_record, save_record
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
@@ -33,10 +36,12 @@ def test_count_saved_counts_storages_once_and_less_under_checkpointing(tiny):
 def test_make_hooks_and_hook_stats(tiny):
     model, batches = tiny
     cfg = offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES)
-    hooks = {name: experiment.make_hooks(name, model, cfg, "cpu") for name in experiment.CANDIDATES}
-    assert hooks["resident"] is None and isinstance(hooks["save_on_cpu"], offload.CountingSaveOnCpu)
-    assert all(isinstance(hooks[n], offload.ActivationOffload) for n in ("offload", "offload-checkpoint"))
-    harness.train_step(model, batches[0], hooks["offload"])
+    hooks = {name: experiment.make_hooks(name, model, cfg, "cpu") for name in experiment.CANDIDATES[1:]}
+    assert isinstance(hooks["save_on_cpu"], offload.CountingSaveOnCpu)
+    assert all(isinstance(hooks[n], offload.ActivationOffload) for n in ("offload", "checkpoint-all+offload"))
+    s = experiment.ARMS["offload"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    train_step(model, opt, batches[0], s, applied=Applied(model, s, "cpu", hooks=hooks["offload"]))
     stats = experiment.hook_stats(hooks["offload"])
     assert stats["d2h"] == hooks["offload"].d2h_bytes > 0 and stats["host_pool_bytes"] == stats["d2h"]
     assert stats["pool_allocations"] == len(hooks["offload"]._order)
@@ -47,18 +52,19 @@ def test_run_writes_valid_records(tmp_path, cpu_only):
     bw = {"h2d": 2.0e10, "d2h": 1.5e10}  # stands for measure_bandwidth: the GPU-only metrics, on the CPU
     recs = experiment.run(ctx, bandwidth=bw)
     assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
+    assert [r.strategy for r in recs] == ["plain", None, "offload", "checkpoint-all+offload"]  # save_on_cpu: torch's
     by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
-    assert by["resident"].transfer_bytes is None and by["resident"].decision is None
+    assert by["plain"].transfer_bytes is None and by["plain"].decision is None
     for name in experiment.CANDIDATES[1:]:
         r = by[name]
         assert r.output_error == 0.0 and r.grad_error == 0.0 and r.metrics["bitwise_equal"] and r.all_finite
         assert r.metrics["d2h_matches_count"] and r.transfer_bytes["d2h"] == r.metrics["expected_d2h_bytes"]
-        assert r.peak_allocated < by["resident"].peak_allocated
-        assert r.metrics["held_after_forward_bytes"] < by["resident"].metrics["held_after_forward_bytes"]
+        assert r.peak_allocated < by["plain"].peak_allocated
+        assert r.metrics["held_after_forward_bytes"] < by["plain"].metrics["held_after_forward_bytes"]
         t = r.transfer_bytes
         assert r.metrics["transfer_bound_s"] == pytest.approx(t["d2h"] / bw["d2h"] + t["h2d"] / bw["h2d"])
     assert by["offload"].transfer_bytes["d2h"] < by["save_on_cpu"].transfer_bytes["d2h"]
-    assert by["offload-checkpoint"].transfer_bytes["d2h"] < by["offload"].transfer_bytes["d2h"]
+    assert by["checkpoint-all+offload"].transfer_bytes["d2h"] < by["offload"].transfer_bytes["d2h"]
 
 
 def test_link_metrics():
@@ -74,7 +80,7 @@ def test_link_metrics():
 
 def test_seed_reference_gives_the_seed_decision():
     s = references.SEED["TRAIN-OFFLOAD"]  # the seed's figures, in one place
-    assert strategies.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "tune"
+    assert decision.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "tune"
 
 
 def test_conformance_passes():

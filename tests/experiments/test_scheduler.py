@@ -17,7 +17,7 @@ def test_run_boundary_shifts_and_records(tmp_path):
     n_skips = len(run_cfg.overflow_calls) + len(run_cfg.explicit_skip_calls)
     for r in recs.values():
         results.load_record(results.save_record(r, tmp_path))
-        assert r.update_count == run_cfg.schedule.total and r.skipped_updates == n_skips
+        assert r.updates == run_cfg.schedule.total and r.skipped_updates == n_skips
         assert r.metrics["skipped_calls"] == sorted(run_cfg.overflow_calls + run_cfg.explicit_skip_calls)
         assert r.metrics["params_unchanged_on_skip"] and r.metrics["transformers_max_abs_diff"] == 0.0
         assert r.all_finite
@@ -54,5 +54,5 @@ def test_conformance_passes():
 
 
 def test_dry_run_plan():
-    p = registry.plan(registry.make_context("TRAIN-SCHEDULER-CLOCK", "dry_run"))
+    p = registry.dry_run(registry.make_context("TRAIN-SCHEDULER-CLOCK", "dry_run"))
     assert p["candidates"] == ["naive-clock", "update-clock"] and p["optimizer_calls"] == 28 == ClockRun().optimizer_calls

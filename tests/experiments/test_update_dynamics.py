@@ -9,6 +9,7 @@ import torch
 
 from bp_mech.records import registry, results
 from bp_mech import update_dynamics
+from bp_mech.experiments import harness
 from bp_mech.experiments import update_dynamics as experiment
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 
@@ -74,7 +75,7 @@ def test_run_records(tmp_path, monkeypatch):
     assert [r.candidate for r in recs] == list(experiment.CANDIDATES)
     for r in recs:
         results.save_record(r, tmp_path)
-        assert r.failure is None and r.peak_allocated > 0 and r.step_median_s > 0 and r.update_count == 6
+        assert r.failure is None and r.peak_allocated > 0 and r.step_median_s > 0 and r.strategy == "plain"
         assert len(r.metrics["trace"]) == 6 and (r.decision, r.next_step) == experiment.decide(experiment.summarize(r.metrics["trace"]))
         assert r.threads == 1 and r.metrics["interleaved"] and len(r.metrics["step_samples_s"]) == CFG.timed
         by_run = r.metrics["updates_by_run"]
@@ -88,7 +89,7 @@ def test_run_records(tmp_path, monkeypatch):
             assert "strictly more work" in rec[name].timing_noise
     assert recs[2].metrics["summary"]["clipped_updates"] >= 1 and recs[1].metrics["summary"]["clipped_updates"] == 0
     monkeypatch.undo()  # the plan of the real configs
-    plan = registry.plan(registry.make_context("TRAIN-UPDATE-DYNAMICS", "dry_run", "qwen05-b2s512"))
+    plan = registry.dry_run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "dry_run", "qwen05-b2s512"))
     gpu = plan["modes"]["real_gpu"]
     assert gpu["lrs"]["high_lr"] == 100 * gpu["lrs"]["base_lr"] and gpu["estimated_seconds"] < 60
     assert gpu["timed_rounds"] >= 20 and plan["modes"]["cpu"]["interleaved"] and plan["modes"]["cpu"]["threads"] == 1
@@ -119,20 +120,20 @@ def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
     assert experiment.trace(model, init, batches[:2], "high_lr_clip", CFG, "cpu") == clean
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_oom_in_one_candidate_is_its_failure(monkeypatch, interleave):
-    real = experiment.prepare_candidate
+@pytest.mark.parametrize("together", [True, False])
+def test_oom_in_one_candidate_is_its_failure(monkeypatch, together):
+    real = harness.train_step  # the measurement's step (the trace calls bench.step.train_step itself)
 
-    def flaky(model, init, batches, name, cfg, device):
-        if name == "high_lr":
-            model(**batches[0]).loss.backward()
+    def flaky(model, opt, batch, strategy, max_norm=None, **kw):
+        if max_norm is None and opt.param_groups[0]["lr"] > CFG.base_lr:  # high_lr's measurement
+            model(**batch).loss.backward()
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, init, batches, name, cfg, device)
+        return real(model, opt, batch, strategy, max_norm=max_norm, **kw)
 
     real_measure = experiment.measure
     monkeypatch.setattr(experiment, "config_for", lambda arch, device, smoke=False: CFG)
-    monkeypatch.setattr(experiment, "prepare_candidate", flaky)
-    monkeypatch.setattr(experiment, "measure", lambda *a, **kw: real_measure(*a, **kw, interleave=interleave))
+    monkeypatch.setattr(harness, "train_step", flaky)
+    monkeypatch.setattr(experiment, "measure", lambda *a, **kw: real_measure(*a, **kw, together=together))
     recs = {r.candidate: r for r in experiment.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))}
     bad = recs["high_lr"]
     assert bad.failure.startswith("out of memory") and bad.decision is None and bad.peak_allocated is None
@@ -140,7 +141,7 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch, interleave):
     assert len(bad.metrics["trace"]) == CFG.updates == bad.updates  # the trace ran; only the measurement failed
     ok = recs["high_lr_clip"]
     assert ok.failure is None and ok.peak_allocated > 0 and ok.metrics["time_ratio"] is None  # no baseline time
-    assert ok.metrics["interleaved"] is interleave and len(ok.metrics["step_samples_s"]) == CFG.timed
+    assert ok.metrics["interleaved"] is together and len(ok.metrics["step_samples_s"]) == CFG.timed
 
 
 def test_config_follows_the_device():

@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from bp_mech import cli
-from bp_mech.bench import lifecycle as ledger_measure
-from bp_mech.planner import plan, report as plan_report
+from bp_mech.bench import lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.ledger import LedgerConfig
+from bp_mech.bench.step import StepOptions
+from bp_mech.planner import inputs, plan, report as plan_report
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None)
 FAMILY_FIELDS = {"qwen2": dict(tie_word_embeddings=True), "llama": {}, "mistral": {}, "phi3": {},
                  "gemma": dict(head_dim=16, pad_token_id=0)}
 PEAK_TOL = 0.02  # the issue's bound; the fake step is the real program, so the difference is a few bytes
-CPU = LedgerConfig().for_device("cpu")  # both sides with the CPU's settings: foreach AdamW, 4 KiB offload threshold
+CPU = StepOptions().for_device("cpu")  # both sides with the CPU's settings: foreach AdamW, 4 KiB offload threshold
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
@@ -32,53 +32,52 @@ def tiny_config(family: str):
 
 
 def test_the_validated_families_are_the_tested_ones():
-    assert set(plan.FAMILIES) == set(FAMILY_FIELDS)
+    assert set(inputs.FAMILIES) == set(FAMILY_FIELDS)
 
 
-@pytest.mark.parametrize("family", plan.FAMILIES)
+@pytest.mark.parametrize("family", inputs.FAMILIES)
 def test_fake_peak_equals_the_tracked_cpu_peak_for_every_strategy(family):
     config = tiny_config(family)
     p = plan.plan(config, 2, 32, 2**30, options=CPU)
-    assert [r["strategy"] for r in p["rows"]] == [s.name for s in S.CANDIDATES] and p["model"]["validated"]
-    session = ledger_measure.Session(ledger_measure.ConfigWorkload(config, 2, 32), "cpu", options=CPU)
-    for s, row in zip(S.CANDIDATES, p["rows"]):
-        real = session.measure(s)  # real tensors: a warm-up update under ``s``, then the measured one
+    assert [r.strategy for r in p.rows] == [s.name for s in S.CANDIDATES] and p.model["validated"]
+    session = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=CPU)
+    for s, row in zip(S.CANDIDATES, p.rows):
+        real = session.ledger(s)  # real tensors: a warm-up update under ``s``, then the measured one
         assert real.source == "tracked-cpu" and real.finite
-        assert abs(row["peak"] / real.peak - 1) <= PEAK_TOL, (family, s.name, row["peak"], real.peak)
+        assert abs(row.peak / real.peak - 1) <= PEAK_TOL, (family, s.name, row.peak, real.peak)
         scaler = 8 if s.amp == "float16" else 0  # found_inf and the inverse scale of the real GradScaler
-        assert 0 <= real.peak - row["peak"] <= scaler, (family, s.name)
-        assert all(0 <= real.total(k) - v <= scaler for k, v in row["stages"].items()), (family, s.name)
-        assert row["cost"]["d2h_bytes"] == real.counts["d2h_bytes"] and row["cost"]["recomputes"] == \
-            real.counts["recomputes"]
+        assert 0 <= real.peak - row.peak <= scaler, (family, s.name)
+        assert all(0 <= real.total(k) - v <= scaler for k, v in row.stages.items()), (family, s.name)
+        assert row.cost.d2h_bytes == real.counts.d2h_bytes and row.cost.recomputes == real.counts.recomputes
 
 
 def test_counted_work_follows_the_mechanisms():
     p = plan.plan(tiny_config("llama"), 2, 32, 2**30, options=CPU)
-    rows = {r["strategy"]: r for r in p["rows"]}
+    rows = {r.strategy: r for r in p.rows}
     n = TINY["num_hidden_layers"]
-    assert rows["plain"]["cost"]["extra"] == 0 and rows["plain"]["cost"]["recomputes"] == 0
-    assert rows["checkpoint-all"]["cost"]["recomputes"] == 2 * n  # attention and MLP of every layer, once more
-    assert rows["checkpoint-mlp"]["cost"]["recomputes"] == n
-    assert rows["checkpoint-every2"]["cost"]["recomputes"] == 2 * ((n + 1) // 2)
-    assert rows["micro2"]["cost"]["recomputes"] == 0 and rows["micro2"]["cost"]["extra"] == 0
-    assert rows["offload"]["cost"]["d2h_bytes"] == rows["offload"]["cost"]["h2d_bytes"] > 0
-    assert 0 < rows["chunked-loss"]["cost"]["extra"] < rows["checkpoint-all+chunked-loss"]["cost"]["extra"]
+    assert rows["plain"].cost.extra == 0 and rows["plain"].cost.recomputes == 0
+    assert rows["checkpoint-all"].cost.recomputes == 2 * n  # attention and MLP of every layer, once more
+    assert rows["checkpoint-mlp"].cost.recomputes == n
+    assert rows["checkpoint-every2"].cost.recomputes == 2 * ((n + 1) // 2)
+    assert rows["micro2"].cost.recomputes == 0 and rows["micro2"].cost.extra == 0
+    assert rows["offload"].cost.d2h_bytes == rows["offload"].cost.h2d_bytes > 0
+    assert 0 < rows["chunked-loss"].cost.extra < rows["checkpoint-all+chunked-loss"].cost.extra
 
 
 def test_the_decision_rule():
     config = tiny_config("qwen2")
     some = S.CANDIDATES[:9]
     p = plan.plan(config, 2, 32, 2**30, candidates=some, options=CPU)
-    assert p["recommended"] == "plain"  # everything fits: nothing to pay for
-    rows = {r["strategy"]: r for r in p["rows"]}
-    plain_need = rows["plain"]["needs"]
-    assert plain_need == int(rows["plain"]["peak"] * (1 + plan.ALLOCATOR_SLACK)) + plan.CONTEXT_BYTES
+    assert p.recommended == "plain"  # everything fits: nothing to pay for
+    rows = {r.strategy: r for r in p.rows}
+    plain_need = rows["plain"].needs
+    assert plain_need == int(rows["plain"].peak * (1 + plan.ALLOCATOR_SLACK)) + plan.CONTEXT_BYTES
     budget = plain_need - 1  # plain no longer fits: the cheapest one that does
     q = plan.plan(config, 2, 32, budget, candidates=some, options=CPU)
-    fit = [r for r in q["rows"] if r["fits"]]
-    best = min(r["cost"]["extra"] for r in fit)
-    chosen = {r["strategy"]: r for r in q["rows"]}[q["recommended"]]
-    assert q["recommended"] != "plain" and chosen["fits"] and round(chosen["cost"]["extra"], 3) == round(best, 3)
+    fit = [r for r in q.rows if r.fits]
+    best = min(r.cost.extra for r in fit)
+    chosen = {r.strategy: r for r in q.rows}[q.recommended]
+    assert q.recommended != "plain" and chosen.fits and round(chosen.cost.extra, 3) == round(best, 3)
 
 
 def test_parallel_workers_give_the_same_plan():
@@ -86,14 +85,14 @@ def test_parallel_workers_give_the_same_plan():
     some = S.CANDIDATES[:5]
     one = plan.plan(config, 2, 32, 2**30, candidates=some, options=CPU)
     two = plan.plan(config, 2, 32, 2**30, candidates=some, options=CPU, workers=2)
-    assert [r["peak"] for r in one["rows"]] == [r["peak"] for r in two["rows"]]
-    assert [r["stages"] for r in one["rows"]] == [r["stages"] for r in two["rows"]]
+    assert [r.peak for r in one.rows] == [r.peak for r in two.rows]
+    assert [r.stages for r in one.rows] == [r.stages for r in two.rows]
 
 
 @pytest.mark.parametrize("text,expected", [("8GiB", 8 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20),
                                            ("1.5TiB", int(1.5 * 2**40)), ("1000", 1000)])
 def test_budgets_are_read_with_their_units(text, expected):
-    assert plan.parse_size(text) == expected
+    assert inputs.parse_size(text) == expected
 
 
 def _config_file(tmp_path, **changes):
@@ -149,14 +148,14 @@ def test_no_fit_says_what_would_fit_instead(tmp_path, capsys):
     needs, and about which batch fits with it."""
     config, some = tiny_config("llama"), S.CANDIDATES[:5]
     p = plan.plan(config, 64, 32, 2**30, candidates=some, options=CPU)
-    lean = min(p["rows"], key=lambda r: r["needs"])
-    budget = (lean["needs"] + plan.CONTEXT_BYTES + int(1.1 * lean["peak"] // 2)) // 2  # between batch 1 and 64
+    lean = min(p.rows, key=lambda r: r.needs)
+    budget = (lean.needs + plan.CONTEXT_BYTES + int(1.1 * lean.peak // 2)) // 2  # between batch 1 and 64
     q = plan.plan(config, 64, 32, budget, candidates=some, options=CPU)
-    assert q["recommended"] is None and q["fits_instead"]["strategy"] == lean["strategy"]
-    b = q["fits_instead"].get("batch")
+    assert q.recommended is None and q.fits_instead.strategy == lean.strategy
+    b = q.fits_instead.batch
     assert b is not None and 1 <= b < 64
-    smaller = plan.plan(config, b, 32, budget, candidates=[S.parse(lean["strategy"])], options=CPU)
-    assert smaller["recommended"] == lean["strategy"]  # the suggestion does fit (the line through two steps)
+    smaller = plan.plan(config, b, 32, budget, candidates=[S.parse(lean.strategy)], options=CPU)
+    assert smaller.recommended == lean.strategy  # the suggestion does fit (the line through two steps)
     assert "about --batch" in plan_report.no_fit_message(q)
 
 
@@ -165,11 +164,11 @@ def test_cached_gpu_ratios_are_shown_beside_the_counted_cost(tmp_path):
     puts its measured time ratio against its own run's plain step beside the counted estimate."""
     import dataclasses
 
-    from bp_mech.book import report
+    from bp_mech import RESULTS_DIR
     from bp_mech.records import results
 
     for name, median in (("plain", 0.10), ("checkpoint-all", 0.13)):
-        _, cpu = next((p, r) for p, r in results.load_records(report.RESULTS_DIR, "TRAIN-CHECKPOINT")
+        _, cpu = next((p, r) for p, r in results.load_records(RESULTS_DIR, "TRAIN-CHECKPOINT")
                       if r.candidate == name)
         results.save_record(dataclasses.replace(
             cpu, run_label="gpu-default", evidence_level="gpu-measured", memory_source="cuda-allocator",
@@ -177,8 +176,8 @@ def test_cached_gpu_ratios_are_shown_beside_the_counted_cost(tmp_path):
             step_median_s=median, created_at="2026-03-01T12:00:00+00:00"), tmp_path)
     some = [S.PLAIN, S.parse("checkpoint-all")]
     p = plan.plan(tiny_config("qwen2"), 2, 32, 2**30, "H200", candidates=some, options=CPU, results_dir=tmp_path)
-    measured = {r["strategy"]: r["measured"] for r in p["rows"]}
-    assert measured["plain"] is None and measured["checkpoint-all"]["time_ratio"] == pytest.approx(1.3)
-    assert measured["checkpoint-all"]["device"] == "NVIDIA H200"
+    measured = {r.strategy: r.measured for r in p.rows}
+    assert measured["plain"] is None and measured["checkpoint-all"].time_ratio == pytest.approx(1.3)
+    assert measured["checkpoint-all"].device == "NVIDIA H200"
     other = plan.plan(tiny_config("qwen2"), 2, 32, 2**30, "A100", candidates=some, options=CPU, results_dir=tmp_path)
-    assert all(r["measured"] is None for r in other["rows"])
+    assert all(r.measured is None for r in other.rows)

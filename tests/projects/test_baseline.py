@@ -13,6 +13,7 @@ import torch
 
 from bp_mech.records import environment, registry, results
 from bp_mech.bench.timing import timing_threads
+from bp_mech.bench.compare import relative_l2
 from bp_mech.projects import baseline, baseline_loop, baseline_loss
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.scheduler import wsd_lr
@@ -45,8 +46,8 @@ def test_simulated_ranks_reproduce_the_full_batch_and_the_per_rank_mean_does_not
         loss2, g2 = baseline_loss.simulate_ranks(model, micro, 2)
         _, naive = baseline_loss.simulate_ranks(model, micro, 2, baseline_loss.per_rank_divisor)
     assert abs(loss2 - loss1).item() <= 1e-14 * loss1.item()
-    assert baseline.rel_l2(g2, g1) <= 1e-13  # float64 rounding
-    assert baseline.rel_l2(naive, g1) > 1e-4  # the per-rank mean weighs the rank with fewer tokens more
+    assert relative_l2(g2, g1) <= 1e-13  # float64 rounding
+    assert relative_l2(naive, g1) > 1e-4  # the per-rank mean weighs the rank with fewer tokens more
 
 
 def test_divisors_run_one_all_reduce_per_rank_and_raise_what_a_rank_raises():
@@ -140,16 +141,18 @@ def test_two_processes_reproduce_one_process_and_the_naive_per_rank_mean_does_no
 def test_records_validate_and_say_how_many_processes(one_process, two_processes, cpu_only):
     ctx = registry.make_context("TRAIN-BASELINE", "cpu", W)
     ref = dict(one_process, command="in-process")
-    recs = [baseline.candidate_record(ctx, "1-process", CFG, ref, ref),
+    recs = [baseline.candidate_record(ctx, "plain", CFG, ref, ref),
             baseline.candidate_record(ctx, "2-processes", CFG, two_processes, ref)]
     for rec in recs:
         results.validate(rec.to_dict())
-        assert rec.decision == "accept" and rec.all_finite and rec.update_count == CFG.updates
+        assert rec.decision == "accept" and rec.all_finite and rec.metrics["updates_by_run"]["baseline"] == CFG.updates
         m = rec.metrics
         timed = slice(CFG.warmup_excluded, None)
-        res = ref if rec.candidate == "1-process" else two_processes
+        res = ref if rec.candidate == "plain" else two_processes
         assert m["tokens_per_s"] == pytest.approx(sum(m["curve"]["target_tokens"][timed]) / sum(res["seconds"][timed]))
         assert rec.warmup_excluded == CFG.warmup_excluded and len(m["step_samples_s"]) == CFG.updates - 2
+        assert rec.step_clock == "thread_time" and m["step_samples_s"] == res["cpu_seconds"][timed]
+        assert m["wall_samples_s"] == res["seconds"][timed] and rec.strategy == "plain"
     assert [r.metrics["processes"] for r in recs] == [1, 2]
     assert [r.input_shape for r in recs] == [[4, W.seq], [2, W.seq]] and {r.effective_batch for r in recs} == {8}
     assert recs[1].updates == CFG.updates + CFG.naive_updates and recs[1].metrics["naive_equal"] is False
@@ -193,7 +196,8 @@ def test_gpu_runs_the_candidates_the_visible_gpus_hold(monkeypatch):
                   clip_coef=[1.0] * 3, applied=[True, False, True], updates=2, skipped=1, peak=5)
         return dict(processes=processes, distributed_type="DistributedType.NO", backend=None, device="cuda:0",
                     mixed_precision=cfg.mixed_precision, threads=None, holdout_before=11.0, holdout_after=9.5,
-                    per_process_rows=4, seconds=[0.2, 0.1, 0.1], seconds_by_rank=[[0.2, 0.1, 0.1]], peak_by_rank=[5],
+                    per_process_rows=4, seconds=[0.2, 0.1, 0.1], cpu_seconds=[0.01] * 3,
+                    seconds_by_rank=[[0.2, 0.1, 0.1]], peak_by_rank=[5],
                     run=ok, naive=None, tensors=None, command="accelerate launch ...")
 
     monkeypatch.setattr(baseline, "launch", fake_launch)
@@ -205,8 +209,9 @@ def test_gpu_runs_the_candidates_the_visible_gpus_hold(monkeypatch):
     recs = baseline.run(registry.make_context("TRAIN-BASELINE", "real_gpu", W))
     assert launched == [(1, "fp16", False, "cuda")]
     (rec,) = recs
-    assert rec.candidate == "1-process" and rec.metrics["processes"] == 1 and rec.evidence_level == "gpu-measured"
-    assert rec.update_count == 2 and rec.skipped_updates == 1 and rec.decision == "accept"
+    assert rec.candidate == "plain" and rec.metrics["processes"] == 1 and rec.evidence_level == "gpu-measured"
+    assert rec.updates == 2 and rec.skipped_updates == 1 and rec.decision == "accept"
+    assert rec.step_clock == "wall" and rec.step_median_s == 0.1  # CUDA: the wall time decides
     assert rec.output_error is None and rec.metrics["equivalence"] is None
     assert rec.all_finite and rec.metrics["curve"]["grad_norm"] == [1.0, None, 1.0]  # the skipped step's inf norm
     json.dumps(rec.to_dict(), allow_nan=False)  # records are strict JSON
@@ -221,10 +226,10 @@ def test_config_for_each_device():
 def test_dry_run_plan_touches_no_model(monkeypatch):
     monkeypatch.setattr(baseline_loop, "build_model", lambda *a, **k: pytest.fail("dry_run built a model"))
     ctx = registry.make_context("TRAIN-BASELINE", "dry_run", "qwen05-b2s512")
-    p = registry.plan(ctx)
+    p = registry.dry_run(ctx)
     assert p["candidates"] == list(baseline.CANDIDATES)
     assert p["modes"]["cpu"]["candidates"] == list(baseline.CANDIDATES)
-    assert p["modes"]["real_gpu"]["candidates"] == ["1-process"]
+    assert p["modes"]["real_gpu"]["candidates"] == ["plain"]
     assert "--multi_gpu" in p["modes"]["cpu"]["commands"][1] and p["modes"]["real_gpu"]["mixed_precision"] == "fp16"
     assert 10 < p["modes"]["real_gpu"]["estimated_seconds"] < 120  # ~30 s on one H200
 

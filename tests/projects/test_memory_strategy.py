@@ -10,10 +10,13 @@ import torch
 # transformers' generation module evaluates torch.cuda.Stream in its annotations: imported before cpu_only
 from transformers import AutoModelForCausalLM  # noqa: F401
 
-from bp_mech.records import registry
 from bp_mech.bench import strategy
+from bp_mech.bench.compare import EXACT_TOL, LOW_TOL, REORDER_TOL, tolerance
+from bp_mech.bench.oom import Failed
 from bp_mech.experiments import harness
+from bp_mech.planner.plan import headroom
 from bp_mech.projects import memory_strategy as ms
+from bp_mech.records import registry
 from bp_mech.projects import pareto
 from bp_mech.records.results import load_record, save_record
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
@@ -154,19 +157,19 @@ def test_checks_catch_the_classic_mistakes(name):
 
 
 def _m(peak, median, p95=None, work=(0, 0, 0), equal=True):
-    return pareto.Measured(peak, median, median if p95 is None else p95, work, equal)
+    return pareto.Candidate(peak, median, median if p95 is None else p95, work, equal)
 
 
 def test_budget_decision_picks_the_fastest_fitting_equal_candidate():
     cands = {"plain": _m(100, 1.0), "ckpt": _m(60, 1.3, work=(4, 0, 0)), "lean": _m(40, 2.0, work=(4, 10, 1)),
              "broken": _m(10, 0.5, equal=False)}  # fails the quality check: never on the front, never picked
     d = pareto.budget_decision(cands, 80, 0.1, 5)  # fits: peak <= 75 / 1.1 = 68.2
-    assert d["pareto"] == ["lean", "ckpt", "plain"] and d["fitting"] == ["ckpt", "lean"]
-    assert d["pick"] == d["fastest_fitting"] == "ckpt" and d["runner_up"] == "lean" and d["noise"] is None
-    assert d["max_peak_bytes"] == pytest.approx(75 / 1.1)
+    assert d.pareto == ["lean", "ckpt", "plain"] and d.fitting == ["ckpt", "lean"]
+    assert d.pick == d.fastest_fitting == "ckpt" and d.runner_up == "lean" and d.noise is None
+    assert d.max_peak_bytes == pytest.approx(75 / 1.1)
     nothing = pareto.budget_decision(cands, 40, 0.1, 5)
-    assert nothing["pick"] is None and nothing["leanest"] == "lean"
-    assert nothing["leanest_needs_bytes"] == pytest.approx(49)
+    assert nothing.pick is None and nothing.leanest == "lean"
+    assert nothing.leanest_needs_bytes == pytest.approx(49)
     assert "nothing fits" in pareto.pick_text(nothing)
 
 
@@ -174,21 +177,21 @@ def test_a_noisy_time_picks_nothing():
     # "lean" does strictly more counted work than "ckpt" (more recomputes, same otherwise) yet ran faster
     cands = {"ckpt": _m(60, 1.3, work=(4, 0, 0)), "lean": _m(40, 1.2, work=(8, 0, 0))}
     d = pareto.budget_decision(cands, 100, 0.0, 0)
-    assert d["fastest_fitting"] == "lean" and d["pick"] is None and "more work" in d["noise"]
+    assert d.fastest_fitting == "lean" and d.pick is None and "more work" in d.noise
     # median and P95 ratios that disagree by more than MAX_RATIO_SPREAD
     d = pareto.budget_decision({"a": _m(60, 1.0, 5.0), "b": _m(40, 1.1, 1.2, work=(1, 0, 0))}, 100, 0.0, 0)
-    assert d["pick"] is None and "differ" in d["noise"]
+    assert d.pick is None and "differ" in d.noise
     assert "does not separate" in pareto.pick_text(d)
 
 
 def test_tolerance_follows_what_the_strategy_changes():
     parse = strategy.parse
-    assert ms.tolerance(parse("checkpoint-all+offload"), "cpu") == (0.0, 0.0)
-    assert ms.tolerance(parse("checkpoint-all+offload"), "cuda") == harness.EQUAL_TOL["cuda"]
-    assert ms.tolerance(parse("micro2"), "cpu") == ms.tolerance(parse("chunked-loss"), "cpu") == ms.REORDER_TOL
-    assert ms.tolerance(parse("checkpoint-all+fp16+chunked-loss"), "cpu") == ms.LOW_TOL
+    assert tolerance(parse("checkpoint-all+offload"), "cpu") == (0.0, 0.0)
+    assert tolerance(parse("checkpoint-all+offload"), "cuda") == EXACT_TOL["cuda"]
+    assert tolerance(parse("micro2"), "cpu") == tolerance(parse("chunked-loss"), "cpu") == REORDER_TOL
+    assert tolerance(parse("checkpoint-all+fp16+chunked-loss"), "cpu") == LOW_TOL
     assert ms.budget_for("cuda", None) == ms.GPU_BUDGET and ms.budget_for("cpu", 1000) == 800
-    assert ms.headroom("cpu")[1] == 0 and ms.headroom("cuda")[1] > 0
+    assert headroom("cpu")[1] == 0 and headroom("cuda")[1] > 0
 
 
 # --- the measured run ----------------------------------------------------------------------------
@@ -209,11 +212,12 @@ def test_run_writes_valid_records(tmp_path, cpu_only, monkeypatch):
     by = {r.candidate: load_record(save_record(r, tmp_path)) for r in recs}
     plain, L = by["plain"], len(by["plain"].metrics["forward_calls"]["layer"])
     assert plain.decision is None and plain.output_error is None and plain.recompute_count == 0
-    steps = sum(ms.schedule("cpu", smoke=True)) + 1  # warm-up, timed, the peak step
+    steps = sum(ms.schedule("cpu", smoke=True)) + 1  # the tracked step, warm-up, timed
     for name, r in by.items():
         s = strategy.parse(name)
         assert r.failure is None and r.all_finite and r.metrics["equal"], name
         assert r.memory_source == "tracked-cpu" and r.evidence_level == "cpu-mechanism" and r.threads == 1
+        assert r.strategy == name
         assert r.updates + r.skipped_updates == steps == len(r.metrics["applied_per_step"])
         assert r.recompute_count == (2 * L if s.checkpoint == "checkpoint-all" else 0), name  # micro2: no recompute
         assert (r.transfer_bytes is not None) == s.offload
@@ -222,7 +226,7 @@ def test_run_writes_valid_records(tmp_path, cpu_only, monkeypatch):
         assert abs(r.metrics["plan"]["error"]) <= 0.02, (name, r.metrics["plan"])  # bp-mech plan's validated bound
         if name == "plain":
             continue
-        loss_tol, grad_tol = ms.tolerance(s, "cpu")
+        loss_tol, grad_tol = tolerance(s, "cpu")
         assert r.output_error <= loss_tol and r.grad_error <= grad_tol, name
         if s.amp is None and s.micro_batches == 1 and s.chunked_loss is None:
             assert r.metrics["bitwise_equal"], name  # checkpointing and offload change no operation
@@ -233,25 +237,25 @@ def test_run_writes_valid_records(tmp_path, cpu_only, monkeypatch):
     decision = plain.metrics["budget"]
     assert all(r.metrics["budget"] == decision for r in by.values())
     assert pareto.budget_decision(pareto.from_records(list(by.values())), decision["budget_bytes"],
-                                  *ms.headroom("cpu")) == decision  # the records hold everything the rule needs
+                                  *headroom("cpu")).to_dict() == decision  # the records hold everything the rule needs
     assert decision["budget_bytes"] == int(ms.CPU_BUDGET_FRACTION * plain.peak_allocated)
     assert decision["pareto"] == pareto.pareto_front({n: (r.peak_allocated, r.step_median_s) for n, r in by.items()})
 
 
 def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(cpu_only, monkeypatch):
-    real = strategy.train_step
+    real = harness.train_step
 
     def oom_under_offload(model, opt, batch, s, *a, **k):
         if s.offload:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, opt, batch, s, *a, **k)
 
-    monkeypatch.setattr(strategy, "train_step", oom_under_offload)
+    monkeypatch.setattr(harness, "train_step", oom_under_offload)
     w = parse_workload("tiny-b2s32")
     model = build_model(w)
     names = ("plain", "offload", "checkpoint-all")
     results = ms.measure(model, make_batches(w, 2), "cpu", names, smoke=True)
-    assert results["offload"][0] is None and results["offload"][1].startswith("out of memory")
+    assert isinstance(results["offload"], Failed) and results["offload"].failure.startswith("out of memory")
     ctx = registry.make_context("TRAIN-MEMORY-STRATEGY", "cpu", w)
     recs = {r.candidate: r for r in ms.make_records(ctx, results)}
     assert recs["offload"].failure and recs["offload"].decision is None and recs["offload"].peak_allocated is None
@@ -261,7 +265,7 @@ def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(cpu_only,
 
 
 def test_dry_run_plans_the_gpu_run_in_about_three_minutes():
-    p = registry.plan(registry.make_context("TRAIN-MEMORY-STRATEGY", "dry_run", "qwen05-b2s512"))
+    p = registry.dry_run(registry.make_context("TRAIN-MEMORY-STRATEGY", "dry_run", "qwen05-b2s512"))
     gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
     assert p["candidates"] == list(ms.CANDIDATES)
     assert gpu["timed_rounds"] >= 20 and gpu["budget_bytes"] == ms.GPU_BUDGET and gpu["estimated_seconds"] <= 180

@@ -18,7 +18,7 @@ def test_gpu_suite_runs_numeric_paths_first():
     assert order[:4] == ["TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"]
 
 
-def test_status_is_computed_from_module_page_and_records(tmp_path):
+def test_status_is_computed_from_page_and_records(tmp_path):
     e = registry.get("TRAIN-LOCAL-BACKWARD")
     root = ROOT
     assert registry.status(e, root, tmp_path) == "CPU mechanism (no current CPU record cached)"
@@ -29,8 +29,6 @@ def test_status_is_computed_from_module_page_and_records(tmp_path):
     results.save_record(dataclasses.replace(r, code_hash="stale"), tmp_path)  # same file, now stale
     assert registry.status(e, root, tmp_path) == "CPU mechanism (no current CPU record cached)"
     assert registry.status(e, tmp_path, tmp_path) == "in progress (no chapter yet)"
-    missing = dataclasses.replace(e, module="bp_mech.does_not_exist")
-    assert registry.status(missing, root, tmp_path) == "planned"
 
 
 def test_gpu_status_names_cached_gpu_records(tmp_path):
@@ -68,7 +66,7 @@ def test_scheduler_records_count_applied_updates_and_skips_apart():
     for r in run(registry.make_context("TRAIN-SCHEDULER-CLOCK", "cpu", "tiny-b1s8"), run_cfg):
         applied = r.metrics["applied_per_call"]
         assert len(applied) == 5 and applied == [True, False, True, False, True]
-        assert (r.updates, r.skipped_updates, r.update_count) == (3, 2, 3)
+        assert (r.updates, r.skipped_updates) == (3, 2)
 
 
 def test_the_chapter_map_points_at_files_that_exist():
@@ -78,7 +76,7 @@ def test_the_chapter_map_points_at_files_that_exist():
 
     rows = {r["semantic_id"]: r for r in registry.chapter_map(ROOT)}
     for e in registry.EXPERIMENTS.values():
-        if not e.implemented or ".projects." in e.module:
+        if ".projects." in e.module:
             continue
         r = rows[e.semantic_id]
         assert r["experiment"].startswith("bp_mech.experiments.") and importlib.util.find_spec(r["mechanism"]), r

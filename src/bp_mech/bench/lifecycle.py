@@ -1,29 +1,22 @@
 """Part 02 · 43 — the ledger measured: one steady-state training step, its storages tracked.
 
-``track`` runs one steady-state training step of a workload and fills a ``Ledger``
-(``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and classified by
-the package's storage tracker (``bp_mech.bench.tracking.StorageTracker``). The strategies are the book's
-own mechanisms, so a word means one thing everywhere: checkpointing is
-``bp_mech.checkpointing.configure`` (Part 02 · 19), offload is ``bp_mech.offload.ActivationOffload``
-(Part 02 · 42) and AdamW is ``bp_mech.bench.workload.make_adamw``'s, as in the GPU runs (fused on CUDA,
-foreach on the CPU).
+``LedgerObserver`` watches the one training step (``bench.step.train_step``) through its phases and
+fills a ``Ledger`` (``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and
+classified by the storage tracker (``bench.tracking.StorageTracker``): it opens the tracker's phases,
+marks the stages, names the logits/loss region (from ``lm_head`` on: under the chunked loss that is
+its ``ChunkedHead``) and the autograd nodes of that region, and promotes gradients and optimizer state
+as they appear.
 
-* ``fake=False``: real tensors; storages tracked on the CPU (memory source ``tracked-cpu``)
-  or, on CUDA, tracked *and* read from the caching allocator beside them (``cuda-allocator``);
-* ``fake=True``: the same step under ``FakeTensorMode`` (no memory is allocated, so the full
-  qwen05 runs on any CPU in seconds): the estimate (``fake-tensor``).
+``Session`` builds a workload's model once, with its AdamW, real or fake, and gives the ledger of a
+steady-state step of any ``Strategy``:
 
-The step is ``bp_mech.bench.strategy.train_step``, so any ``Strategy`` (combinations included) is measured as
-projects 74 and 76 and ``bp-mech plan`` run it; a ``LedgerConfig`` names one of the chapter's five
-(``as_strategy``). ``train_step`` here adds the lifecycle marks: it opens the tracker's phases (forward,
-backward, optimizer, zero_grad), marks the stages, names the logits/loss region (from ``lm_head`` on:
-under the chunked loss that is its ``ChunkedHead``) and the autograd nodes of that region, and promotes
-gradients and optimizer state as they appear.
+* ``fake=False``: real tensors; storages tracked on the CPU (memory source ``tracked-cpu``) or, on
+  CUDA, tracked *and* read from the caching allocator beside them (``cuda-allocator``);
+* ``fake=True``: the same step under ``FakeTensorMode`` (no memory is allocated, so the full qwen05
+  runs on any CPU in seconds): the estimate (``fake-tensor``), what ``bp-mech plan`` traces.
 
-The model is a ``Workload``'s Qwen2 or, for a ``ConfigWorkload``, any causal LM that Transformers
-builds from its config (``AutoModelForCausalLM.from_config``: Qwen2, Llama, Mistral, Phi3, ...).
-``Session`` builds it once with its optimizer and moments, so that ``bp-mech plan`` measures many
-strategies on one fake model.
+The model is a ``Workload``'s Qwen2 or, for a ``ConfigWorkload``, any causal LM that Transformers builds
+from its config (``AutoModelForCausalLM.from_config``).
 """
 
 from __future__ import annotations
@@ -34,12 +27,12 @@ from unittest import mock
 
 import torch
 
-from bp_mech.bench import strategy as strategies
 from bp_mech.bench.counters import ForwardCounter
-from bp_mech.ledger import CLASSES, STAGES, Ledger, LedgerConfig
-from bp_mech.offload import ActivationOffload, OffloadConfig
-from bp_mech.bench.strategy import Strategy
+from bp_mech.bench.step import StepOptions, make_optimizer, optimizer_state, train_step
+from bp_mech.bench.strategy import PLAIN, Strategy, applied
 from bp_mech.bench.tracking import StorageTracker
+from bp_mech.ledger import CLASSES, STAGES, Counts, Ledger
+from bp_mech.offload import OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -51,13 +44,6 @@ class ConfigWorkload:
     seq: int  # tokens per sequence (T)
     dtype: str = "float32"  # master weights
     seed: int = 0  # random init and token ids (real runs)
-
-
-def as_strategy(cfg: LedgerConfig) -> Strategy:
-    """The ``Strategy`` a ledger configuration names (checkpoint: every layer; amp: ``cfg.amp_dtype``)."""
-    return Strategy(checkpoint=cfg.checkpoint, offload=cfg.strategy == "offload",
-                    amp=cfg.amp_dtype if cfg.strategy == "amp" else None,
-                    micro_batches=cfg.micro_batches if cfg.strategy == "accumulation" else 1)
 
 
 def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
@@ -84,63 +70,54 @@ def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
     return handles
 
 
-def offload_hooks(model, cfg: LedgerConfig, device) -> ActivationOffload:
-    """Part 02 · 42's offload for the ledger: ``min_bytes`` from ``cfg`` (``offload.min_bytes(device)``
-    unless set). Its pool is reused across steps, so a steady-state step allocates no host memory. It
-    tells storages apart by identity, so the same class runs under fake tensors (the estimate)."""
-    return ActivationOffload(model.parameters(), OffloadConfig(min_bytes=cfg.for_device(device).offload_min_bytes),
-                             device)
+class LedgerObserver:
+    """The ledger's observer of ``train_step``: the tracker's phases and marks at each lifecycle point.
 
+    Use it around one step (it hooks ``lm_head`` and the parameters while entered)::
 
-def train_step(model, opt, batch: dict, cfg: LedgerConfig | Strategy, tr: StorageTracker, scaler=None,
-               hooks=None, ctx: strategies.Applied | None = None) -> torch.Tensor:
-    """One update of ``strategy.train_step`` with the tracker's phases and marks; zero_grad is the step's
-    last act (the ledger's last stage), so the next step starts with no gradients. ``ctx``: the
-    strategy already entered on the model (``strategy.applied``, as ``track`` does); None enters it for
-    this step, with ``hooks`` (``offload_hooks``) as its offload if given. Returns the update's loss."""
-    s = cfg if isinstance(cfg, Strategy) else as_strategy(cfg)
-    if ctx is None:
-        off = None if isinstance(cfg, Strategy) else OffloadConfig(min_bytes=cfg.for_device(tr.device).offload_min_bytes)
-        with strategies.applied(model, s, tr.device, off) as entered:
-            if s.offload != (hooks is not None):
-                raise ValueError(f"strategy {s.name!r} with offload hooks {hooks!r}: offload needs them, the rest none")
-            entered.offload = hooks if hooks is not None else entered.offload
-            return train_step(model, opt, batch, s, tr, scaler, ctx=entered)
-    lm_in, graph_hooks = {}, []
+        with tracker, LedgerObserver(tracker, model, opt) as observe:
+            train_step(model, opt, batch, strategy, applied=entered, observers=[observe])
+    """
 
-    def pre_hook(_mod, inputs):
-        tr.region, lm_in["node"] = "loss", inputs[0].grad_fn
+    def __init__(self, tr: StorageTracker, model, opt) -> None:
+        self.tr, self.model, self.opt = tr, model, opt
+        self.lm_input_node, self.graph_hooks, self.handles = None, [], []
 
-    def events(name, *args):
-        if name in ("forward", "backward", "optimizer"):
-            tr.start(name)
-        elif name == "forward_end":
-            tr.end_forward()
-            tr.mark("forward", ctx.host_bytes())
-            graph_hooks[:] = _walk_graph(args[0], lm_in["node"], tr)
-        elif name == "backward_end":
-            for h in graph_hooks:
-                h.remove()
-            tr.loss_nodes = set()  # the nodes reach every AccumulateGrad, i.e. hold every parameter
-            tr.mark("backward", ctx.host_bytes())
-        elif name == "optimizer_end":
-            for state in opt.state.values():
-                for v in state.values():
-                    tr.relabel(v, "optimizer_states")
+    def __enter__(self) -> "LedgerObserver":
+        def pre_hook(_mod, inputs):
+            self.tr.region, self.lm_input_node = "loss", inputs[0].grad_fn
 
-    handles = [model.lm_head.register_forward_pre_hook(pre_hook)]
-    handles += [p.register_post_accumulate_grad_hook(lambda p: tr.relabel(p.grad, "gradients"))
-                for p in model.parameters() if p.requires_grad]
-    try:
-        loss = strategies.train_step(model, opt, batch, s, scaler, ctx=ctx, events=events)
-        tr.start("zero_grad")
-        opt.zero_grad(set_to_none=True)
-        tr.mark("zero_grad", ctx.host_bytes())
-        tr.start("idle")
-    finally:
-        for h in handles:
+        self.handles = [self.model.lm_head.register_forward_pre_hook(pre_hook)]
+        self.handles += [p.register_post_accumulate_grad_hook(lambda p: self.tr.relabel(p.grad, "gradients"))
+                         for p in self.model.parameters() if p.requires_grad]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles + self.graph_hooks:
             h.remove()
-    return loss
+        self.handles, self.graph_hooks = [], []
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str, state):
+        tr, host = self.tr, state.applied.host_bytes
+        tr.start(phase)
+        yield
+        if phase == "forward":
+            tr.end_forward()
+            tr.mark("forward", host())
+            self.graph_hooks = _walk_graph(state.loss, self.lm_input_node, tr)
+        elif phase == "backward":
+            for h in self.graph_hooks:
+                h.remove()
+            self.graph_hooks = []
+            tr.loss_nodes = set()  # the nodes reach every AccumulateGrad, i.e. hold every parameter
+            tr.mark("backward", host())
+        elif phase == "optimizer":
+            for t in optimizer_state(self.opt):
+                tr.relabel(t, "optimizer_states")
+        elif phase == "zero_grad":
+            tr.mark("zero_grad", host())
+            tr.start("idle")
 
 
 def _build(w, device, fake: bool):
@@ -170,37 +147,26 @@ def _build(w, device, fake: bool):
 WARMUP_TRIES = 4  # AMP: a warm-up step the GradScaler skips (inf/NaN) allocates no AdamW state; retry
 
 
-def make_optimizer(params, cfg: LedgerConfig, device):
-    """AdamW of flavour ``cfg.for_device(device).adamw``: by default ``workload.make_adamw``'s for the
-    device (fused on CUDA, foreach on the CPU), the AdamW of the GPU runs of 11, 19, 42 and AMP; another
-    flavour only when asked for (a fake-tensor estimate of a GPU run asks for the fused one)."""
-    from bp_mech.bench.workload import make_adamw
-
-    flavour = cfg.for_device(device).adamw
-    if flavour == LedgerConfig().for_device(device).adamw:
-        return make_adamw(params, cfg.lr, device)
-    return torch.optim.AdamW(params, lr=cfg.lr, **{flavour: True})
-
-
 class Session:
     """One model with its AdamW and one batch, real or fake (``FakeTensorMode``: no memory allocated),
-    on which ``measure`` runs steady-state steps of any strategy; the model is built once.
+    whose ``ledger(strategy)`` is the ledger of a steady-state step of that strategy; the model is built
+    once.
 
-    ``options``: AdamW flavour, offload threshold and learning rate (a ``LedgerConfig``, resolved for
-    the device; its ``strategy`` is not used). Fake tensors run on the CPU; pass
-    ``options.for_device("cuda")`` to estimate a GPU run (fused AdamW, CUDA's offload threshold).
-    A fake step cannot read values, so it is told what a real one finds out: the batch holds one
-    sequence per row (Transformers' packed-sequence check, which would otherwise build a (B, 1, T, T)
-    mask where the real step lets SDPA apply the causal mask itself), and its GradScaler is off.
+    ``options``: AdamW implementation, offload threshold, learning rate (``StepOptions``, resolved for the
+    device). Fake tensors run on the CPU; pass ``options.for_device("cuda")`` to estimate a GPU run (fused
+    AdamW, CUDA's offload threshold). A fake step cannot read values, so it is told what a real one finds
+    out: the batch holds one sequence per row (Transformers' packed-sequence check, which would otherwise
+    build a (B, 1, T, T) mask where the real step lets SDPA apply the causal mask itself), and its
+    GradScaler is off.
     """
 
-    def __init__(self, w, device="cpu", fake: bool = False, options: LedgerConfig = LedgerConfig()):
+    def __init__(self, w, device="cpu", fake: bool = False, options: StepOptions = StepOptions()):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.fake, self.device = fake, torch.device("cpu" if fake else device)
         self.options = options.for_device(self.device)
         self.mode = FakeTensorMode() if fake else None
-        with self._active():
+        with self.active():
             self.model, self.batch = _build(w, self.device, fake)
             self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
             self.opt = make_optimizer(self.model.parameters(), self.options, self.device)
@@ -210,7 +176,8 @@ class Session:
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
 
-    def _active(self):
+    def active(self):
+        """The session's mode: ``FakeTensorMode`` (and the packed-sequence check off) when fake, else nothing."""
         stack = contextlib.ExitStack()
         if self.fake:
             from transformers import masking_utils
@@ -232,63 +199,58 @@ class Session:
             return run
         hooks.pack_hook, hooks.unpack_hook = uncached(hooks.pack_hook), uncached(hooks.unpack_hook)
 
-    def measure(self, cfg: LedgerConfig | Strategy) -> Ledger:
-        """The ledger of one steady-state step of ``cfg``. Warm-up updates under the same strategy first,
+    def ledger(self, s: Strategy = PLAIN) -> Ledger:
+        """The ledger of one steady-state step of ``s``. Warm-up updates under the same strategy first,
         until AdamW's moments exist (an AMP step the GradScaler skips allocates none); with fake tensors,
         whose steps leave nothing else behind, none: the session made the moments with one update on zero
         gradients. ``Ledger.updates`` counts them with the measured one, ``skipped`` the skipped ones."""
-        s = cfg if isinstance(cfg, Strategy) else as_strategy(cfg)
         model, opt, batch, device = self.model, self.opt, self.batch, self.device
-        with self._active(), strategies.applied(model, s, device, OffloadConfig(min_bytes=self.options.offload_min_bytes)) as ctx:
-            scaler = torch.amp.GradScaler(device.type, enabled=False) if self.fake else ctx.scaler
+        scaler = torch.amp.GradScaler(device.type, enabled=False) if self.fake else None
+        off = OffloadConfig(min_bytes=self.options.offload_min_bytes)
+        with self.active(), applied(model, s, device, off, scaler) as ctx:
             count = dict(updates=int(self.fake), skipped=0)  # (fake: the session's update that made the moments)
             if self.fake and ctx.offload is not None:
                 self._uncached_hooks(ctx.offload)
 
-            def update(tracker):  # one train_step; a step the GradScaler skips (inf/NaN) lowers its scale
-                scale = scaler.get_scale()
-                loss = train_step(model, opt, batch, s, tracker, scaler, ctx=ctx)
+            def update(observers=()):
+                r = train_step(model, opt, batch, s, applied=ctx, observers=observers)
                 count["updates"] += 1
-                count["skipped"] += int(scaler.is_enabled() and scaler.get_scale() < scale)
-                return loss
+                count["skipped"] += int(not r.applied)
+                return r.loss
 
             for _ in range(WARMUP_TRIES if not self.fake else 0):
-                update(StorageTracker(device))
+                update()
                 if opt.state:
                     break
             tr = StorageTracker(device)
             for t in [*model.parameters(), *model.buffers()]:
                 tr.add(t, "parameters")
             tr.mark("load")
-            for t in (v for state in opt.state.values() for v in state.values()):
+            for t in optimizer_state(opt):
                 tr.add(t, "optimizer_states")
             for t in batch.values():
                 tr.add(t, "other")
-            with tr, ForwardCounter(model) as calls:
-                loss = update(tr)
+            with tr, LedgerObserver(tr, model, opt) as observe, ForwardCounter(model) as calls:
+                loss = update([observe])
             finite = None if self.fake else bool(torch.isfinite(loss).all())
             attn, mlp = sum(calls.calls["attn"]), sum(calls.calls["mlp"])  # forwards of each, recomputes included
-            counts = dict(recomputes=attn + mlp - 2 * s.micro_batches * len(calls.calls["attn"]), attn_calls=attn,
-                          mlp_calls=mlp, d2h_bytes=ctx.d2h_bytes, h2d_bytes=ctx.h2d_bytes)
+            counts = Counts(recomputes=attn + mlp - 2 * s.micro_batches * len(calls.calls["attn"]), attn_calls=attn,
+                            mlp_calls=mlp, d2h_bytes=ctx.d2h_bytes, h2d_bytes=ctx.h2d_bytes)
+            scaled = ctx.scaler.is_enabled()
         snaps = {x: tr.marks[x][1] for x in ("load", "forward", "backward", "zero_grad")}
         snaps.update(backward_peak=tr.peaks["backward"][1], optimizer_peak=tr.peaks["optimizer"][1])
         if self.load_alloc is not None:
             tr.allocator["load"] = self.load_alloc
         source = "fake-tensor" if self.fake else ("cuda-allocator" if device.type == "cuda" else "tracked-cpu")
-        return Ledger(source, s.name if isinstance(cfg, Strategy) else cfg.strategy,
-                      {x: tr.classify(snaps[x], CLASSES) for x in STAGES},
+        return Ledger(source, s.name, {x: tr.classify(snaps[x], CLASSES) for x in STAGES},
                       host={x: tr.marks[x][2] for x in tr.marks}, forward_peak=tr.peaks["forward"][0],
                       allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
-                      skipped=count["skipped"] if scaler.is_enabled() else None,
+                      skipped=count["skipped"] if scaled else None,
                       rounded={x: sum(-(-tr.nbytes[n] // 512) * 512 for n in snaps[x]) for x in STAGES}, counts=counts)
 
 
-def track(w, cfg: LedgerConfig | Strategy = LedgerConfig(), device="cpu", fake: bool = False,
-          options: LedgerConfig | None = None) -> Ledger:
-    """Ledger of one steady-state step of ``w`` (a ``Workload`` or a ``ConfigWorkload``) under ``cfg``: a
-    ``LedgerConfig`` (one of the chapter's strategies, with its settings) or any ``Strategy``, whose
-    settings come from ``options`` (default ``LedgerConfig()``). Real tensors, or fake ones (``fake=True``:
-    no memory is allocated, so the full qwen05 fits on any CPU in seconds), on a fresh ``Session``."""
-    if options is None:
-        options = cfg if isinstance(cfg, LedgerConfig) else LedgerConfig()
-    return Session(w, device, fake, options).measure(cfg)
+def track(w, s: Strategy = PLAIN, device="cpu", fake: bool = False, options: StepOptions = StepOptions()) -> Ledger:
+    """Ledger of one steady-state step of ``w`` (a ``Workload`` or a ``ConfigWorkload``) under strategy ``s``,
+    on a fresh ``Session``: real tensors, or fake ones (``fake=True``: no memory is allocated, so the full
+    qwen05 fits on any CPU in seconds)."""
+    return Session(w, device, fake, options).ledger(s)

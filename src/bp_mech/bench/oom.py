@@ -1,11 +1,26 @@
-"""Out of memory is a candidate's failure, not the run's: ``oom_as_failure``, ``release_memory``."""
+"""Out of memory is an arm's failure, not the run's: ``attempt`` gives the result or a ``Failed``.
+
+``release_memory`` returns memory between arms (garbage, and the CUDA allocator's cached blocks).
+"""
 
 from __future__ import annotations
 
 import gc
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What could not run, and why: an allocation that failed, in words (an arm's ``failure``)."""
+
+    failure: str  # "out of memory: ..." or "allocation failed (Class): ..."
+    name: str = ""  # the arm, where there is one
+
 
 def release_memory(device) -> None:
     """Collect garbage and, on CUDA, return the allocator's cached blocks (before a new candidate)."""
@@ -42,19 +57,18 @@ def is_allocation_failure(exc: BaseException) -> bool:
     return any(m in text for m in ALLOCATION_FAILURE_MARKERS)
 
 
-def oom_as_failure(fn: Callable, *args, **kwargs):
-    """Run ``fn``; return ``(result, None)``, or ``(None, failure)`` when an allocation failed.
+def attempt(fn: Callable[..., T], *args, **kwargs) -> T | Failed:
+    """Run ``fn``; return its result, or a ``Failed`` when an allocation failed.
 
-    One candidate running out of memory is that candidate's failure; the run goes on. That
-    covers ``torch.OutOfMemoryError`` and the allocation failures that come as other errors
-    (``is_allocation_failure``: pinned host memory, cuBLAS/cuDNN workspaces, host RAM); the
-    failure says which (``out of memory: ...`` or ``allocation failed (Class): ...``). Every
-    other exception propagates. The memory is released after the except block, once the
-    traceback (and every tensor its frames hold) is gone; inside it, ``empty_cache`` could
-    return nothing.
+    One arm running out of memory is that arm's failure; the run goes on. That covers
+    ``torch.OutOfMemoryError`` and the allocation failures that come as other errors
+    (``is_allocation_failure``: pinned host memory, cuBLAS/cuDNN workspaces, host RAM); the failure
+    says which (``out of memory: ...`` or ``allocation failed (Class): ...``). Every other exception
+    propagates. The memory is released after the except block, once the traceback (and every tensor
+    its frames hold) is gone; inside it, ``empty_cache`` could return nothing.
     """
     try:
-        return fn(*args, **kwargs), None
+        return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (re-raised unless it is an allocation failure)
         if not is_allocation_failure(e):
             raise
@@ -62,4 +76,4 @@ def oom_as_failure(fn: Callable, *args, **kwargs):
         failure = (f"out of memory: {first}" if isinstance(e, torch.OutOfMemoryError)
                    else f"allocation failed ({type(e).__name__}): {first}")
     release_memory("cuda" if torch.cuda.is_available() else "cpu")
-    return None, failure
+    return Failed(failure)

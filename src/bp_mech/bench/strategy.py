@@ -15,10 +15,10 @@ amp             ``amp.autocast`` (+ a GradScaler for float16)          around ea
 
 ``Strategy`` names one combination (``Strategy().name == "plain"``,
 ``parse("checkpoint-all+offload+fp16+chunked-loss")``); ``applied(model, strategy, device)`` enters
-the step-level switches and gives an ``Applied`` whose ``forward()`` enters the per-forward ones;
-``train_step`` is one full update (zero_grad, forward, backward, optimizer step) under it. Part 02 ·
-43's ledger (``ledger_measure.track``), ``bp-mech plan`` and the projects 74 and 76 all step through
-``train_step``, so a strategy's name means one program everywhere.
+the step-level switches and gives an ``Applied`` whose ``forward()`` enters the per-forward ones.
+The one training step, ``bp_mech.bench.step.train_step``, runs under it: every experiment, Part 02 ·
+43's ledger, ``bp-mech plan`` and the projects step through it, so a strategy's name means one
+program everywhere, and these names are the only names of the strategies (records store them).
 
 Numerics against the plain step (CPU, float32): checkpointing and offload change no operation, so
 loss and gradients are bitwise equal; accumulation and the chunked loss reorder float32 sums
@@ -75,6 +75,10 @@ class Strategy:
         """The autocast dtype (None: float32 throughout)."""
         return getattr(torch, self.amp) if self.amp else None
 
+    def fields(self) -> dict:
+        """The strategy's fields as a dict (JSON-able: what a record's metrics keep)."""
+        return dataclasses.asdict(self)
+
     def replace(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
 
@@ -129,15 +133,21 @@ class Applied:
     """A strategy entered on a model (what ``with applied(...)`` gives): the per-forward switches, the
     micro-batches, the GradScaler of fp16 and the transfer counters of the last step."""
 
-    def __init__(self, model, strategy: Strategy, device, offload_cfg: offload.OffloadConfig | None = None):
+    def __init__(self, model, strategy: Strategy, device, offload_cfg: offload.OffloadConfig | None = None,
+                 scaler: torch.amp.GradScaler | None = None, hooks=None):
         self.model, self.strategy, self.device = model, strategy, torch.device(device)
+        if hooks is not None and not strategy.offload:
+            raise ValueError(f"saved-tensor hooks replace an offload, and {strategy.name!r} has none")
         cfg = offload_cfg or offload.OffloadConfig(min_bytes=offload.min_bytes(self.device))
         # one ActivationOffload for every forward of the block: its host pool is reused across steps
-        self.offload = offload.ActivationOffload(model.parameters(), cfg, self.device) if strategy.offload else None
+        self.offload = hooks if hooks is not None else (
+            offload.ActivationOffload(model.parameters(), cfg, self.device) if strategy.offload else None)
         # fp16 only (bf16 has float32's exponent range); disabled, it passes every call through
         fp16 = strategy.amp == "float16"
-        self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else torch.amp.GradScaler(self.device.type,
-                                                                                               enabled=False)
+        if scaler is not None and scaler.is_enabled() and not fp16:
+            raise ValueError(f"an enabled GradScaler for {strategy.name!r}: only fp16 scales its loss")
+        # (a disabled one under fp16 is allowed: a fake-tensor step cannot read the values a scaler checks)
+        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=fp16)
         self.d2h_bytes = self.h2d_bytes = 0  # bytes the offload copied in the last step (all micro-batches)
 
     def forward(self):
@@ -151,64 +161,33 @@ class Applied:
         """``accumulation.token_weighted(batch, k)``: the step's micro-batches (the batch itself when k = 1)."""
         return accumulation.token_weighted(batch, self.strategy.micro_batches)
 
+    def count_transfers(self) -> None:
+        """Add what the offload's hooks copied in the last forward and its backward to this step's counts."""
+        if self.offload is not None:
+            self.d2h_bytes += self.offload.d2h_bytes
+            self.h2d_bytes += self.offload.h2d_bytes
+
     def host_bytes(self) -> int:
-        """Host bytes holding offloaded activations now (0 without offload)."""
-        return self.offload.pool.in_use if self.offload is not None else 0
+        """Host bytes holding offloaded activations now (0 without offload, or with hooks that keep no pool)."""
+        pool = getattr(self.offload, "pool", None)
+        return pool.in_use if pool is not None else 0
 
 
 @contextlib.contextmanager
-def applied(model, strategy: Strategy, device="cpu", offload_cfg: offload.OffloadConfig | None = None):
+def applied(model, strategy: Strategy, device="cpu", offload_cfg: offload.OffloadConfig | None = None,
+            scaler: torch.amp.GradScaler | None = None, hooks=None):
     """Enter ``strategy`` on ``model``: checkpointing and the chunked loss for the whole block (undone
     after it), and an ``Applied`` for the per-forward switches. ``offload_cfg``: the offload's settings
-    (default: ``offload.min_bytes(device)`` as threshold)."""
+    (default: ``offload.min_bytes(device)`` as threshold); ``scaler``: fp16's GradScaler (default:
+    torch's defaults); ``hooks``: saved-tensor hooks that stand in for the offload (e.g. PyTorch's
+    ``save_on_cpu``, which Part 02 · 42 compares with the book's offload)."""
+    with configured(model, strategy):
+        yield Applied(model, strategy, device, offload_cfg, scaler, hooks)
+
+
+@contextlib.contextmanager
+def configured(model, strategy: Strategy):
+    """The step-level switches of ``strategy`` on ``model`` (checkpointing, the chunked loss), undone after
+    the block: what a model shared by several strategies enters around each of its steps."""
     with checkpointing.configure(model, strategy.checkpoint), chunked_loss.chunked(model, strategy.chunked_loss):
-        yield Applied(model, strategy, device, offload_cfg)
-
-
-def _no_events(name: str, *args) -> None:
-    return None
-
-
-def train_step(model, opt, batch: dict, strategy: Strategy, scaler=None, *, ctx: Applied | None = None,
-               events=_no_events) -> torch.Tensor:
-    """One update under ``strategy``: zero_grad, then per micro-batch a forward (under ``ctx.forward()``)
-    and a backward (scaled under fp16), then the optimizer step (through the scaler under fp16).
-
-    ``ctx``: an ``Applied`` already entered on ``model`` (reuse it across steps: the offload's host pool,
-    the scaler's state); None enters ``applied(model, strategy, device)`` for this one step. ``scaler``:
-    a GradScaler to use instead of ``ctx.scaler``. ``events(name, *args)`` is called at the lifecycle
-    points (``forward``, ``forward_end`` with the loss, ``backward``, ``backward_end``, ``optimizer``,
-    ``optimizer_end``): the ledger marks its stages there. Returns the update's loss (detached; with
-    micro-batches the sum of their token-weighted shares, i.e. the batch's mean token loss).
-    """
-    if ctx is None:
-        device = next(model.parameters()).device
-        with applied(model, strategy, device) as entered:
-            return train_step(model, opt, batch, strategy, scaler, ctx=entered, events=events)
-    if ctx.strategy != strategy or ctx.model is not model:
-        raise ValueError(f"ctx is {ctx.strategy.name!r} on another model; train_step was asked for {strategy.name!r}")
-    scaler = scaler if scaler is not None else ctx.scaler
-    k, rows = strategy.micro_batches, batch["input_ids"].shape[0]
-    if rows % k:
-        raise ValueError(f"accumulation needs micro_batches ({k}) to divide the batch ({rows})")
-    opt.zero_grad(set_to_none=True)
-    ctx.d2h_bytes = ctx.h2d_bytes = 0
-    losses = []
-    with ctx.micro_batches(batch) as micro:
-        for mb in micro:
-            events("forward")
-            with ctx.forward():
-                loss = model(**mb).loss  # logits (when they exist) are dropped here
-            events("forward_end", loss)
-            events("backward")
-            scaler.scale(loss).backward()
-            if ctx.offload is not None:  # the hooks' counters cover the last forward and its backward
-                ctx.d2h_bytes += ctx.offload.d2h_bytes
-                ctx.h2d_bytes += ctx.offload.h2d_bytes
-            events("backward_end")
-            losses.append(loss.detach())
-    events("optimizer")
-    scaler.step(opt)  # (disabled: opt.step())
-    scaler.update()
-    events("optimizer_end")
-    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+        yield

@@ -1,11 +1,19 @@
-"""The timing protocol: step times after warm-up, interleaved candidates, and when a ratio is noise.
+"""The timing protocol: step times after warm-up, candidates interleaved, and when a ratio is noise.
 
-* ``time_steps`` runs a step function repeatedly, drops the warm-up steps (the first step
-  pays for allocator growth and lazy initialisation) and reports the median and P95 of the
-  rest, with the count excluded.
-* ``time_interleaved`` is the CPU timing protocol; ``timing_noise`` says when a ratio is noise.
-* ``measure_steps`` gives the peak (``bp_mech.bench.tracking.PeakMemory``) and the step time of a
-  repeated step.
+These machines are shared: another process may take a core at any moment. So
+
+* CPU steps run with ONE intra-op thread (``timing_threads``): a second thread would compete with the
+  neighbour and turn load into time;
+* on the CPU a step is timed by the measuring thread's CPU time (``time.thread_time``), with the wall
+  time beside it: when other processes oversubscribe the cores, the wall time of a step grows by however
+  long the thread waited for a core, while its CPU time does not. On CUDA the wall time around
+  ``synchronize`` is the step's time (the host thread mostly waits for the device);
+* the candidates of an experiment are timed INTERLEAVED (``time_interleaved``), one step of each in turn,
+  so that a burst of load hits every candidate alike instead of the one whose block it fell in;
+* a ratio that contradicts the counted work, or whose median and P95 disagree, is noise
+  (``timing_noise``) and decides nothing.
+
+Warm-up steps (allocator growth, lazy initialisation) are dropped before the median and P95.
 """
 
 from __future__ import annotations
@@ -19,18 +27,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from bp_mech.bench.tracking import PeakMemory
-
-@dataclass
-class Timing:
-    """Step times after warm-up."""
-
-    median_s: float  # median of the measured steps
-    p95_s: float  # 95th percentile (nearest rank) of the measured steps
-    warmup_excluded: int  # leading steps dropped
-    samples: list[float] = field(default_factory=list)  # the measured steps, seconds
-    threads: int | None = None  # CPU intra-op threads inside the timed region (None: CUDA)
-    interleaved: bool = False  # timed round-robin with the other candidates of its experiment
+CPU_TIMING_THREADS = 1  # intra-op threads inside timed CPU regions
+SMOKE_SCHEDULE = (3, 1)  # (timed, warm-up) steps of a smoke run (``--smoke``): the code paths, not the numbers
+CLOCKS = ("thread_time", "wall")  # what a Timing's samples read: the thread's CPU time (CPU), wall time (CUDA)
 
 
 def percentile(xs: Iterable[float], q: float) -> float:
@@ -42,39 +41,83 @@ def percentile(xs: Iterable[float], q: float) -> float:
     return s[k - 1]
 
 
-def summarize(samples: list[float], warmup: int) -> Timing:
+@dataclass
+class Timing:
+    """Step times after warm-up, by the clock that decides (``clock``) and by the wall clock."""
+
+    samples: list[float]  # seconds per timed step, by ``clock``
+    wall_samples: list[float] = field(default_factory=list)  # the same steps by the wall clock ([]: not kept)
+    warmup_excluded: int = 0  # leading steps dropped
+    clock: str = "wall"  # "thread_time" (CPU: the measuring thread's CPU time) | "wall"
+    threads: int | None = None  # CPU intra-op threads inside the timed region (None: CUDA)
+    interleaved: bool = False  # timed round-robin with the other candidates of its experiment
+
+    def __post_init__(self):
+        if not self.samples:
+            raise ValueError("a Timing needs at least one timed step")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"unknown clock {self.clock!r}; one of {CLOCKS}")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def p95_s(self) -> float:
+        return percentile(self.samples, 95)
+
+    @property
+    def wall_median_s(self) -> float | None:
+        return statistics.median(self.wall_samples) if self.wall_samples else None
+
+    @property
+    def wall_p95_s(self) -> float | None:
+        return percentile(self.wall_samples, 95) if self.wall_samples else None
+
+    def record_fields(self) -> dict:
+        """The timing fields of a result record (one place maps a Timing onto the record)."""
+        return dict(step_median_s=self.median_s, step_p95_s=self.p95_s, step_clock=self.clock,
+                    wall_median_s=self.wall_median_s, wall_p95_s=self.wall_p95_s,
+                    warmup_excluded=self.warmup_excluded, threads=self.threads)
+
+
+def summarize(samples: list[float], warmup: int, clock: str = "wall", wall: list[float] | None = None) -> Timing:
+    """The Timing of ``samples`` (and their ``wall`` times) without the first ``warmup``."""
     kept = samples[warmup:]
     if not kept:
         raise ValueError(f"{len(samples)} steps leave nothing after {warmup} warm-up steps")
-    return Timing(statistics.median(kept), percentile(kept, 95), warmup, kept)
+    return Timing(kept, list(wall[warmup:]) if wall else [], warmup, clock)
 
+
+def clock_for(device) -> str:
+    """The deciding clock on ``device``: the thread's CPU time on the CPU, the wall time on CUDA."""
+    return "wall" if torch.device(device).type == "cuda" else "thread_time"
 
 
 def sync(device) -> None:
+    """Wait for ``device`` (CUDA) to finish its queued work; nothing on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def _timed(fn: Callable[[], object], device) -> tuple[float, float]:
+    """(seconds by the thread's CPU time, seconds by the wall clock) of one call of ``fn``."""
+    sync(device)
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    sync(device)
+    return time.thread_time() - c0, time.perf_counter() - w0
+
+
 def time_steps(step: Callable[[int], object], steps: int, warmup: int = 1, device="cpu") -> Timing:
     """Call ``step(i)`` ``steps`` times; time each call (synchronising CUDA around it)."""
-    samples = []
+    cpu, wall = [], []
     for i in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step(i)
-        sync(device)
-        samples.append(time.perf_counter() - t0)
-    return summarize(samples, warmup)
-
-
-# --- the CPU timing protocol -----------------------------------------------------------
-# These machines are shared: another process may take a core at any moment. So CPU steps run
-# with ONE intra-op thread (a second thread would compete with the neighbour and turn load into
-# time), and the candidates of an experiment are timed INTERLEAVED, one step of each in turn, so
-# that a burst of load hits every candidate alike instead of the one whose block it fell in.
-
-CPU_TIMING_THREADS = 1  # intra-op threads inside timed CPU regions
-SMOKE_SCHEDULE = (3, 1)  # (timed, warm-up) steps of a smoke run (``--smoke``): the code paths, not the numbers
+        c, w = _timed(lambda: step(i), device)
+        cpu.append(c)
+        wall.append(w)
+    clock = clock_for(device)
+    return summarize(cpu if clock == "thread_time" else wall, warmup, clock, wall)
 
 
 @contextlib.contextmanager
@@ -102,30 +145,26 @@ def time_interleaved(steps: dict[str, Callable[[int], object]], rounds: int, war
     and left after the timed region.
 
     Returns one Timing per candidate over its ``rounds`` timed steps (``warmup_excluded`` =
-    ``warmup``, ``threads``, ``interleaved=True``).
+    ``warmup``, ``threads``, ``interleaved=True``; the clock of ``clock_for(device)``, wall beside).
     """
     names = list(steps)
     if rounds < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1 and warmup >= 0, got rounds={rounds} warmup={warmup}")
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    wall: dict[str, list[float]] = {n: [] for n in names}
     it = range(warmup + rounds)
     with timing_threads(device, threads) as n_threads:
         for r in (progress(it, desc="interleaved rounds") if progress else it):
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]
                 with (around or {}).get(name, contextlib.nullcontext)():
-                    sync(device)
-                    t0 = time.perf_counter()
-                    steps[name](r)
-                    sync(device)
-                    elapsed = time.perf_counter() - t0
+                    c, w = _timed(lambda: steps[name](r), device)
                 if r >= warmup:
-                    samples[name].append(elapsed)
-    out = {}
-    for n in names:
-        t = summarize(samples[n], 0)
-        out[n] = Timing(t.median_s, t.p95_s, warmup, t.samples, threads=n_threads, interleaved=True)
-    return out
+                    cpu[name].append(c)
+                    wall[name].append(w)
+    clock = clock_for(device)
+    return {n: Timing(cpu[n] if clock == "thread_time" else wall[n], wall[n], warmup, clock, n_threads, True)
+            for n in names}
 
 
 # A time ratio decides nothing when it is noise. It is *noisy* when
@@ -137,7 +176,7 @@ MAX_RATIO_SPREAD = 1.5
 
 
 def timing_noise(t: Timing, base: Timing, more_work: bool) -> str | None:
-    """Why the ratio ``t / base`` is noise, or None when it can be used for a decision."""
+    """Why the ratio ``t / base`` (of the deciding clock) is noise, or None when it can be used for a decision."""
     median_ratio, p95_ratio = t.median_s / base.median_s, t.p95_s / base.p95_s
     why = []
     if more_work and median_ratio < 1.0:
@@ -147,33 +186,3 @@ def timing_noise(t: Timing, base: Timing, more_work: bool) -> str | None:
         why.append(f"median ratio {median_ratio:.2f} and P95 ratio {p95_ratio:.2f} differ by {spread:.2f}x "
                    f"> {MAX_RATIO_SPREAD}")
     return "; ".join(why) or None
-
-
-@dataclass
-class StepStats:
-    """Time and memory of a repeated training step."""
-
-    timing: Timing  # median/P95 after warm-up
-    peak_allocated: int  # bytes (allocator on CUDA, tracked storages on CPU)
-    peak_reserved: int | None  # bytes, CUDA only
-    memory_source: str  # cuda-allocator | tracked-cpu
-
-
-def measure_steps(step: Callable[[int], object], steps: int, warmup: int = 1, device="cpu",
-                  resident: Iterable = ()) -> StepStats:
-    """Peak memory and step time of ``step(i)``.
-
-    CUDA: one pass of ``steps`` calls; the allocator's peak covers all of them. CPU: call 0
-    runs under the storage tracker (it gives the peak and is itself a warm-up call, not
-    timed, because tracking slows every operator), then ``steps`` untracked calls are timed,
-    of which the first ``warmup`` are dropped.
-    """
-    if torch.device(device).type == "cuda":
-        with PeakMemory(device) as pm:
-            timing = time_steps(step, steps, warmup, device)
-    else:
-        with PeakMemory(device, resident=resident) as pm:
-            step(-1)
-        timing = time_steps(step, steps, warmup, device)
-    return StepStats(timing, pm.peak_allocated, pm.peak_reserved, pm.memory_source)
-

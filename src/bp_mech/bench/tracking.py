@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterable
 
@@ -180,6 +181,19 @@ def host_side():
             m.host_depth -= 1
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The peak of a block of code: what ``PeakMemory`` found."""
+
+    allocated: int  # bytes: the allocator's peak (CUDA) or the tracked storages' (CPU)
+    reserved: int | None  # bytes the CUDA caching allocator reserved at most (None on the CPU)
+    source: str  # "cuda-allocator" | "tracked-cpu"
+
+    def record_fields(self) -> dict:
+        """The memory fields of a result record."""
+        return dict(peak_allocated=self.allocated, peak_reserved=self.reserved, memory_source=self.source)
+
+
 class PeakMemory:
     """Peak memory of a block of code, on CUDA (allocator) or CPU (tracked storages).
 
@@ -187,7 +201,7 @@ class PeakMemory:
 
         with PeakMemory(device, resident=[model.parameters()]) as pm:
             loss = model(**batch).loss; loss.backward()
-        pm.peak_allocated, pm.peak_reserved, pm.memory_source
+        pm.peak  # Peak(allocated, reserved, source)
 
     ``resident`` lists tensors that exist before the block and count towards the peak
     (parameters, optimizer state); on the CPU they are tracked like the rest, on CUDA the
@@ -197,8 +211,7 @@ class PeakMemory:
     def __init__(self, device="cpu", resident: Iterable = ()) -> None:
         self.device = torch.device(device)
         self.resident = list(resident)
-        self.peak_allocated: int | None = None
-        self.peak_reserved: int | None = None
+        self.peak: Peak | None = None  # set when the block ends
         self.marks: dict[str, int] = {}
         self.tracker: StorageTracker | None = None  # CPU only
 
@@ -230,9 +243,8 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
-            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
+            self.peak = Peak(torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device),
+                             self.memory_source)
         else:
             self.tracker.__exit__(*exc)
-            self.peak_allocated = self.tracker.peak
-            self.peak_reserved = None
+            self.peak = Peak(self.tracker.peak, None, self.memory_source)

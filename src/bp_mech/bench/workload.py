@@ -231,22 +231,6 @@ def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, **impl, **kw)
 
 
-# Planning estimates for --mode dry_run: assumed sustained rates, never measurements. "cuda" is
-# one H200-class GPU, conservative (float32 matmuls without TF32; 16-bit under autocast);
-# "cpu" is 2 cores. A pass is one forward + backward (+ optimizer update) over ``tokens``.
-PLAN_FLOPS = {"cuda": {"float32": 20e12, "low": 150e12}, "cpu": {"float32": 1e10, "low": 5e9}}
-PLAN_PASS_S = {"cuda": 0.03, "cpu": 0.01}  # per pass: kernel launches, memory-bound ops, AdamW
-PLAN_BUILD_S = {"cuda": 4.0, "cpu": 2.0}  # per model: random init on the device (~1 s) + the CUDA context on the first
-PLAN_BASIS = ("6 x parameters x tokens FLOPs per pass at PLAN_FLOPS + PLAN_PASS_S per pass + PLAN_BUILD_S per "
-              "model (bp_mech.bench.workload); real_gpu = one H200-class GPU, float32 without TF32; cpu = 2 cores")
-
-
-def plan_seconds(arch: str, tokens: int, passes: float, device, low: bool = False) -> float:
-    """Planning estimate of ``passes`` passes over ``tokens`` tokens each (6 N tokens FLOPs per pass)."""
-    dev = torch.device(device).type
-    return passes * (6 * param_count(arch) * tokens / PLAN_FLOPS[dev]["low" if low else "float32"] + PLAN_PASS_S[dev])
-
-
 # --- text and batches ---------------------------------------------------------------
 
 def load_text(name: str = "general") -> str:

@@ -11,7 +11,7 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from bp_mech import RESULTS_DIR, ROOT  # noqa: F401  (chapters read report.RESULTS_DIR)
+from bp_mech import RESULTS_DIR
 from bp_mech.records import provenance, references, registry, results
 
 
@@ -139,8 +139,6 @@ class ProvenanceBox:
 def _stale(recs: list[results.Record]) -> tuple[bool | None, str]:
     """(stale?, the sentence): every record's code_hash against the current source of its experiment."""
     exp = registry.get(recs[0].semantic_id)
-    if not exp.implemented:
-        return None, f"cannot tell: {exp.module} is not in this source tree"
     now = provenance.code_hash(exp.module)
     old = [r for r in recs if r.code_hash != now]
     hashes = ", ".join(sorted({str(r.code_hash) for r in recs}))

@@ -87,8 +87,8 @@ def check_blockwise_backward__memory(m):
     with PeakMemory("cpu") as pm:
         call("blockwise_backward", m.blockwise_backward, q, k, v, o, lse, dO, block, at=at)
     one_head = T * T * 8  # bytes of ONE head's (T, T) float64 score matrix; the outputs take 3/8 of it here
-    assert pm.peak_allocated < one_head, (
-        f"blockwise_backward: peak memory {pm.peak_allocated} B reaches one head's full (T, T) score matrix "
+    assert pm.peak.allocated < one_head, (
+        f"blockwise_backward: peak memory {pm.peak.allocated} B reaches one head's full (T, T) score matrix "
         f"({one_head} B; tracked CPU storages) at {at}: recompute P tile by tile, never a whole row of tiles "
         f"per head")
 

@@ -96,7 +96,7 @@ def _measured(case):
                       num_key_value_heads=2, vocab_size=V, tie_word_embeddings=tied, max_position_embeddings=256,
                       use_cache=False)
     session = Session(ConfigWorkload(cfg, B, T), "cpu")
-    return ledger_rows(session.measure(PLAIN)), ledger_rows(session.measure(Strategy(chunked_loss=chunk)))
+    return ledger_rows(session.ledger(PLAIN)), ledger_rows(session.ledger(Strategy(chunked_loss=chunk)))
 
 
 def check_chunked_loss_changes(m):

@@ -2,17 +2,17 @@
 micro-batches (``bp_mech.accumulation``) on the same padded data and the same initial weights, at two
 sequence lengths.
 
-Per candidate it records the loss, gradient and parameter differences to the full batch (both
-normalisations: the equivalence run), the absolute and incremental peak, and the step median/P95.
-The measurement is the shared harness's ``measure_separate``: on the CPU every candidate gets its own
-model copy and AdamW, alive together; one tracked update each gives its peak, then the candidates are
-timed interleaved on one intra-op thread. On CUDA they run one after another on the one model, each
-with only its own optimizer state (the GPU is not shared). A micro-batch candidate does strictly more
-work than the full batch (k passes for one update), so measuring it faster is noise
-(``measure.timing_noise``). ``updates`` counts the optimizer steps of a candidate's runs that
-completed: the token-weighted equivalence run, the naive one (micro-batch candidates) and the
-measurement (warm update, tracked update on the CPU, warm-up and timed steps);
-``metrics.updates_by_run`` splits them.
+The arms are the strategies ``plain`` (the full batch), ``micro2`` and ``micro4``. Per arm it records
+the loss, gradient and parameter differences to the full batch (both normalisations, through the
+chapter's own ``accumulation.accumulated_backward``: the equivalence run), the absolute and incremental
+peak, and the step median/P95 of the one training step (``bench.step.train_step`` under the arm's
+strategy: Transformers' token-weighted loss over k micro-batches). The measurement is the harness's
+(``harness.measure``, own weights): on the CPU every arm gets its own model copy and AdamW, alive
+together, timed interleaved on one intra-op thread; on CUDA they run one after another on the one
+model. A micro-batch arm does strictly more work than the full batch (k passes for one update), so
+measuring it faster is noise (``bench.timing.timing_noise``). ``updates`` counts the optimizer steps of
+an arm's runs: the token-weighted equivalence run, the naive one (micro-batch arms) and the measurement
+(warm, tracked, warm-up and timed steps); ``metrics.updates_by_run`` splits them.
 """
 
 from __future__ import annotations
@@ -25,16 +25,19 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech import accumulation
-from bp_mech.experiments import harness
+from bp_mech.bench.compare import all_finite, relative_l2
+from bp_mech.bench.oom import Failed, attempt
+from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
+from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
-from bp_mech.bench.compare import all_finite
-from bp_mech.bench.oom import oom_as_failure
+from bp_mech.bench.workload import Workload, build_model, make_adamw
+from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
+from bp_mech.experiments import harness
 from bp_mech.records.results import json_safe
-from bp_mech.update_dynamics import global_grad_norm
-from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, Workload, build_model, make_adamw, plan_seconds
 
-CANDIDATES = ("full", "micro2", "micro4")
-MICRO = {"full": 1, "micro2": 2, "micro4": 4}  # micro-batches per update
+CANDIDATES = ("plain", "micro2", "micro4")  # strategy names: the full batch, 2 and 4 micro-batches
+ARMS = {name: parse(name) for name in CANDIDATES}
+MICRO = {name: s.micro_batches for name, s in ARMS.items()}  # micro-batches per update
 
 # Decision rule (per micro-batch candidate and sequence length, against the full batch):
 #   reject  if the token-weighted first gradient differs from the full batch's by more than
@@ -75,15 +78,6 @@ def seq_lengths(w: Workload, cfg: AccumConfig) -> list[int]:
     return sorted({max(2, w.seq // cfg.short_divisor), w.seq})
 
 
-def rel_diff(tensors, ref: list[torch.Tensor], base: list[torch.Tensor] | None = None) -> float:
-    """||a - r|| / ||r - base|| over all tensors (the global L2 norm in float64); base None -> ||r||."""
-    pairs = list(zip(tensors, ref, base if base is not None else [None] * len(ref)))
-    f64 = lambda t, a: t.to(a.device, torch.float64)  # noqa: E731
-    num = global_grad_norm(a.detach().double() - f64(r, a) for a, r, _ in pairs).item()
-    den = global_grad_norm(f64(r, a) - (0 if b is None else f64(b, a)) for a, r, b in pairs).item()
-    return num / den if den > 0 else num
-
-
 # --- the equivalence run ---------------------------------------------------------------
 
 def train_updates(model, init: dict, batches, k: int, norm: str, cfg: AccumConfig, device) -> dict:
@@ -113,7 +107,7 @@ def equivalence(model, init: dict, batches, cfg: AccumConfig, device) -> dict:
     ref_last = accumulation.snapshot(model.parameters())
     zero = dict.fromkeys(("loss_rel_diff", "grad_rel_diff", "param_rel_diff_1", "param_rel_diff",
                           "param_diff_vs_update"), 0.0)
-    out = {"full": {"token": dict(zero, finite=ref["finite"], losses=ref["losses"]), "naive": None}}
+    out = {PLAIN.name: {"token": dict(zero, finite=ref["finite"], losses=ref["losses"]), "naive": None}}
     for name in CANDIDATES[1:]:
         out[name] = {}
         for norm in ("token", "naive"):
@@ -121,46 +115,33 @@ def equivalence(model, init: dict, batches, cfg: AccumConfig, device) -> dict:
             out[name][norm] = dict(
                 finite=r["finite"], losses=r["losses"],
                 loss_rel_diff=abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0]),
-                grad_rel_diff=rel_diff(r["grad"], ref["grad"]),
-                param_rel_diff_1=rel_diff(r["params_1"], ref["params_1"]),
-                param_rel_diff=rel_diff(model.parameters(), ref_last),
-                param_diff_vs_update=rel_diff(model.parameters(), ref_last, p0),
+                grad_rel_diff=relative_l2(r["grad"], ref["grad"]),
+                param_rel_diff_1=relative_l2(r["params_1"], ref["params_1"]),
+                param_rel_diff=relative_l2(model.parameters(), ref_last),
+                param_diff_vs_update=relative_l2(model.parameters(), ref_last, p0),
             )
     return out
 
 
 # --- the measured step ---------------------------------------------------------------
 
-def prepare_candidate(model, init: dict, batches, k: int, cfg: AccumConfig, device):
-    """Load ``init`` into ``model``, make its AdamW and run one warm update (k micro-batches,
-    token-weighted), which creates the optimizer state. Returns ``(step, resident)``.
+def measure(model, init: dict, batches, cfg: AccumConfig, device, progress=None, together: bool | None = None):
+    """``harness.measure`` of every arm (own weights): on the CPU each its own copy of ``model``, on CUDA the
+    one model reloaded from ``init``; each with its AdamW and one warm update under its strategy (the
+    optimizer's state exists before anything is measured). ``{name: Measured | Failed}``.
 
-    resident = the parameters and the AdamW state (exp_avg, exp_avg_sq, step) that exist before a
-    step; the warm update's gradients are freed (set_to_none). incremental peak = absolute peak -
-    resident bytes: what the step itself adds (gradients, activations, logits, temporaries, the
-    batch, library workspaces).
-    """
-    model.load_state_dict(init)
-    model.zero_grad(set_to_none=True)
-    opt = make_adamw(model.parameters(), cfg.lr, device)
-
-    def step(i: int) -> None:
-        accumulation.accumulated_backward(model, batches[i % len(batches)], k, "token")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(0)  # creates the optimizer state (lazy) before anything is measured
-    return step, [list(model.parameters()), [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]]
-
-
-def measure(model, init: dict, batches, cfg: AccumConfig, device, progress=None, interleave: bool | None = None):
-    """``harness.measure_separate`` of every candidate: on the CPU each its own copy of ``model``; on CUDA
-    the one model, reloaded from ``init``. ``{name: (dict(stats, resident_bytes, steps), None) | (None, failure)}``."""
+    ``Measured.resident_bytes`` is the parameters and the AdamW state (exp_avg, exp_avg_sq, step) that
+    exist before a step: the incremental peak, absolute peak minus that, is what the step itself adds
+    (gradients, activations, logits, temporaries, the batch, library workspaces)."""
     def prepare(name, together):
-        return prepare_candidate(copy.deepcopy(model) if together else model, init, batches, MICRO[name], cfg, device)
+        m = copy.deepcopy(model) if together else model
+        m.load_state_dict(init)
+        m.zero_grad(set_to_none=True)
+        run = harness.Run.of(m, make_adamw(m.parameters(), cfg.lr, device), batches, ARMS[name])
+        run.step(-1)  # the warm update: the optimizer's state exists before anything is measured
+        return run
 
-    return harness.measure_separate(prepare, CANDIDATES, device, cfg.timed, cfg.warmup, progress=progress,
-                                    interleave=interleave)
+    return harness.measure(CANDIDATES, prepare, device, cfg.timed, cfg.warmup, together=together, progress=progress)
 
 
 def decide(equiv_diff: float | None, tol: float, peak_saving: float | None, time_ratio: float | None,
@@ -190,25 +171,27 @@ def run(ctx) -> list:
         sub = dataclasses.replace(ctx, workload=w, run_label=f"{ctx.run_label}-s{seq}", _base=None)
         batches = [{k: v.to(dev) for k, v in b.items()}
                    for b in accumulation.padded_batches(w, max(cfg.updates, 2), cfg.micro_max, cfg.max_pad_fraction)]
-        eq, eq_failure = oom_as_failure(equivalence, model, init, batches[:cfg.updates], cfg, dev)
+        eq = attempt(equivalence, model, init, batches[:cfg.updates], cfg, dev)
+        eq, eq_failure = (None, eq.failure) if isinstance(eq, Failed) else (eq, None)
         measured = measure(model, init, batches, cfg, dev, progress=ctx.progress)
-        recs += [candidate_record(sub, name, cfg, batches, (eq or {}).get(name), measured[name][0],
-                                  measured["full"][0], measured[name][1] or eq_failure) for name in CANDIDATES]
+        recs += [arm_record(sub, name, cfg, batches, (eq or {}).get(name), measured[name], measured[PLAIN.name],
+                            eq_failure) for name in CANDIDATES]
     return recs
 
 
-def candidate_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None, m: dict | None, base: dict | None,
-                     failure: str | None):
-    """One candidate's record: equivalence (token + naive), measurement, ratios against the full batch, decision."""
+def arm_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None, m, base, eq_failure: str | None):
+    """One arm's record: equivalence (token + naive), measurement, ratios against the full batch, decision."""
     eq = json_safe(eq)
-    tok, stats = (eq or {}).get("token") or {}, m["stats"] if m else None
-    base_stats = base["stats"] if base else None
-    compared = stats is not None and base_stats is not None
-    peak_saving = 1 - stats.peak_allocated / base_stats.peak_allocated if compared else None
-    time_ratio = stats.timing.median_s / base_stats.timing.median_s if compared else None
-    noise = timing_noise(stats.timing, base_stats.timing, more_work=True) if compared and name != "full" else None
-    if name == "full":
-        decision, next_step = None, "the baseline: every other candidate is compared with it"
+    tok = (eq or {}).get("token") or {}
+    failure = m.failure if isinstance(m, Failed) else eq_failure
+    m = m if isinstance(m, harness.Measured) else None
+    base = base if isinstance(base, harness.Measured) else None
+    compared = m is not None and base is not None
+    peak_saving = 1 - m.peak.allocated / base.peak.allocated if compared else None
+    time_ratio = m.timing.median_s / base.timing.median_s if compared else None
+    noise = timing_noise(m.timing, base.timing, more_work=True) if compared and name != PLAIN.name else None
+    if name == PLAIN.name:
+        decision, next_step = None, "the baseline: every other arm is compared with it"
     else:
         decision, next_step = decide(tok.get("grad_rel_diff"), EQUIV_TOL[torch.device(ctx.device).type], peak_saving,
                                      time_ratio, noise)
@@ -216,52 +199,49 @@ def candidate_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None,
         decision, next_step = None, f"failed: {failure}"
     k, E = MICRO[name], ctx.workload.batch * cfg.micro_max
     by_run = dict(equivalence_token=cfg.updates if eq else None,
-                  equivalence_naive=(cfg.updates if eq else None) if name != "full" else 0,
-                  measurement=m and 1 + m["steps"])  # the warm update, then the measured steps
+                  equivalence_naive=(cfg.updates if eq else None) if name != PLAIN.name else 0,
+                  measurement=m and m.updates)  # the warm update, then the measured steps
     ran = [n for n in by_run.values() if n is not None]
+    measured = m.record_fields() if m else dict(memory_source=None)
+    measured.update(updates=sum(ran) if ran else None, skipped_updates=0 if ran else None)
     return ctx.record(
-        name, input_shape=[E // k, ctx.workload.seq], effective_batch=E, updates=sum(ran) if ran else None,
-        update_count=cfg.updates if eq else None, output_error=tok.get("loss_rel_diff"),
-        grad_error=tok.get("grad_rel_diff"), all_finite=tok.get("finite"),
-        peak_allocated=stats and stats.peak_allocated, peak_reserved=stats and stats.peak_reserved,
-        step_median_s=stats and stats.timing.median_s, step_p95_s=stats and stats.timing.p95_s,
-        warmup_excluded=stats and stats.timing.warmup_excluded, threads=stats and stats.timing.threads,
-        timing_noise=noise, memory_source=ctx.memory_source if stats else None, failure=failure, decision=decision,
-        next_step=next_step,
+        name, strategy=name, input_shape=[E // k, ctx.workload.seq], effective_batch=E, **measured,
+        output_error=tok.get("loss_rel_diff"), grad_error=tok.get("grad_rel_diff"), all_finite=tok.get("finite"),
+        timing_noise=noise, failure=failure, decision=decision, next_step=next_step,
         metrics=dict(
             micro_batches=k, micro_batch_size=E // k, seq=ctx.workload.seq, lr=cfg.lr, timed_steps=cfg.timed,
             target_tokens=[[int(accumulation.count_targets(mb["labels"])) for mb in accumulation.split(b, k)]
                            for b in batches],
-            resident_bytes=m and m["resident_bytes"],
-            incremental_peak=m and stats.peak_allocated - m["resident_bytes"], updates_by_run=by_run,
+            resident_bytes=m and m.resident_bytes,
+            incremental_peak=m and m.peak.allocated - m.resident_bytes, updates_by_run=by_run,
             peak_saving=peak_saving, time_ratio=time_ratio,
-            p95_ratio=stats.timing.p95_s / base_stats.timing.p95_s if compared else None,
-            step_samples_s=stats and stats.timing.samples, interleaved=stats and stats.timing.interleaved,
-            token=tok or None, naive=(eq or {}).get("naive"),
+            p95_ratio=m.timing.p95_s / base.timing.p95_s if compared else None,
+            step_samples_s=m and m.timing.samples, wall_samples_s=m and m.timing.wall_samples,
+            interleaved=m and m.timing.interleaved, token=tok or None, naive=(eq or {}).get("naive"),
             rule=dict(EQUIV_TOL=EQUIV_TOL[torch.device(ctx.device).type], MIN_PEAK_SAVING=MIN_PEAK_SAVING,
                       MAX_TIME_COST=MAX_TIME_COST)))
 
 
-def plan(ctx) -> dict:
-    """Workloads, steps and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+def dry_run(ctx) -> dict:
+    """Workloads, steps and, per mode, an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w, seqs = ctx.workload, seq_lengths(ctx.workload, AccumConfig())
 
     def mode_plan(dev):
         cfg = config_for(dev, ctx.smoke)
-        E, updates = w.batch * cfg.micro_max, 1 + harness.separate_steps(dev, cfg.timed, cfg.warmup)  # warm + measured
-        # equivalence: full once, each micro candidate twice (token, naive); k micro-batch passes per update
-        passes = {c: MICRO[c] * (cfg.updates * (1 if c == "full" else 2) + updates) for c in CANDIDATES}
-        seconds = sum(plan_seconds(w.arch, E * s // MICRO[c], n, dev) for s in seqs for c, n in passes.items())
+        E, updates = w.batch * cfg.micro_max, 1 + steps_per_arm(cfg.timed, cfg.warmup)  # warm + measured
+        # equivalence: full once, each micro arm twice (token, naive); k micro-batch passes per update
+        passes = {c: MICRO[c] * (cfg.updates * (1 if c == PLAIN.name else 2) + updates) for c in CANDIDATES}
+        seconds = sum(dry_run_seconds(w.arch, E * s // MICRO[c], n, dev) for s in seqs for c, n in passes.items())
         loads = 8 * len(seqs) * (0.5 if dev == "cuda" else 0.0)  # load_state_dict from the host copy
         return cfg.timed, cfg.warmup, dict(equivalence_updates=cfg.updates,
-                                           estimated_seconds=round(PLAN_BUILD_S[dev] + seconds + loads, 1))
+                                           estimated_seconds=round(ASSUMED_BUILD_S[dev] + seconds + loads, 1))
 
     return dict(workloads=[w.replace(seq=s).workload_id for s in seqs],
                 run_labels=[f"{ctx.run_label}-s{s}" for s in seqs],
                 effective_batch=w.batch * AccumConfig.micro_max, micro_batches=dict(MICRO), optimizer="AdamW",
                 normalisations=["token-weighted", "naive mean of means"], lr=AccumConfig.lr,
-                modes=harness.plan_separate(mode_plan),
-                estimate_basis=PLAN_BASIS + "; + 0.5 s per state load from the host (cuda)",
+                modes=own_weights_modes(mode_plan),
+                estimate_basis=ASSUMED_BASIS + "; + 0.5 s per state load from the host (cuda)",
                 rule=dict(EQUIV_TOL=EQUIV_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST))
 
 
@@ -281,10 +261,10 @@ def conformance():
         ours = train_updates(model, init, batches, k, "token", cfg, "cpu")
         ours_params, finite = accumulation.snapshot(model.parameters()), finite and ours["finite"]
         first_grad = accumulation.accelerate_updates(model, init, batches, k, cfg.lr)
-        worst = max(worst, rel_diff(first_grad, ours["grad"]))
+        worst = max(worst, relative_l2(first_grad, ours["grad"]))
         # parameters relative to the update: our loss and Accelerate's are different float32 operations, and
         # AdamW turns a reordering at an element with |g| ~ eps into a step of up to 2 lr (see the tests)
-        update_worst = max(update_worst, rel_diff(model.parameters(), ours_params, p0))
+        update_worst = max(update_worst, relative_l2(model.parameters(), ours_params, p0))
     return ConformanceRow("Part 02 · 11", "TRAIN-GRADIENT-ACCUMULATION",
                           "Accelerate Accelerator(gradient_accumulation_steps=k).accumulate + num_items_in_batch",
                           worst <= EQUIV_TOL["cpu"] and update_worst <= MAX_UPDATE_DIFF and finite,

@@ -1,12 +1,15 @@
-"""TRAIN-AMP-BACKWARD, the experiment: FP32 against FP16 autocast + GradScaler and BF16 autocast, plus
-an overflow sample (the mechanism: ``bp_mech.amp``).
+"""TRAIN-AMP-BACKWARD, the experiment: plain FP32 against the strategies ``fp16`` (autocast + GradScaler) and
+``bf16`` (autocast), plus an overflow sample (the mechanism: ``bp_mech.amp``).
 
-Every timed candidate trains its own model copy, AdamW, scaler and LR clock (``amp.AmpTrainer``) on the
-shared harness's ``measure_separate``: interleaved on one CPU thread after one tracked update each (the
-peak), one after another alone on CUDA. ``updates`` counts the optimizer calls that applied an update,
-``skipped_updates`` those the scaler skipped: together every call of the run (CPU: tracked, warm-up and
-timed; CUDA: warm-up and timed), ``len(metrics.applied_per_step)``. The overflow sample injects
-overflows and checks GradScaler against ``amp.DynamicLossScaler``, the parameters and the LR clock.
+Every timed arm trains its own model copy, AdamW, scaler and LR clock with the one training step
+(``bench.step.train_step`` under its strategy, clipping at ``max_norm`` after unscaling, the clock
+advancing on applied updates only), measured by the harness (``harness.measure``, own weights):
+interleaved on one CPU thread, one after another alone on CUDA. One warm update first allocates
+AdamW's moments. ``updates`` counts the steps that applied an update, ``skipped_updates`` those the
+scaler skipped: together every step of the measurement (warm, tracked, warm-up and timed),
+``len(metrics.applied_per_step)``, the warm update first. The overflow
+sample injects overflows into the chapter's own loop (``amp.AmpTrainer``) and checks GradScaler against
+``amp.DynamicLossScaler``, the parameters and the LR clock.
 """
 
 from __future__ import annotations
@@ -19,17 +22,22 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bp_mech import amp
-from bp_mech.records.environment import bf16_supported
-from bp_mech.experiments import harness
-from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.bench.compare import all_finite
-from bp_mech.bench.oom import oom_as_failure, release_memory
+from bp_mech.bench.oom import Failed, attempt, release_memory
+from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
+from bp_mech.bench.strategy import Applied, parse
+from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
+from bp_mech.bench.workload import build_model, make_adamw, make_batches
+from bp_mech.experiments import harness
+from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
+from bp_mech.records.environment import bf16_supported
 from bp_mech.records.results import json_safe
-from bp_mech.scheduler import WSDConfig, scaler_step
-from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, plan_seconds
+from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step, wsd_lr
+from bp_mech.update_dynamics import clip_coefficient
 
-CANDIDATES = ("fp32", "fp16-amp", "bf16-amp", "fp16-overflow")
-LOW = {"fp32": None, "fp16-amp": torch.float16, "bf16-amp": torch.bfloat16, "fp16-overflow": torch.float16}
+CANDIDATES = ("plain", "fp16", "bf16", "fp16-overflow")  # strategy names, and the overflow sample
+LOW = {"plain": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp16-overflow": torch.float16}
+TIMED = {name: parse(name) for name in ("plain", "fp16", "bf16")}  # the arms measured with the one step
 DTYPE_LABEL = {None: "float32", torch.float16: "float16-autocast", torch.bfloat16: "bfloat16-autocast"}
 
 # Decision rule for an AMP candidate, from ratios to the FP32 run of the same workload:
@@ -84,44 +92,64 @@ def available(candidate: str, device: str) -> bool:
 
 
 def trainer(model, candidate: str, cfg: AmpConfig, device: str, growth_interval: int | None = None) -> amp.AmpTrainer:
-    """The candidate's trainer: its autocast dtype; cfg's LR clock, clip threshold and initial scale."""
+    """The overflow sample's trainer (the chapter's loop): its autocast dtype; cfg's LR clock, clip
+    threshold and initial scale."""
     return amp.AmpTrainer(model, LOW[candidate], device, cfg.schedule, cfg.max_norm, cfg.init_scale,
                           cfg.growth_interval if growth_interval is None else growth_interval)
 
 
-class TrainerSteps:
-    """``step(i)`` for ``harness.measure_separate``: one update of ``trainer`` on ``batches[i + 1]`` (the
-    tracked step, ``i = -1``, on ``batches[0]``); it carries the trainer to ``finish``."""
+@dataclass
+class Outcome:
+    """What a timed arm reports besides its measurement."""
 
-    def __init__(self, trainer: amp.AmpTrainer, batches: list[dict]) -> None:
-        self.trainer, self.batches = trainer, batches
-
-    def __call__(self, i: int) -> bool:
-        return self.trainer.step(self.batches[i + 1])
+    trace: dict  # per measured step: loss, scale (the one its backward used), finite, applied, grad_norm, clip_coef, lr
+    eval_loss: float  # plain-FP32 loss on the held-out batch (no autocast): the yardstick across arms
+    finite_params: bool  # every parameter finite after the steps
 
 
-def finish(tr: amp.AmpTrainer, held_out: dict) -> dict:
-    """What a timed candidate reports besides its stats: trace, counts, and the plain-FP32 loss on the
-    held-out batch (no autocast), the yardstick across candidates."""
+def outcome(run, model, clock: UpdateClock, cfg: AmpConfig, held_out: dict) -> Outcome:
+    """The trace of ``run``'s steps and the held-out loss; ``clock``: the arm's LR clock after its steps
+    (each step's LR is the schedule at the updates applied before it)."""
     with torch.no_grad():
-        eval_loss = tr.model(**held_out).loss.item()
-    return dict(trace=tr.trace, updates=tr.clock.updates, skipped=tr.clock.skipped, eval_loss=eval_loss,
-                finite_params=all_finite(tr.model.parameters()))
+        eval_loss = model(**held_out).loss.item()
+    trace = {k: [] for k in ("loss", "scale", "finite", "applied", "grad_norm", "clip_coef", "lr")}
+    applied = clock.updates - sum(r.applied for r in run.log)  # (0: every step of the clock is in the log)
+    for r in run.log:
+        norm = float(r.grad_norm)
+        finite = math.isfinite(norm)  # the fp32 norm is finite iff every gradient is
+        for key, value in (("loss", r.loss.item()), ("scale", r.scale), ("finite", finite), ("applied", r.applied),
+                           ("grad_norm", norm if finite else None), ("lr", wsd_lr(applied, cfg.schedule)),
+                           ("clip_coef", float(clip_coefficient(torch.tensor(norm), cfg.max_norm)) if finite else None)):
+            trace[key].append(value)
+        applied += r.applied
+    return Outcome(trace, eval_loss, all_finite(model.parameters()))
 
 
 def measure(base, names, cfg: AmpConfig, device: str, batches: list[dict], progress=None,
-            interleave: bool | None = None) -> dict:
-    """``{name: (result, None) | (None, failure)}`` for the timed candidates (``harness.measure_separate``):
-    each trains its own copy of ``base`` (kept on the host). Step ``i`` trains on ``batches[i + 1]``;
-    ``batches[0]`` is the CPU's tracked update, ``batches[-1]`` is held out. ``result`` holds ``stats``,
-    ``steps`` and what ``finish`` reads."""
-    def prepare(name, together):
-        tr = trainer(copy.deepcopy(base).to(device), name, cfg, device)
-        return TrainerSteps(tr, batches), [tr.model.parameters()]  # AdamW's state appears in the first step
+            together: bool | None = None) -> dict:
+    """``{name: Measured | Failed}`` of the timed arms (``harness.measure``): each trains its own copy of
+    ``base`` (kept on the host), one warm update first. Step ``i`` trains on ``batches[i + 1]``;
+    ``batches[0]`` is the warm and the tracked update's, ``batches[-1]`` is held out. ``Measured.finish`` is
+    an ``Outcome``: its trace has every step of the arm, the warm update first."""
+    models, clocks = {}, {}
 
-    return harness.measure_separate(prepare, names, device, cfg.timed, cfg.warmup, progress=progress,
-                                    finish=lambda name, step, stats: finish(step.trainer, batches[-1]),
-                                    interleave=interleave)
+    def prepare(name, together):
+        s = TIMED[name]
+        model = models[name] = copy.deepcopy(base).to(device)
+        opt = make_adamw(model.parameters(), cfg.schedule.base_lr, device)
+        clock = clocks[name] = UpdateClock(cfg.schedule, opt)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=cfg.init_scale,
+                                      growth_interval=cfg.growth_interval, enabled=s.amp == "float16")
+        run = harness.Run.of(model, opt, batches, s, Applied(model, s, device, scaler=scaler), max_norm=cfg.max_norm,
+                             clock=clock)
+        run.step(-1)  # the warm update: AdamW's moments exist before anything is measured
+        return run
+
+    def finish(name, run):
+        return outcome(run, models.pop(name), clocks.pop(name), cfg, batches[-1])
+
+    return harness.measure(names, prepare, device, cfg.timed, cfg.warmup, together=together, finish=finish,
+                           progress=progress)
 
 
 def overflow_sample(base, candidate: str, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
@@ -194,7 +222,7 @@ def overflow_record(ctx, name: str, r: dict, cfg: AmpConfig):
     t = r["trace"]
     ok = r["scaler_matches_reference"] and r["params_unchanged_on_skip"] and r["clock_held_on_skip"]
     return ctx.record(
-        name, dtype=DTYPE_LABEL[LOW[name]], **counts(t), update_count=r["updates"], all_finite=all(t["finite"]),
+        name, dtype=DTYPE_LABEL[LOW[name]], **counts(t), all_finite=all(t["finite"]),
         failure=r["failure"], next_step=None if ok else "scaler semantics differ from the reference",
         metrics=json_safe(dict(
             {k: v for k, v in r.items() if k not in ("trace", "failure")}, semantics_ok=ok,
@@ -204,32 +232,27 @@ def overflow_record(ctx, name: str, r: dict, cfg: AmpConfig):
             skipped_calls=[c for c, a in enumerate(t["applied"]) if not a])))
 
 
-def timed_record(ctx, name: str, r: dict, fp32: dict | None, cfg: AmpConfig):
-    """A timed candidate's record; ratios and decision against ``fp32`` (its result, None if it failed)."""
-    t, stats, dtype = r["trace"], r["stats"], DTYPE_LABEL[LOW[name]]
-    finite = r["finite_params"] and math.isfinite(r["eval_loss"]) and all(
-        f for f, a in zip(t["finite"], t["applied"]) if a)
-    metrics = dict(eval_loss=r["eval_loss"], loss_scale_trace=t["scale"], finite_per_step=t["finite"],
+def timed_record(ctx, name: str, m: harness.Measured, plain: harness.Measured | None, cfg: AmpConfig):
+    """A timed arm's record; ratios and decision against ``plain`` (None if it failed)."""
+    o, dtype = m.finish, DTYPE_LABEL[LOW[name]]
+    t = o.trace
+    finite = o.finite_params and math.isfinite(o.eval_loss) and all(f for f, a in zip(t["finite"], t["applied"]) if a)
+    metrics = dict(eval_loss=o.eval_loss, loss_scale_trace=t["scale"], finite_per_step=t["finite"],
                    applied_per_step=t["applied"], loss_per_step=t["loss"], grad_norm_per_step=t["grad_norm"],
-                   clip_coef_per_step=t["clip_coef"], scaler=LOW[name] is torch.float16, autocast_dtype=dtype,
-                   base_lr=cfg.schedule.base_lr, step_samples_s=stats.timing.samples,
-                   interleaved=stats.timing.interleaved)
-    fields = dict(dtype=dtype, **counts(t), update_count=r["updates"], all_finite=finite,
-                  peak_allocated=stats.peak_allocated, peak_reserved=stats.peak_reserved,
-                  step_median_s=stats.timing.median_s, step_p95_s=stats.timing.p95_s,
-                  warmup_excluded=stats.timing.warmup_excluded, threads=stats.timing.threads,
-                  memory_source=stats.memory_source)
-    if name == "fp32":
+                   clip_coef_per_step=t["clip_coef"], lr_per_step=t["lr"], scaler=LOW[name] is torch.float16,
+                   autocast_dtype=dtype, base_lr=cfg.schedule.base_lr, step_samples_s=m.timing.samples,
+                   wall_samples_s=m.timing.wall_samples, interleaved=m.timing.interleaved)
+    fields = dict(dtype=dtype, strategy=name, **m.record_fields(), all_finite=finite)
+    if name == "plain":
         metrics["role"] = "baseline"
-    elif fp32 is None:
+    elif plain is None:
         fields["next_step"] = "no FP32 baseline to compare with (it failed): see its record"
     else:
-        base = fp32["stats"]
-        noise = timing_noise(stats.timing, base.timing, more_work=False)
-        ratios = dict(peak_saving=1 - stats.peak_allocated / base.peak_allocated,
-                      time_ratio=stats.timing.median_s / base.timing.median_s,
-                      p95_ratio=stats.timing.p95_s / base.timing.p95_s, loss_diff=r["eval_loss"] - fp32["eval_loss"],
-                      loss_rel_diff=abs(r["eval_loss"] - fp32["eval_loss"]) / abs(fp32["eval_loss"]))
+        noise = timing_noise(m.timing, plain.timing, more_work=False)
+        ratios = dict(peak_saving=1 - m.peak.allocated / plain.peak.allocated,
+                      time_ratio=m.timing.median_s / plain.timing.median_s,
+                      p95_ratio=m.timing.p95_s / plain.timing.p95_s, loss_diff=o.eval_loss - plain.finish.eval_loss,
+                      loss_rel_diff=abs(o.eval_loss - plain.finish.eval_loss) / abs(plain.finish.eval_loss))
         metrics.update(ratios)
         fields["timing_noise"] = noise
         fields["decision"], fields["next_step"] = decide(
@@ -240,45 +263,44 @@ def timed_record(ctx, name: str, r: dict, fp32: dict | None, cfg: AmpConfig):
 
 def run(ctx) -> list:
     cfg, device = config_for(ctx.device, ctx.smoke), ctx.device
-    # one init (on the device: fast), kept on the host so that no candidate's peak holds it; copied per candidate
+    # one init (on the device: fast), kept on the host so that no arm's peak holds it; copied per arm
     base = build_model(ctx.workload, device).to("cpu")
-    batches = make_batches(ctx.workload, cfg.warmup + cfg.timed + 2, device=device)  # [0]: tracked, [-1]: held out
+    batches = make_batches(ctx.workload, cfg.warmup + cfg.timed + 2, device=device)  # [0]: warm, tracked; [-1]: held out
     names = [c for c in CANDIDATES if available(c, device)]
-    timed = measure(base, [n for n in names if n != "fp16-overflow"], cfg, device, batches, ctx.progress)
-    fp32 = timed.get("fp32", (None,))[0]
+    timed = measure(base, [n for n in names if n in TIMED], cfg, device, batches, ctx.progress)
+    plain = timed.get("plain")
+    plain = plain if isinstance(plain, harness.Measured) else None
     recs = []
     for name in names:
-        if name == "fp16-overflow":
-            r, failure = oom_as_failure(overflow_sample, base, name, cfg, device, batches)  # an OOM is its failure
-        else:
-            r, failure = timed[name]
+        r = attempt(overflow_sample, base, name, cfg, device, batches) if name == "fp16-overflow" else timed[name]
+        failure = r.failure if isinstance(r, Failed) else None  # an out-of-memory is that arm's failure
         if failure:
-            recs.append(ctx.record(name, dtype=DTYPE_LABEL[LOW[name]], failure=failure,
-                                   next_step="failed: see the failure"))
+            recs.append(ctx.record(name, strategy=name if name in TIMED else None, dtype=DTYPE_LABEL[LOW[name]],
+                                   failure=failure, next_step="failed: see the failure"))
         else:
             recs.append(overflow_record(ctx, name, r, cfg) if name == "fp16-overflow"
-                        else timed_record(ctx, name, r, fp32, cfg))
+                        else timed_record(ctx, name, r, plain, cfg))
     return recs
 
 
-def plan(ctx) -> dict:
-    """Per mode, the config and a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+def dry_run(ctx) -> dict:
+    """Per mode, the config and an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w, tokens = ctx.workload, ctx.workload.batch * ctx.workload.seq
 
     def mode_plan(dev):
         cfg = config_for(dev, ctx.smoke)
-        steps = harness.separate_steps(dev, cfg.timed, cfg.warmup)
+        steps = 1 + steps_per_arm(cfg.timed, cfg.warmup)  # the warm update, then the measured ones
         seconds = {}
         for c in CANDIDATES:
             overflow = c == "fp16-overflow"
-            seconds[c] = round(SETUP_S[dev] + plan_seconds(w.arch, tokens, cfg.overflow_n if overflow else steps, dev,
-                                                           low=LOW[c] is not None)
-                               + plan_seconds(w.arch, tokens, 1 if overflow else 1 / 3, dev), 1)  # fp32 inject / eval
+            seconds[c] = round(SETUP_S[dev] + dry_run_seconds(w.arch, tokens, cfg.overflow_n if overflow else steps,
+                                                              dev, low=LOW[c] is not None)
+                               + dry_run_seconds(w.arch, tokens, 1 if overflow else 1 / 3, dev), 1)  # fp32 inject / eval
         return cfg.timed, cfg.warmup, dict(config=asdict(cfg), estimated_seconds_per_candidate=seconds,
-                                           estimated_seconds=round(PLAN_BUILD_S[dev] + sum(seconds.values()), 1))
+                                           estimated_seconds=round(ASSUMED_BUILD_S[dev] + sum(seconds.values()), 1))
 
-    return dict(modes=harness.plan_separate(mode_plan),
-                estimate_basis=f"{PLAN_BASIS}; + SETUP_S {SETUP_S} s per candidate",
+    return dict(modes=own_weights_modes(mode_plan),
+                estimate_basis=f"{ASSUMED_BASIS}; + SETUP_S {SETUP_S} s per arm",
                 rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST,
                           MAX_SKIPPED_FRACTION=MAX_SKIPPED_FRACTION))
 

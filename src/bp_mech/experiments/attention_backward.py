@@ -5,7 +5,7 @@ Four candidates: ``autograd`` (the reference), the two hand-written strategies (
 ``recompute``) and ``sdpa``. For each: its errors (float64 vs autograd, float32 vs SDPA, the whole
 layer vs ``Qwen2Attention``), the bytes it saves for the backward over a sweep of lengths, the time
 of its backward alone (the CPU timing protocol of ``bp_mech.bench.timing``: interleaved, one intra-op
-thread, ``harness.schedule`` rounds) and the peak of one forward and backward. The decision rule is
+thread, ``experiments.dry_run.schedule`` rounds) and the peak of one forward and backward. The decision rule is
 ``decide``.
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from bp_mech import attention_backward
 from bp_mech.attention_backward import STRATEGIES, AttnConfig, attention_fn
-from bp_mech.experiments import harness
-from bp_mech.experiments.harness import relative_error
+from bp_mech.experiments.dry_run import per_mode, schedule
+from bp_mech.bench.compare import relative_error
 from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import release_memory
 from bp_mech.bench.timing import time_interleaved
@@ -154,11 +154,10 @@ def _tolerances() -> dict:
     return dict(float64=TOL64, float32_vs_sdpa=TOL32, qwen2_module=TOL_MODULE)
 
 
-def plan(ctx) -> dict:
+def dry_run(ctx) -> dict:
     cfg = AttnConfig.from_arch(ctx.workload.arch, ctx.workload.batch)
     T = ctx.workload.seq
-    timing = harness.plan_per_mode(lambda dev: dict(zip(("timed_rounds", "warmup_rounds"),
-                                                        harness.schedule(dev, ctx.smoke))))
+    timing = per_mode(lambda dev: dict(zip(("timed_rounds", "warmup_rounds"), schedule(dev, ctx.smoke))))
     return dict(attention=asdict(cfg), sweep_T=list(SWEEP_T), timed_T=T,
                 timing="the backward alone, candidates interleaved round by round (1 intra-op thread on the CPU), "
                        "the forward untimed before it", rounds=timing, tolerances=_tolerances(),
@@ -172,7 +171,7 @@ def run(ctx) -> list:
     T, dev = ctx.workload.seq, ctx.device
     errs = errors(cfg, T, device=dev)
     swept = sweep_saved_bytes(cfg, sorted(set(SWEEP_T) | {T}), device=dev)
-    rounds, warmup = harness.schedule(dev, ctx.smoke)
+    rounds, warmup = schedule(dev, ctx.smoke)
     times = backward_times(CANDIDATES, cfg, T, rounds, warmup, dev)
     ta, recs = times["autograd"], []
     for n in ctx.progress(CANDIDATES, desc="candidates"):
@@ -187,9 +186,7 @@ def run(ctx) -> list:
         recs.append(ctx.record(
             n, output_error=None if ref else errs[n]["float64_vs_autograd"]["output"],
             grad_error=None if ref else max(errs[n]["float64_vs_autograd"][g] for g in ("dq", "dk", "dv")),
-            all_finite=errs[n]["finite"], peak_allocated=pm.peak_allocated, peak_reserved=pm.peak_reserved,
-            memory_source=pm.memory_source, step_median_s=t.median_s, step_p95_s=t.p95_s,
-            warmup_excluded=t.warmup_excluded, threads=t.threads,
+            all_finite=errs[n]["finite"], **pm.peak.record_fields(), **t.record_fields(),
             recompute_count={"recompute": attention_backward.n_recomputed_tiles(T, cfg.block), "saved_probs": 0}.get(n),
             decision=decision, next_step=next_step,
             metrics=dict(
@@ -202,7 +199,7 @@ def run(ctx) -> list:
                 if n in STRATEGIES else None,
                 backward_time_ratio_vs_autograd=t.median_s / ta.median_s,
                 backward_p95_ratio_vs_autograd=t.p95_s / ta.p95_s, timed_T=T, timed_steps=rounds,
-                step_samples_s=t.samples, tolerances=_tolerances()),
+                step_samples_s=t.samples, wall_samples_s=t.wall_samples, tolerances=_tolerances()),
         ))
     return recs
 

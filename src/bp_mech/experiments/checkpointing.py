@@ -1,12 +1,12 @@
 """Part 02 · 19 — TRAIN-CHECKPOINT, the experiment: plain saving against three checkpointing
 configurations of ``bp_mech.checkpointing`` on one model.
 
-A measured step is a full training step (``zero_grad`` + forward + backward + AdamW update, its
-moments allocated beforehand), timed interleaved with the other candidates; the equality probe
-runs the same step without the update, so every candidate starts from the same weights and the
-loss and every gradient can be compared with the plain run exactly. The step, probe, comparison,
-decision rule and records are the shared harness's (``bp_mech.experiments.harness``); this module
-adds the candidates, the planning factors and the conformance check.
+A measured step is a full training step (``bench.step.train_step``: forward, backward, AdamW update,
+zero_grad; its moments allocated beforehand), timed interleaved with the other arms; the equality
+probe runs the same step without the update, so every arm starts from the same weights and the
+loss and every gradient can be compared with the plain run exactly. Measuring is the harness's
+(``harness.same_weights``), the decision rule and records ``bp_mech.experiments.decision``'s; this
+module adds the arms, the dry run's factors and the conformance check.
 """
 
 from __future__ import annotations
@@ -16,36 +16,40 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bp_mech import checkpointing
-from bp_mech.experiments import harness, strategies
-from bp_mech.bench.workload import PLAN_BASIS, build_model, make_batches
+from bp_mech.bench.compare import EXACT_TOL, compare
+from bp_mech.bench.rates import ASSUMED_BASIS
+from bp_mech.bench.step import probe
+from bp_mech.bench.strategy import Strategy, configured
+from bp_mech.bench.workload import build_model, make_batches
+from bp_mech.experiments.dry_run import same_weights_modes, schedule
+from bp_mech.experiments import decision, harness
 
-CANDIDATES = checkpointing.CONFIGURATIONS  # every configuration is an arm; "plain" is the baseline
+CANDIDATES = checkpointing.CONFIGURATIONS  # every configuration is an arm (a strategy's name); "plain" is the baseline
+ARMS = {name: Strategy(checkpoint=name) for name in CANDIDATES}
 
-
-# Planning only (``--mode dry_run``): a candidate's step time in plain steps.
+# Dry run only: an arm's step time in plain steps.
 TIME_FACTOR = {"plain": 1.0, "checkpoint-all": 1.35, "checkpoint-every2": 1.2, "checkpoint-mlp": 1.2}
 
 SCRATCH_TOL = 1e-12  # float64: from-scratch checkpointing vs torch.utils.checkpoint repeat the same operations
 
 
-def plan(ctx) -> dict:
-    return dict(step="zero_grad + forward + backward + AdamW update (moments allocated by one update first)",
-                timing="candidates interleaved, one full step of each per round (1 intra-op thread on the CPU)",
-                probe="1 untimed step without the update per candidate, all from the same weights: loss, "
-                      "gradients, forward calls, saved bytes; then 1 full step per candidate for the peak",
-                modes=harness.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke),
-                estimate_basis=f"{PLAN_BASIS}; x TIME_FACTOR {TIME_FACTOR}; + gradients / PROBE_BYTES_S per candidate",
-                rule=dict(MIN_PEAK_SAVING=strategies.MIN_PEAK_SAVING, MAX_TIME_RATIO=strategies.MAX_TIME_RATIO,
-                          MIN_USEFUL_SAVING=strategies.MIN_USEFUL_SAVING))
+def dry_run(ctx) -> dict:
+    return dict(step="forward + backward + AdamW update + zero_grad (moments allocated by one update first)",
+                timing="arms interleaved, one full step of each per round (1 intra-op thread on the CPU)",
+                probe="1 untimed step without the update per arm, all from the same weights: loss, "
+                      "gradients, forward calls, saved bytes; before the timing, 1 tracked step per arm: the peak",
+                modes=same_weights_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke),
+                estimate_basis=f"{ASSUMED_BASIS}; x TIME_FACTOR {TIME_FACTOR}; + gradients / PROBE_BYTES_S per arm",
+                rule=dict(MIN_PEAK_SAVING=decision.MIN_PEAK_SAVING, MAX_TIME_RATIO=decision.MAX_TIME_RATIO,
+                          MIN_USEFUL_SAVING=decision.MIN_USEFUL_SAVING))
 
 
 def run(ctx) -> list:
     model = build_model(ctx.workload, ctx.device)
     batches = make_batches(ctx.workload, 4, device=ctx.device)
-    candidates = {name: harness.Candidate(setup=lambda name=name: checkpointing.configure(model, name))
-                  for name in CANDIDATES}
-    results = harness.measure_candidates(model, batches, ctx.device, candidates, progress=ctx.progress, smoke=ctx.smoke)
-    return strategies.make_records(ctx, results, "plain")
+    results = harness.same_weights(model, batches, ctx.device, ARMS, *schedule(ctx.device, ctx.smoke),
+                                   progress=ctx.progress)
+    return decision.strategy_records(ctx, results, ARMS)
 
 
 def conformance():
@@ -57,15 +61,15 @@ def conformance():
     model = build_model(w)
     batch = make_batches(w, 1)[0]
     probes = {}
-    for name in CANDIDATES:
-        with checkpointing.configure(model, name):
-            probes[name] = harness.probe(model, batch, "cpu")
-    errors = [harness.compare(probes["plain"], probes[name]) for name in CANDIDATES[1:]]
-    loss_tol, grad_tol = harness.EQUAL_TOL["cpu"]
-    equal = all(e["loss_error"] <= loss_tol and e["grad_error"] <= grad_tol for e in errors)
-    worst = max(max(e["loss_error"], e["grad_error"]) for e in errors)
+    for name, s in ARMS.items():
+        with configured(model, s):
+            probes[name] = probe(model, batch, s)
+    errors = [compare(probes["plain"], probes[name]) for name in CANDIDATES[1:]]
+    loss_tol, grad_tol = EXACT_TOL["cpu"]
+    equal = all(e.within(EXACT_TOL["cpu"]) for e in errors)
+    worst = max(max(e.loss_error, e.grad_error) for e in errors)
     n_layers = len(model.model.layers)
-    calls_ok = probes["checkpoint-all"]["calls"]["layer"] == [2] * n_layers and probes["plain"]["recomputes"] == 0
+    calls_ok = probes["checkpoint-all"].calls["layer"] == [2] * n_layers and probes["plain"].recomputes == 0
     torch.manual_seed(0)  # from scratch vs torch.utils.checkpoint on one MLP, float64
     mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8)).double()
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
@@ -77,5 +81,5 @@ def conformance():
                           "transformers gradient_checkpointing_enable + torch.utils.checkpoint (non-reentrant)", ok,
                           f"max loss/grad rel. error {worst:.1e} over {len(errors)} candidates "
                           f"(tol {loss_tol:g} / {grad_tol:g}, float32 CPU); "
-                          f"layer forward calls under checkpointing {probes['checkpoint-all']['calls']['layer']}; "
+                          f"layer forward calls under checkpointing {probes['checkpoint-all'].calls['layer']}; "
                           f"from-scratch vs torch.utils.checkpoint {scratch:.1e} (tol {SCRATCH_TOL:.0e}, float64)")

@@ -1,5 +1,5 @@
 """Part 02 · 56 — TRAIN-CONTINUAL-PRETRAIN, the experiment: the 0-update baseline against a fixed number
-of full-sequence domain updates, and a run resumed from a checkpoint (the mechanism:
+of full-sequence domain updates, and a run resumed from a saved state (the mechanism:
 ``bp_mech.continual_pretrain``, ``bp_mech.training_state``).
 
 1. The base: the workload's model, after a short deterministic pretraining on the general text when it
@@ -7,12 +7,12 @@ of full-sequence domain updates, and a run resumed from a checkpoint (the mechan
 2. ``baseline``: the base's per-token loss on the domain evaluation text (the domain text's last
    ``domain_eval_fraction``, never trained on) and on the holdout text.
 3. ``domain``: ``updates`` domain updates from the base, both losses every ``eval_every`` updates; the
-   full training state is saved at ``checkpoint_at``.
+   full training state is saved at ``save_at``.
 4. ``resumed``: a fresh trainer, built as a new process builds it (random init, new AdamW, clock at 0),
-   loads that checkpoint (or ``--resume-from``'s) and runs to the same end; its losses must equal the
+   loads that saved state (or ``--resume-from``'s) and runs to the same end; its losses must equal the
    uninterrupted run's, bit for bit on the CPU.
 
-Step time and peak are the domain step's (``harness.measure_separate``: one tracked step for the peak,
+Step time and peak are the domain step's (``harness.measure``: one tracked step for the peak,
 warm-up and timed steps on one intra-op thread on the CPU; the allocator on CUDA). On the CPU the whole
 run uses one intra-op thread: the machines are shared, and a resumed run must use the same kernels.
 The shipped texts are small: they verify the measurement chain, not a conclusion about a domain.
@@ -32,24 +32,27 @@ import torch
 
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state
-from bp_mech.experiments import harness
-from bp_mech.bench.oom import oom_as_failure
+from bp_mech.bench.oom import Failed, attempt
+from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
+from bp_mech.bench.step import StepResult, optimizer_state
+from bp_mech.bench.strategy import PLAIN
 from bp_mech.bench.timing import timing_threads
+from bp_mech.bench.workload import WorkloadError, build_model, param_count, workload_fields
+from bp_mech.experiments import harness
+from bp_mech.experiments.dry_run import own_weights_modes, schedule, steps_per_arm
 from bp_mech.records.results import json_safe
-from bp_mech.bench.workload import (PLAN_BASIS, PLAN_BUILD_S, WorkloadError, build_model, param_count, plan_seconds,
-                              workload_fields)
 
 SEMANTIC_ID = "TRAIN-CONTINUAL-PRETRAIN"
-CANDIDATES = ("baseline", "domain", "resumed")
-OPTIONS = ("domain_text", "holdout_text", "checkpoint_dir", "resume_from")  # what ctx.options may hold
+CANDIDATES = ("plain", "domain", "resumed")  # plain: the base, 0 domain updates
+OPTIONS = ("domain_text", "holdout_text", "state_dir", "resume_from")  # what ctx.options may hold
 
 # Decision rule:
 #   domain:  reject if a loss is not finite, or the domain loss fell by less than MIN_DOMAIN_GAIN_REL
 #            of the baseline's; tune if the holdout loss rose by more than MAX_HOLDOUT_DRIFT_REL of the
 #            baseline's; accept otherwise.
-#   resumed: accept if every loss after the checkpoint and every final weight equal the uninterrupted
+#   resumed: accept if every loss after the saved state and every final weight equal the uninterrupted
 #            run's within RESUME_TOL (relative; 0 on the CPU: bit for bit); reject otherwise.
-#   baseline: the reference, no decision.
+#   plain (the base, 0 domain updates): the reference, no decision.
 MIN_DOMAIN_GAIN_REL = 0.01
 MAX_HOLDOUT_DRIFT_REL = 0.02
 RESUME_TOL = {"cpu": 0.0, "cuda": 1e-4}  # CUDA: atomics in some backward kernels reorder float32 sums
@@ -61,28 +64,28 @@ SEED_WARNING = ("the shipped texts only verify the measurement chain; a conclusi
 class CPTConfig:
     pretrain: cpt.TrainConfig  # the base: general-text pretraining of a random-init model (updates 0: none)
     domain: cpt.TrainConfig  # the domain run
-    checkpoint_at: int = 20  # the update whose full training state the resume demo saves and reloads
-    eval_every: int = 5  # updates between two evaluations of both losses (plus 0, the checkpoint and the end)
+    save_at: int = 20  # the update whose full training state the resume demo saves and reloads
+    eval_every: int = 5  # updates between two evaluations of both losses (plus 0, the saved state and the end)
     domain_eval_fraction: float = 0.2  # the domain text's tail kept for evaluation, never trained on
     timed: int = 60  # timed steps of the measurement (CPU: interleaved rounds)
     warmup: int = 3  # untimed steps before them
 
     @property
     def eval_at(self) -> set[int]:
-        return set(range(0, self.domain.updates + 1, self.eval_every)) | {self.checkpoint_at, self.domain.updates}
+        return set(range(0, self.domain.updates + 1, self.eval_every)) | {self.save_at, self.domain.updates}
 
 
 def config_for(arch: str, device, smoke: bool = False) -> CPTConfig:
     """tiny on the CPU: 100 pretraining and 40 domain updates (seconds). qwen05 on CUDA (random init):
     a few updates, since memory and time are what that run measures."""
-    rounds, warmup = harness.schedule(device, smoke)
+    rounds, warmup = schedule(device, smoke)
     if smoke:
         return CPTConfig(cpt.TrainConfig(updates=4, lr=3e-3, warmup=1, decay=1),
-                         cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), checkpoint_at=3, eval_every=3,
+                         cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), save_at=3, eval_every=3,
                          timed=rounds, warmup=warmup)
     if arch == "qwen05":
         return CPTConfig(cpt.TrainConfig(updates=6, lr=3e-4, warmup=1, decay=2),
-                         cpt.TrainConfig(updates=12, lr=1e-4, warmup=2, decay=4), checkpoint_at=6, eval_every=6,
+                         cpt.TrainConfig(updates=12, lr=1e-4, warmup=2, decay=4), save_at=6, eval_every=6,
                          timed=rounds, warmup=warmup)
     return CPTConfig(cpt.TrainConfig(updates=100, lr=3e-3, warmup=10, decay=30),
                      cpt.TrainConfig(updates=40, lr=3e-3, warmup=4, decay=12), timed=rounds, warmup=warmup)
@@ -91,7 +94,7 @@ def config_for(arch: str, device, smoke: bool = False) -> CPTConfig:
 def check_options(ctx) -> dict:
     """The run's inputs, checked before anything runs (the CLI calls it first): the config, the texts
     (``--domain-text``/``--holdout-text`` readable and long enough), the domain text's split, and the
-    checkpoint of ``--resume-from`` (manifest, identity and files, ``training_state.read_manifest``)."""
+    saved state of ``--resume-from`` (manifest, identity and files, ``training_state.read_manifest``)."""
     w = ctx.workload
     cfg = config_for(w.arch, ctx.device, ctx.smoke)
     texts = cpt.load_texts(ctx.options.get("domain_text"), ctx.options.get("holdout_text"), w)
@@ -109,14 +112,14 @@ def check_options(ctx) -> dict:
 def run(ctx) -> list:
     inputs = check_options(ctx)
     with timing_threads(ctx.device):
-        out, failure = oom_as_failure(train_and_resume, ctx, **inputs)
-    if failure:  # out of memory: every candidate records it, nothing else
-        return [ctx.record(c, failure=failure, next_step=f"failed: {failure}") for c in CANDIDATES]
+        out = attempt(train_and_resume, ctx, **inputs)
+    if isinstance(out, Failed):  # out of memory: every arm records it, nothing else
+        return [ctx.record(c, failure=out.failure, next_step=f"failed: {out.failure}") for c in CANDIDATES]
     return records(ctx, inputs["cfg"], **out)
 
 
 def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, resume_dir) -> dict:
-    """The base, the domain run (checkpoint at ``checkpoint_at``), the resumed run, the measurement."""
+    """The base, the domain run (saved state at ``save_at``), the resumed run, the measurement."""
     w, dev, opts, N = ctx.workload, ctx.device, ctx.options, cfg.domain.updates
     model, pre_rows = cpt.base_model(w, texts["general"].ids, cfg.pretrain, dev)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -134,8 +137,8 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
         saved.append((training_state.save_training_state(t, root, wl, record_id), time.perf_counter() - t0))
 
     with tempfile.TemporaryDirectory(prefix="bp-mech-56-") as tmp:
-        root = Path(opts.get("checkpoint_dir") or tmp)
-        save_at = {cfg.checkpoint_at} | ({N} if opts.get("checkpoint_dir") else set())
+        root = Path(opts.get("state_dir") or tmp)
+        save_at = {cfg.save_at} | ({N} if opts.get("state_dir") else set())
         main = cpt.domain_run(new_trainer(model), evals, cfg.eval_at, N, save_at, save, ctx.progress)
         final = [p.detach().clone() for p in model.parameters()]
         fresh = new_trainer(build_model(w, dev))  # as a new process builds it: random init, new AdamW, clock 0
@@ -148,10 +151,10 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
     model.load_state_dict(base)
     measured = measure(model, base, new_trainer, cfg, dev, ctx.progress)
     files = manifest["files"]
-    ckpt = dict(fields=list(training_state.FIELDS), files={f: v["bytes"] for f, v in files.items()},
+    state = dict(fields=list(training_state.FIELDS), files={f: v["bytes"] for f, v in files.items()},
                 bytes=sum(v["bytes"] for v in files.values()), save_s=saved[0][1] if saved else None, load_s=load_s,
-                saved=[str(p) for p, _ in saved] if opts.get("checkpoint_dir") else None,
-                resumed_from=str(resume_dir) if resume_dir else "this run's checkpoint",
+                saved=[str(p) for p, _ in saved] if opts.get("state_dir") else None,
+                resumed_from=str(resume_dir) if resume_dir else "this run's saved state",
                 at_update=manifest["clock"]["updates"], clock=manifest["clock"], scaler=manifest["scaler"],
                 data_position=manifest["data_position"])
     common = dict(texts={k: dict(source=t.source, tokens=len(t.ids), sha256=cpt.text_sha256(t.ids))
@@ -163,26 +166,32 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
                             pretrain_losses=[r["loss"] for r in pre_rows],
                             pretrain_config=dataclasses.asdict(cfg.pretrain)),
                   domain_config=dataclasses.asdict(cfg.domain), warning=SEED_WARNING)
-    return dict(main=main, resumed=resumed, resume=resume, measured=measured, ckpt=ckpt, common=common)
+    return dict(main=main, resumed=resumed, resume=resume, measured=measured, state=state, common=common)
 
 
-def records(ctx, cfg: CPTConfig, main, resumed, resume, measured, ckpt, common) -> list:
-    return [baseline_record(ctx, main, common), domain_record(ctx, cfg, main, measured, ckpt, common),
-            resumed_record(ctx, resumed, resume, ckpt, common)]
+def records(ctx, cfg: CPTConfig, main, resumed, resume, measured, state, common) -> list:
+    return [plain_record(ctx, main, common), domain_record(ctx, cfg, main, measured, state, common),
+            resumed_record(ctx, resumed, resume, state, common)]
 
 
-def measure(model, base: dict, new_trainer, cfg: CPTConfig, device, progress=None) -> dict:
-    """The domain step on the shared harness: a trainer from the base, one warm update (AdamW's moments),
-    then the tracked and timed steps."""
+def measure(model, base: dict, new_trainer, cfg: CPTConfig, device, progress=None):
+    """The domain step on the harness (``harness.measure``): a trainer from the base, one warm update
+    (AdamW's moments), then the tracked and timed steps of the chapter's ``Trainer.step``. Returns the
+    ``Measured`` or ``Failed``."""
     def prepare(name, together):
         m = copy.deepcopy(model) if together else model
         m.load_state_dict(base)
         t = new_trainer(m)
-        t.step()
-        return (lambda i: t.step()), [list(m.parameters()), [x for s in t.optimizer.state.values()
-                                                             for x in s.values() if torch.is_tensor(x)]]
 
-    return harness.measure_separate(prepare, ("domain",), device, cfg.timed, cfg.warmup, progress=progress)["domain"]
+        def step(i):
+            row = t.step()
+            return StepResult(torch.tensor(row["loss"]), row["applied"])
+
+        run = harness.Run(step, lambda: [list(m.parameters()), optimizer_state(t.optimizer)])
+        run.step(-1)  # the warm update
+        return run
+
+    return harness.measure(("domain",), prepare, device, cfg.timed, cfg.warmup, progress=progress)["domain"]
 
 
 def finite(*xs) -> bool:
@@ -202,82 +211,82 @@ def decide_domain(gd: dict, all_finite: bool) -> tuple[str, str]:
 def decide_resume(resume: dict, device) -> tuple[str, str]:
     tol = RESUME_TOL[torch.device(device).type]
     if resume["loss_rel_diff"] <= tol and resume["weight_rel_diff"] <= tol:  # NaN never passes
-        return "accept", "the checkpoint holds the whole training state: resume from it"
+        return "accept", "the saved state holds the whole training state: resume from it"
     return "reject", "the resumed run diverges from the uninterrupted one: a piece of the training state is missing"
 
 
-def baseline_record(ctx, main: dict, common: dict):
+def plain_record(ctx, main: dict, common: dict):
     e0 = main["evals"][0]
-    return ctx.record("baseline", updates=0, update_count=0, skipped_updates=0,
+    return ctx.record(PLAIN.name, strategy=PLAIN.name, updates=0, skipped_updates=0,
                       all_finite=finite(e0["domain"], e0["holdout"]),
                       metrics=json_safe(dict(domain_loss=e0["domain"], holdout_loss=e0["holdout"], **common)))
 
 
-def domain_record(ctx, cfg: CPTConfig, main: dict, measured: tuple, ckpt: dict, common: dict):
-    m, failure = measured
-    stats = m and m["stats"]
+def domain_record(ctx, cfg: CPTConfig, main: dict, m, state: dict, common: dict):
+    failure = m.failure if isinstance(m, harness.Failed) else None
+    m = m if isinstance(m, harness.Measured) else None
     steps, evals = main["steps"], main["evals"]
     gd = cpt.gain_and_drift(evals)
     ok = all(finite(r["loss"]) for r in steps) and all(finite(e["domain"], e["holdout"]) for e in evals)
     decision, next_step = decide_domain(gd, ok)
     applied = sum(r["applied"] for r in steps)
+    measured = m.record_fields() if m else dict(memory_source=None)
+    measured.update(updates=applied + (m.updates if m else 0),
+                    skipped_updates=len(steps) - applied + (m.skipped if m else 0))
     return ctx.record(
-        "domain", updates=applied + (1 + m["steps"] if m else 0), update_count=applied,
-        skipped_updates=len(steps) - applied, all_finite=ok,
-        peak_allocated=stats and stats.peak_allocated, peak_reserved=stats and stats.peak_reserved,
-        step_median_s=stats and stats.timing.median_s, step_p95_s=stats and stats.timing.p95_s,
-        warmup_excluded=stats and stats.timing.warmup_excluded, threads=stats and stats.timing.threads,
-        memory_source=ctx.memory_source if stats else None, failure=failure, decision=None if failure else decision,
-        next_step=f"failed: {failure}" if failure else next_step,
+        "domain", strategy=PLAIN.name, **measured, all_finite=ok, failure=failure,
+        decision=None if failure else decision, next_step=f"failed: {failure}" if failure else next_step,
         metrics=json_safe(dict(
-            **gd, evals=evals, steps=steps, checkpoint=ckpt, step_samples_s=stats and stats.timing.samples,
-            updates_by_run=dict(domain=applied, measurement=1 + m["steps"] if m else None), timed_steps=cfg.timed,
+            **gd, evals=evals, steps=steps, saved_state=state, step_samples_s=m and m.timing.samples,
+            wall_samples_s=m and m.timing.wall_samples,
+            updates_by_run=dict(domain=applied, measurement=m.updates if m else None), timed_steps=cfg.timed,
             rule=dict(MIN_DOMAIN_GAIN_REL=MIN_DOMAIN_GAIN_REL, MAX_HOLDOUT_DRIFT_REL=MAX_HOLDOUT_DRIFT_REL), **common)))
 
 
-def resumed_record(ctx, resumed: dict, resume: dict, ckpt: dict, common: dict):
+def resumed_record(ctx, resumed: dict, resume: dict, state: dict, common: dict):
     steps = resumed["steps"]
     applied = sum(r["applied"] for r in steps)
     decision, next_step = decide_resume(resume, ctx.device)
     return ctx.record(
-        "resumed", updates=applied, update_count=resume["from_update"] + applied, skipped_updates=len(steps) - applied,
+        "resumed", updates=applied, skipped_updates=len(steps) - applied,
         all_finite=all(finite(r["loss"]) for r in steps), output_error=json_safe(resume["loss_rel_diff"]),
         decision=decision, next_step=next_step,
-        metrics=json_safe(dict(resume=resume, checkpoint=ckpt, evals=resumed["evals"], steps=steps,
-                               rule=dict(RESUME_TOL=RESUME_TOL), **common)))
+        metrics=json_safe(dict(resume=resume, saved_state=state, evals=resumed["evals"], steps=steps,
+                               clock_updates=resume["from_update"] + applied, rule=dict(RESUME_TOL=RESUME_TOL),
+                               **common)))
 
 
-# --- plan, conformance, plots -------------------------------------------------------------------
+# --- dry run, conformance, plots -------------------------------------------------------------------
 
-CKPT_BYTES_S = 1e9  # planning: checkpoint bytes per second written (or read) and hashed
+STATE_BYTES_S = 1e9  # dry run: saved state bytes per second written (or read) and hashed
 
 
-def plan(ctx) -> dict:
-    """Updates, checkpoint and, per mode, a planning estimate (``modes.real_gpu.estimated_seconds``: one GPU)."""
+def dry_run(ctx) -> dict:
+    """Updates, saved state and, per mode, an estimate (``modes.real_gpu.estimated_seconds``: one GPU)."""
     w = ctx.workload
 
     def mode_plan(dev):
         cfg = config_for(w.arch, dev, ctx.smoke)
-        N, k = cfg.domain.updates, cfg.checkpoint_at
+        N, k = cfg.domain.updates, cfg.save_at
         pre = cfg.pretrain.updates if w.source == "config" else 0
-        passes = pre + N + (N - k) + 1 + harness.separate_steps(dev, cfg.timed, cfg.warmup)
-        ckpt_bytes = 3 * 4 * param_count(w.arch)  # float32 weights and AdamW's two moments
-        saves = 1 + bool(ctx.options.get("checkpoint_dir"))
-        seconds = (2 * PLAN_BUILD_S[dev] + plan_seconds(w.arch, w.batch * w.seq, passes, dev)
-                   + (saves + 1) * ckpt_bytes / CKPT_BYTES_S)
-        return cfg.timed, cfg.warmup, dict(pretrain_updates=pre, domain_updates=N, checkpoint_at=k,
-                                           eval_at=sorted(cfg.eval_at), checkpoint_bytes=ckpt_bytes,
+        passes = pre + N + (N - k) + 1 + steps_per_arm(cfg.timed, cfg.warmup)
+        state_bytes = 3 * 4 * param_count(w.arch)  # float32 weights and AdamW's two moments
+        saves = 1 + bool(ctx.options.get("state_dir"))
+        seconds = (2 * ASSUMED_BUILD_S[dev] + dry_run_seconds(w.arch, w.batch * w.seq, passes, dev)
+                   + (saves + 1) * state_bytes / STATE_BYTES_S)
+        return cfg.timed, cfg.warmup, dict(pretrain_updates=pre, domain_updates=N, save_at=k,
+                                           eval_at=sorted(cfg.eval_at), state_bytes=state_bytes,
                                            estimated_seconds=round(seconds, 1))
 
     return dict(texts={n: ctx.options.get(f"{n}_text") or f"shipped:{n}" for n in ("general", "domain", "holdout")},
                 base="pretrained weights" if w.source == "pretrained" else
                 "random-init architecture + a short pretraining on the general text (loss values verify the chain only)",
-                checkpoint_fields=list(training_state.FIELDS), options={k: str(v) for k, v in ctx.options.items()},
-                modes=harness.plan_separate(mode_plan),
+                state_fields=list(training_state.FIELDS), options={k: str(v) for k, v in ctx.options.items()},
+                modes=own_weights_modes(mode_plan),
                 rule=dict(MIN_DOMAIN_GAIN_REL=MIN_DOMAIN_GAIN_REL, MAX_HOLDOUT_DRIFT_REL=MAX_HOLDOUT_DRIFT_REL,
                           RESUME_TOL=RESUME_TOL),
-                estimate_basis=PLAN_BASIS + f"; + two model builds and the checkpoint's bytes at {CKPT_BYTES_S:.0e} B/s "
-                "per save and per load")
+                estimate_basis=ASSUMED_BASIS + f"; + two model builds and the saved state's bytes at {STATE_BYTES_S:.0e} "
+                "B/s per save and per load")
 
 
 def conformance():
@@ -285,36 +294,3 @@ def conformance():
     from bp_mech.experiments.continual_pretrain_conformance import conformance as row
 
     return row()
-
-
-def plot_gain_drift(evals: list[dict], title: str):
-    """Domain and holdout loss per token over the domain updates (update 0: the baseline)."""
-    from bp_mech.book import plots  # (not 'from bp_mech.book.plots import': the code hash would import matplotlib)
-
-    fig, ax = plots.figure(6.4, 3.4)
-    x = [e["update"] for e in evals]
-    for name, marker, label in (("domain", "o", "domain (its held-out part)"), ("holdout", "s", "holdout (general text)")):
-        ax.plot(x, [e[name] for e in evals], marker=marker, ms=4, label=label)
-    ax.set_xlabel("domain update")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    return fig
-
-
-def plot_resume(main_steps: list[dict], resumed_steps: list[dict], at: int, title: str):
-    """The training loss per step of the uninterrupted run and, on top of it, of the resumed one."""
-    from bp_mech.book import plots  # (not 'from bp_mech.book.plots import': the code hash would import matplotlib)
-
-    fig, ax = plots.figure(6.4, 3.4)
-    ax.plot(range(1, len(main_steps) + 1), [r["loss"] for r in main_steps], lw=2.5, alpha=0.5,
-            label="uninterrupted")
-    start = len(main_steps) - len(resumed_steps)
-    ax.plot(range(start + 1, len(main_steps) + 1), [r["loss"] for r in resumed_steps], "k.", ls=":",
-            label="resumed from the checkpoint")
-    ax.axvline(at + 0.5, color="grey", ls="--", lw=1, label=f"checkpoint (update {at})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per token)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    return fig

@@ -1,4 +1,4 @@
-"""Part 02 · 56's conformance row: the package's checkpoints against Transformers and Accelerate.
+"""Part 02 · 56's conformance row: the package's saved states against Transformers and Accelerate.
 
 One uninterrupted run of ``UPDATES`` updates on a tiny Qwen2, prepared by Accelerate, saves its state at
 ``AT`` three ways: ``training_state.save_training_state``, ``Accelerator.save_state`` (model, optimizer,
@@ -8,7 +8,7 @@ RNG states, and the GradScaler, the update clock and the data stream registered 
 * two fresh trainers (another random init, new AdamW, clock at 0) resume, one through
   ``load_training_state`` and one through ``Accelerator.load_state``; both must continue bit for bit
   where the uninterrupted run went (losses and final weights);
-* ``from_pretrained`` must load the same weights from the package's checkpoint directory (it is a
+* ``from_pretrained`` must load the same weights from the package's saved state directory (it is a
   Transformers model directory) as from ``save_pretrained``'s, equal to the live model's at ``AT``.
 """
 
@@ -91,7 +91,7 @@ def compare() -> dict:
         tmp = Path(tmp)
         ref = _trainer(w, ids, 0)
         acc = _accelerated(ref)
-        ours, at_save = [], []  # our checkpoint directory; the live weights at AT
+        ours, at_save = [], []  # our saved state directory; the live weights at AT
 
         def save(t):
             ours.append(training_state.save_training_state(t, tmp / "ours", wl, dict(semantic_id="conformance")))
@@ -129,7 +129,7 @@ def conformance():
     passed = all(v for k, v in r.items() if k != "steps")
     detail = (f"resume at update {AT} of {UPDATES}, {r['steps']} steps after it, bit for bit (CPU, float32): "
               f"load_training_state {r['ours_resume']}, Accelerator.load_state {r['accelerate_resume']}, "
-              f"the two equal {r['accelerate_equals_ours']}; from_pretrained of our checkpoint = save_pretrained's = "
+              f"the two equal {r['accelerate_equals_ours']}; from_pretrained of our saved state = save_pretrained's = "
               f"the live weights: {r['from_pretrained']}")
     return ConformanceRow("Part 02 · 56", "TRAIN-CONTINUAL-PRETRAIN",
                           "transformers save_pretrained/from_pretrained + Accelerate save_state/load_state", passed, detail)

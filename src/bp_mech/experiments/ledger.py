@@ -10,9 +10,10 @@ Per strategy, one ledger (lifecycle stage x object class, ``bp_mech.ledger``) fr
 
 The decision (``decide``): is the formula good enough for each strategy, against the measured
 and against the estimated ledger? ``conformance`` checks the tracker against PyTorch's
-``MemTracker``. The strategies are the book's own mechanisms (checkpointing of Part 02 · 19, the
-offload of Part 02 · 42, ``workload.make_adamw``'s AdamW), so ``gpu_references`` can put the GPU
-records of those chapters beside the formula, each through an explicit entry of ``GPU_COUNTERPARTS``.
+``MemTracker``. The strategies are the book's own (``bench.strategy``: checkpointing of Part 02 · 19, the
+offload of Part 02 · 42, ``workload.make_adamw``'s AdamW), and so are their names: ``gpu_references``
+puts the GPU records of those chapters beside the formula of the strategy each record names (its
+``strategy`` field), or says why the formula has none (``ledger.unmodelled``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle as ledger_measure, tracking
-from bp_mech.ledger import STAGES, Ledger, LedgerConfig
+from bp_mech.bench import lifecycle
+from bp_mech.bench.step import StepOptions
+from bp_mech.bench.strategy import parse
+from bp_mech.ledger import STAGES, Ledger
 
-CANDIDATES = ledger.STRATEGIES
+CANDIDATES = ("plain", "checkpoint-all", "offload", "fp16", "micro2")  # the strategies the formula models
 
 # Decision rule: the formula is accepted for a strategy when, against the measured (or the estimated)
 # ledger, every stage total (and the peak) agrees within STAGE_TOL and every large line within
@@ -80,57 +83,67 @@ def _metrics(led: Ledger) -> dict:
                 host=led.host, rounded_512=led.rounded, allocator=led.allocator, moment=led.moment)
 
 
+def formula(arch, batch: int, seq: int, s, device, options: StepOptions = StepOptions()) -> Ledger:
+    """``ledger.theoretical`` of strategy ``s`` with ``options`` (AdamW, offload threshold) resolved for
+    ``device``: the formula of the step ``bench.lifecycle`` measures with the same options."""
+    o = options.for_device(device)
+    return ledger.theoretical(arch, batch, seq, s, device, adamw=o.adamw, offload_min_bytes=o.offload_min_bytes)
+
+
 def run(ctx) -> list:
     """Per strategy: the measured ledger (CPU tracker or CUDA allocator), the fake-tensor estimate
-    and the formula, each its own record; decision: does the formula hold (``decide``)?
+    and the formula, each its own record (candidates ``<strategy>``, ``<strategy>-estimated`` and
+    ``<strategy>-formula``, each with the strategy's name in ``strategy``); decision: does the formula
+    hold (``decide``)?
 
-    ``updates`` counts the optimizer steps that ran for a measurement (the warm-up ones included;
-    ``skipped_updates``: those the GradScaler skipped, amp only). ``--mode real_gpu`` (not in the
-    GPU suite) measures on CUDA: the record's peaks are the allocator's, per phase; the estimate
-    stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy
-    that runs out of memory is that strategy's failure."""
-    from bp_mech.bench.oom import oom_as_failure, release_memory
+    ``updates`` counts the optimizer steps that applied an update for a measurement (the warm-up ones
+    included; ``skipped_updates``: those the GradScaler skipped, fp16 only). ``--mode real_gpu`` (not in
+    the GPU suite) measures on CUDA: the record's peaks are the allocator's, per phase; the estimate
+    stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy that
+    runs out of memory is that strategy's failure."""
+    from bp_mech.bench.oom import Failed, attempt, release_memory
     from bp_mech.bench.workload import ARCHITECTURES
 
     w, recs, gpu = ctx.workload, [], ctx.device == "cuda"
-    for s in ctx.progress(CANDIDATES, desc="strategies"):
-        cfg = LedgerConfig(strategy=s).for_device(ctx.device)
-        if s == "accumulation" and w.batch % cfg.micro_batches:
-            why = f"batch {w.batch} is not divisible into {cfg.micro_batches} micro-batches"
-            recs.append(ctx.record(s, failure=why, next_step="pick a batch the micro-batches divide"))
+    options = StepOptions().for_device(ctx.device)
+    for name in ctx.progress(CANDIDATES, desc="strategies"):
+        s = parse(name)
+        if w.batch % s.micro_batches:
+            why = f"batch {w.batch} is not divisible into {s.micro_batches} micro-batches"
+            recs.append(ctx.record(name, strategy=name, failure=why, next_step="pick a batch the micro-batches divide"))
             continue
-        formula = ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, cfg, ctx.device)
-        est = ledger_measure.track(w, cfg, fake=True)  # on the CPU, with the settings of ctx.device (cfg is resolved)
+        f = formula(ARCHITECTURES[w.arch], w.batch, w.seq, s, ctx.device)
+        est = lifecycle.track(w, s, fake=True, options=options)  # on the CPU, with the settings of ctx.device
         release_memory(ctx.device)  # the last strategy's model and cached blocks out: these peaks are this one's own
-        meas, failure = oom_as_failure(ledger_measure.track, w, cfg, ctx.device)
-        if meas is None:
-            recs.append(ctx.record(s, failure=failure, memory_source=ctx.memory_source,
+        meas = attempt(lifecycle.track, w, s, ctx.device, options=options)
+        if isinstance(meas, Failed):
+            recs.append(ctx.record(name, strategy=name, failure=meas.failure, memory_source=ctx.memory_source,
                                    next_step="does not fit: see the failure"))
         else:
             al = meas.allocator
-            decision, next_step, m = decide(formula, meas)
+            decision, next_step, m = decide(f, meas)
             recs.append(ctx.record(
-                s, all_finite=meas.finite, updates=meas.updates, update_count=meas.updates - (meas.skipped or 0),
+                name, strategy=name, all_finite=meas.finite, updates=meas.updates - (meas.skipped or 0),
                 skipped_updates=meas.skipped, memory_source=ctx.memory_source,
                 peak_allocated=max(v for k, v in al.items() if k.endswith("_peak")) if gpu else meas.peak,
                 peak_reserved=max(v for k, v in al.items() if k.endswith("_reserved")) if gpu else None,
                 decision=decision, next_step=next_step, metrics=dict(_metrics(meas), **m)))
-        decision, next_step, m = decide(formula, est)
-        recs.append(ctx.record(f"{s}-estimated", evidence_level="estimated", memory_source="fake-tensor",
-                               updates=est.updates, peak_allocated=est.peak, decision=decision, next_step=next_step,
-                               metrics=dict(_metrics(est), **m)))
-        recs.append(ctx.record(f"{s}-formula", evidence_level="theoretical", memory_source="formula",
-                               peak_allocated=formula.peak, metrics=_metrics(formula)))
+        decision, next_step, m = decide(f, est)
+        recs.append(ctx.record(f"{name}-estimated", strategy=name, evidence_level="estimated",
+                               memory_source="fake-tensor", updates=est.updates, peak_allocated=est.peak,
+                               decision=decision, next_step=next_step, metrics=dict(_metrics(est), **m)))
+        recs.append(ctx.record(f"{name}-formula", strategy=name, evidence_level="theoretical", memory_source="formula",
+                               peak_allocated=f.peak, metrics=_metrics(f)))
     return recs
 
 
-def plan(ctx) -> dict:
-    """The dry-run plan: what is measured where, and the formula's peak per strategy (no model)."""
+def dry_run(ctx) -> dict:
+    """What is measured where, and the formula's peak per strategy (no model)."""
     from bp_mech.bench.workload import ARCHITECTURES
 
     w = ctx.workload
-    peaks = {dev: {s: ledger.theoretical(ARCHITECTURES[w.arch], w.batch, w.seq, LedgerConfig(strategy=s), dev).peak
-                   for s in CANDIDATES} for dev in ("cpu", "cuda")}
+    peaks = {dev: {n: formula(ARCHITECTURES[w.arch], w.batch, w.seq, parse(n), dev).peak for n in CANDIDATES}
+             for dev in ("cpu", "cuda")}
     return dict(sources=["measured (" + ctx.memory_source + ")", "estimated (fake-tensor)", "theoretical (formula)"],
                 stages=list(STAGES), classes=list(ledger.CLASSES), stage_tolerance=STAGE_TOL,
                 class_tolerance=CLASS_TOL, large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
@@ -148,18 +161,19 @@ def conformance():
     starts (our "after forward"), its backward peak and its state after backward."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-    from bp_mech.records.registry import ConformanceRow
+    from bp_mech.bench.step import make_optimizer, train_step
     from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.records.registry import ConformanceRow
 
-    w, cfg = parse_workload("tiny-b2s64"), LedgerConfig()
-    led = ledger_measure.track(w, cfg)
+    w = parse_workload("tiny-b2s64")
+    led = lifecycle.track(w)
     model, batch = build_model(w), make_batches(w, 1)[0]
-    opt = ledger_measure.make_optimizer(model.parameters(), cfg, "cpu")
-    ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))  # warm-up, as in track()
+    opt = make_optimizer(model.parameters(), StepOptions(), "cpu")
+    train_step(model, opt, batch)  # warm-up, as in track()
     mt = MemTracker()
     mt.track_external(model, opt, *batch.values())  # the batch exists before the step, as in track()
     with mt:
-        ledger_measure.train_step(model, opt, batch, cfg, tracking.StorageTracker("cpu"))
+        train_step(model, opt, batch)
     snap = {k: v[-1][torch.device("cpu")]["Total"] for k, v in mt.memory_tracking[model].snapshots.items()}
     pairs = {"forward_peak": (led.forward_peak, snap[_ModState.PEAK_FW]),
              "forward": (led.total("forward"), snap[_ModState.PRE_BW]),
@@ -174,86 +188,50 @@ def conformance():
 
 # --- the GPU records of the chapters that own the strategies ------------------------------
 
-# Every candidate of the GPU experiments, mapped to the ledger configuration that counts the same
-# state, or to the reason it has none. Their GPU runs measure the full step (zero_grad, forward,
-# backward, AdamW update with its moments allocated by a warm-up update), as the ledger does, so
-# the formula's peak and the record's ``peak_allocated`` both hold parameters, gradients and AdamW's
-# moments. A record whose (experiment, candidate) is not here is an error (``gpu_references``).
-GPU_COUNTERPARTS: dict[tuple[str, str], LedgerConfig | str] = {
-    ("TRAIN-CHECKPOINT", "plain"): LedgerConfig("plain"),
-    ("TRAIN-CHECKPOINT", "checkpoint-all"): LedgerConfig("checkpoint"),
-    ("TRAIN-CHECKPOINT", "checkpoint-every2"):
-        "no ledger counterpart: the formula checkpoints every decoder layer or none",
-    ("TRAIN-CHECKPOINT", "checkpoint-mlp"):
-        "no ledger counterpart: the formula has no selective (MLP-only) checkpointing",
-    ("TRAIN-OFFLOAD", "resident"): LedgerConfig("plain"),
-    ("TRAIN-OFFLOAD", "save_on_cpu"):
-        "no ledger counterpart: save_on_cpu copies every saved tensor (views and parameters apart) and copies "
-        "each back per node; the ledger's offload is Part 02 · 42's ActivationOffload",
-    ("TRAIN-OFFLOAD", "offload"): LedgerConfig("offload"),
-    ("TRAIN-OFFLOAD", "offload-checkpoint"):
-        "no ledger counterpart: the formula does not combine strategies (Part 02 · 76 does)",
-    ("TRAIN-AMP-BACKWARD", "fp32"): LedgerConfig("plain"),
-    ("TRAIN-AMP-BACKWARD", "fp16-amp"): LedgerConfig("amp", amp_dtype="float16"),
-    ("TRAIN-AMP-BACKWARD", "bf16-amp"): LedgerConfig("amp", amp_dtype="bfloat16"),
-    ("TRAIN-AMP-BACKWARD", "fp16-overflow"):
-        "no ledger counterpart: overflow samples (injected inf/NaN steps), no peak is measured",
-    ("TRAIN-GRADIENT-ACCUMULATION", "full"): LedgerConfig("plain"),
-    ("TRAIN-GRADIENT-ACCUMULATION", "micro2"): LedgerConfig("accumulation", micro_batches=2),
-    ("TRAIN-GRADIENT-ACCUMULATION", "micro4"): LedgerConfig("accumulation", micro_batches=4),
-}
+# Their GPU runs measure the full step (forward, backward, AdamW update with its moments allocated by a
+# warm-up update, zero_grad), as the ledger does, so the formula's peak and the record's
+# ``peak_allocated`` both hold parameters, gradients and AdamW's moments.
 GPU_EXPERIMENTS = ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION",
                    "TRAIN-MEMORY-STRATEGY")
-
-
-def _describe(cfg: LedgerConfig) -> str:
-    setting = {"accumulation": f" x{cfg.micro_batches}", "amp": f" {cfg.amp_dtype}",
-               "offload": f" (min {cfg.offload_min_bytes} B)"}.get(cfg.strategy, "")
-    return f"{cfg.strategy}{setting}, {cfg.adamw} AdamW"
 
 
 def gpu_references(results_dir=None) -> list[dict]:
     """The cached GPU records of 11, 19, 42, AMP and 76 beside the formula, one row per record.
 
-    Each record goes through ``GPU_COUNTERPARTS``: a ledger configuration (the formula's peak at the
-    record's effective batch and sequence, on CUDA, against its ``peak_allocated``) or a stated reason
-    it has none. Raises ``ValueError`` naming the record when its candidate is in neither, or when it
-    ran no optimizer update (its peak would lack the AdamW state the formula counts)."""
-    from bp_mech.records import registry
-    from bp_mech.book import report
+    A record names its strategy (``Record.strategy``): the formula's peak at the record's effective batch
+    and sequence, on CUDA, against its ``peak_allocated``; or the reason the formula has none
+    (``ledger.unmodelled``, or an arm that is not one of the book's strategies). Raises ``ValueError``
+    naming the record when it ran no optimizer update (its peak would lack the AdamW state the formula
+    counts)."""
+    from bp_mech import RESULTS_DIR
     from bp_mech.bench.workload import ARCHITECTURES, parse_workload
+    from bp_mech.book import report
 
-    results_dir = report.RESULTS_DIR if results_dir is None else results_dir
+    results_dir = RESULTS_DIR if results_dir is None else results_dir
     rows = []
     for sid in GPU_EXPERIMENTS:
-        if not registry.get(sid).implemented:
-            continue  # no module, so no records yet (Part 02 · 76)
         cached = report.cached(sid, results_dir)
         for label, recs in cached.gpu().items():
             for r in (r for r in recs if r.evidence_level == "gpu-measured"):
                 name = f"{sid} record {r.filename} (run label {label}, candidate {r.candidate!r})"
-                entry = GPU_COUNTERPARTS.get((sid, r.candidate))
-                if entry is None:
-                    raise ValueError(f"{name}: no entry in experiments.ledger.GPU_COUNTERPARTS; map the candidate to a "
-                                     "LedgerConfig or to 'no ledger counterpart: <why>'")
-                row = dict(experiment=sid, run_label=label, candidate=r.candidate, workload=r.workload_id,
-                           stale=label in cached.stale, ledger=None, peak_allocated=r.peak_allocated,
-                           peak_reserved=r.peak_reserved, formula_peak=None, formula_error=None,
-                           formula_peak_stage=None, formula_optimizer_states=None, note=None)
-                if isinstance(entry, str):
-                    rows.append(dict(row, note=entry))
+                s = parse(r.strategy) if r.strategy else None
+                row = dict(experiment=sid, run_label=label, candidate=r.candidate, strategy=r.strategy,
+                           workload=r.workload_id, stale=label in cached.stale, ledger=None,
+                           peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, formula_peak=None,
+                           formula_error=None, formula_peak_stage=None, formula_optimizer_states=None, note=None)
+                why = "not one of the book's strategies" if s is None else ledger.unmodelled(s)
+                if why:
+                    rows.append(dict(row, note=f"no formula: {why}"))
                     continue
                 if not r.updates:
                     raise ValueError(f"{name}: updates={r.updates!r}, so its step ran no AdamW update and its peak "
                                      "has no optimizer state, which the formula counts; rerun it with a full step")
                 w = parse_workload(r.workload_id)
                 batch, seq = r.effective_batch or w.batch, (r.input_shape or [None, w.seq])[1]
-                cfg = entry.for_device("cuda")
-                f = ledger.theoretical(ARCHITECTURES[w.arch], batch, seq, cfg, "cuda")
+                f = formula(ARCHITECTURES[w.arch], batch, seq, s, "cuda")
                 at = f.peak_stage if f.peak_stage in f.stages else "forward"  # (a peak inside the forward)
-                row.update(ledger=_describe(cfg), formula_peak=f.peak, formula_peak_stage=f.peak_stage,
-                           formula_optimizer_states=f.stages[at]["optimizer_states"],
-                           formula_error=f.peak / r.peak_allocated - 1 if r.peak_allocated else None,
-                           note=r.failure)
+                row.update(ledger=f"{s.name}, {StepOptions().for_device('cuda').adamw} AdamW", formula_peak=f.peak,
+                           formula_peak_stage=f.peak_stage, formula_optimizer_states=f.stages[at]["optimizer_states"],
+                           formula_error=f.peak / r.peak_allocated - 1 if r.peak_allocated else None, note=r.failure)
                 rows.append(row)
     return rows

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech import local_backward
-from bp_mech.experiments.harness import relative_error
+from bp_mech.bench.compare import relative_error
 from bp_mech.bench.workload import ARCHITECTURES
 
 # --- the op table: inputs, hand-written pair, independent reference ------------------
@@ -161,7 +161,7 @@ def _shapes(w) -> tuple[tuple[int, int, int], int, int]:
     return (w.batch, w.seq, arch["hidden_size"]), arch["intermediate_size"], arch["vocab_size"]
 
 
-def plan(ctx) -> dict:
+def dry_run(ctx) -> dict:
     shape, inter, vocab = _shapes(ctx.workload)
     return dict(input_shape=list(shape), mlp_width=inter, vocab=vocab,
                 checks="float64 vs autograd, float64 finite differences, float32 rounding vs the float64 reference",

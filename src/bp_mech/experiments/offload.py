@@ -1,11 +1,14 @@
-"""Part 02 · 42 — TRAIN-OFFLOAD, the experiment: the resident step against PyTorch's ``save_on_cpu``,
-the package's ``ActivationOffload`` (``bp_mech.offload``) and that offload under checkpointing.
+"""Part 02 · 42 — TRAIN-OFFLOAD, the experiment: the plain (resident) step against PyTorch's
+``save_on_cpu``, the package's ``ActivationOffload`` (``bp_mech.offload``, the strategy ``offload``) and
+that offload under checkpointing (``checkpoint-all+offload``).
 
 Before the candidates, a counting-only pass (``counters.SavedBytesCounter``, no copies) counts the
 saved activations independently; each record says whether the hooks' D2H bytes equal what that
 count predicts. On CUDA the pinned host link is measured (``offload.measure_bandwidth``) and each
-record sets the step-time overhead against the transfer bound. Step, probe, peak, decision rule and
-records are the shared harness's (``bp_mech.experiments.harness``), as in Part 02 · 19.
+record sets the step-time overhead against the transfer bound. Measuring is the harness's
+(``harness.same_weights``), the decision rule and records ``bp_mech.experiments.decision``'s, as in
+Part 02 · 19. ``save_on_cpu`` is an arm of this experiment, not a strategy of the book: PyTorch's hooks
+stand in for the offload's (its records' ``strategy`` is null).
 """
 
 from __future__ import annotations
@@ -14,24 +17,30 @@ import torch
 
 from bp_mech import checkpointing, offload
 from bp_mech.bench import counters
-from bp_mech.experiments import harness, strategies
+from bp_mech.bench.compare import EXACT_TOL, compare
+from bp_mech.bench.step import probe
+from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured, parse
 from bp_mech.bench.workload import build_model, make_batches
+from bp_mech.experiments import decision, harness
+from bp_mech.experiments.dry_run import same_weights_modes, schedule
 
-CANDIDATES = ("resident", "save_on_cpu", "offload", "offload-checkpoint")
+CANDIDATES = ("plain", "save_on_cpu", "offload", "checkpoint-all+offload")
+ARMS = {"plain": PLAIN, "save_on_cpu": Strategy(offload=True), "offload": Strategy(offload=True),
+        "checkpoint-all+offload": parse("checkpoint-all+offload")}
+
+# Dry run only: an arm's step time in plain steps.
+TIME_FACTOR = {"plain": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "checkpoint-all+offload": 2.0}
 
 
-# Planning only (``--mode dry_run``): a candidate's step time in resident steps.
-TIME_FACTOR = {"resident": 1.0, "save_on_cpu": 6.0, "offload": 1.5, "offload-checkpoint": 2.0}
-
-
-def plan(ctx) -> dict:
-    return dict(step="zero_grad + forward (under the candidate's hooks) + backward + AdamW update, interleaved",
-                counting="1 counting-only saved_tensors_hooks forward per configuration (resident, checkpointed)",
-                modes=harness.plan_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke, min_bytes=offload.min_bytes,
-                                         bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
+def dry_run(ctx) -> dict:
+    return dict(step="forward (under the arm's hooks) + backward + AdamW update + zero_grad, interleaved",
+                counting="1 counting-only saved_tensors_hooks forward per configuration (plain, checkpointed)",
+                modes=same_weights_modes(ctx.workload, TIME_FACTOR.values(), ctx.smoke,
+                                                 min_bytes=offload.min_bytes,
+                                                 bandwidth=lambda d: "pinned H2D/D2H, 256 MiB x 5" if d == "cuda" else None),
                 estimate_basis=f"as Part 02 · 19's, with TIME_FACTOR {TIME_FACTOR}",
-                rule=dict(MIN_PEAK_SAVING=strategies.MIN_PEAK_SAVING, MAX_TIME_RATIO=strategies.MAX_TIME_RATIO,
-                          MIN_USEFUL_SAVING=strategies.MIN_USEFUL_SAVING))
+                rule=dict(MIN_PEAK_SAVING=decision.MIN_PEAK_SAVING, MAX_TIME_RATIO=decision.MAX_TIME_RATIO,
+                          MIN_USEFUL_SAVING=decision.MIN_USEFUL_SAVING))
 
 
 def count_saved(model, batch, candidate="plain") -> counters.SavedBytesCounter:
@@ -43,10 +52,10 @@ def count_saved(model, batch, candidate="plain") -> counters.SavedBytesCounter:
 
 
 def make_hooks(name: str, model, cfg: offload.OffloadConfig, device):
-    """The saved-tensor hooks of a candidate (None: resident)."""
+    """The saved-tensor hooks of an offloading arm: PyTorch's (``save_on_cpu``) or the book's."""
     if name == "save_on_cpu":
         return offload.CountingSaveOnCpu()
-    return offload.ActivationOffload(model.parameters(), cfg, device) if name.startswith("offload") else None
+    return offload.ActivationOffload(model.parameters(), cfg, device)
 
 
 def hook_stats(hooks) -> dict:
@@ -77,7 +86,7 @@ def link_metrics(d2h: int, h2d: int, bandwidth: dict, median_s: float, base_medi
 
 
 def run(ctx, bandwidth: dict | None = None) -> list:
-    """Every candidate; ``bandwidth`` ({"h2d", "d2h"} bytes/s) is measured on CUDA when not given."""
+    """Every arm; ``bandwidth`` ({"h2d", "d2h"} bytes/s) is measured on CUDA when not given."""
     device = ctx.device
     model = build_model(ctx.workload, device)
     batches = make_batches(ctx.workload, 4, device=device)
@@ -85,37 +94,33 @@ def run(ctx, bandwidth: dict | None = None) -> list:
     if bandwidth is None and torch.device(device).type == "cuda":
         bandwidth = offload.measure_bandwidth(device)
     cfg = offload.OffloadConfig(min_bytes=offload.min_bytes(device))
-    hooks = {name: make_hooks(name, model, cfg, device) for name in CANDIDATES}
-    configuration = {name: "checkpoint-all" if name == "offload-checkpoint" else "plain" for name in CANDIDATES}
-    candidates = {name: harness.Candidate(setup=lambda name=name: checkpointing.configure(model, configuration[name]),
-                                          saving=hooks[name]) for name in CANDIDATES}
-    results = harness.measure_candidates(model, batches, device, candidates, progress=ctx.progress, smoke=ctx.smoke)
-    for name, (r, _) in results.items():
-        if hooks[name] is not None and r is not None:  # the counters of their last step (the probe)
-            r["hooks"] = hook_stats(hooks[name])
-    del hooks, candidates  # frees the host pools
-    base = results["resident"][0]
+    hooks = {name: make_hooks(name, model, cfg, device) for name, s in ARMS.items() if s.offload}
+    results = harness.same_weights(model, batches, device, ARMS, *schedule(device, ctx.smoke), hooks=hooks,
+                                   progress=ctx.progress)
+    stats = {name: hook_stats(h) for name, h in hooks.items()}  # the counters of their last step (the probe)
+    del hooks  # frees the host pools
+    base = results["plain"] if isinstance(results["plain"], harness.Measured) else None
     plain = counts["plain"]
 
-    def experiment_fields(name, r):
+    def experiment_fields(name, m):
         metrics = dict(saved_activation_bytes=plain.bytes, saved_tensors=plain.tensors,
                        saved_tensor_bytes_per_tensor=plain.tensor_bytes)
-        if name == "resident":
+        if name == "plain":
             return {}, metrics
-        counted_by_hooks = dict(r["hooks"])
-        transfer = dict(d2h=counted_by_hooks.pop("d2h"), h2d=counted_by_hooks.pop("h2d"))
+        counted_by_hooks = {k: v for k, v in stats[name].items() if k not in ("d2h", "h2d")}
         # what the counting pass predicts: distinct storages >= min_bytes for ours; every saved
         # tensor (parameters and views included) for save_on_cpu
-        counted = counts[configuration[name]]
+        counted = counts[ARMS[name].checkpoint]
         expected = counted.tensor_bytes if name == "save_on_cpu" else counted.bytes_at_least(cfg.min_bytes)
-        metrics.update(counted_by_hooks, expected_d2h_bytes=expected, d2h_matches_count=transfer["d2h"] == expected,
-                       saved_outside_checkpoint_bytes=counts["checkpoint-all"].bytes, min_bytes=cfg.min_bytes)
+        metrics.update(counted_by_hooks, expected_d2h_bytes=expected, d2h_matches_count=m.d2h_bytes == expected,
+                       saved_outside_checkpoint_bytes=counts["checkpoint-all"].bytes, min_bytes=cfg.min_bytes,
+                       implementation="torch.autograd.graph.save_on_cpu" if name == "save_on_cpu" else
+                       "bp_mech.offload.ActivationOffload")
         if bandwidth is not None and base is not None:
-            metrics.update(link_metrics(transfer["d2h"], transfer["h2d"], bandwidth, r["timing"].median_s,
-                                        base["timing"].median_s))
-        return {"transfer_bytes": transfer}, metrics
+            metrics.update(link_metrics(m.d2h_bytes, m.h2d_bytes, bandwidth, m.timing.median_s, base.timing.median_s))
+        return {}, metrics
 
-    return strategies.make_records(ctx, results, "resident", experiment_fields)
+    return decision.strategy_records(ctx, results, ARMS, extra=experiment_fields)
 
 
 def conformance():
@@ -129,11 +134,16 @@ def conformance():
     counted = count_saved(model, batch).bytes_at_least(offload.CPU_MIN_BYTES)
     ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES))
     save_on_cpu = offload.CountingSaveOnCpu()
-    resident_probe, ours_probe, torch_probe = (harness.probe(model, batch, "cpu", h) for h in (None, ours, save_on_cpu))
-    loss_tol, grad_tol = harness.EQUAL_TOL["cpu"]
-    errors = (harness.compare(resident_probe, ours_probe), harness.compare(resident_probe, torch_probe))
-    equal = all(e["loss_error"] <= loss_tol and e["grad_error"] <= grad_tol for e in errors)
-    worst = max(max(e["loss_error"], e["grad_error"]) for e in errors)
+    s = Strategy(offload=True)
+    plain_probe = probe(model, batch)
+    probes = []
+    for hooks in (ours, save_on_cpu):
+        with configured(model, s):
+            probes.append(probe(model, batch, s, applied=Applied(model, s, "cpu", hooks=hooks)))
+    loss_tol, grad_tol = EXACT_TOL["cpu"]
+    errors = [compare(plain_probe, p) for p in probes]
+    equal = all(e.within(EXACT_TOL["cpu"]) for e in errors)
+    worst = max(max(e.loss_error, e.grad_error) for e in errors)
     ok = equal and ours.d2h_bytes == counted and ours.d2h_bytes <= save_on_cpu.d2h_bytes
     return ConformanceRow("Part 02 · 42", "TRAIN-OFFLOAD", "torch.autograd.graph.save_on_cpu + resident autograd", ok,
                           f"max loss/grad rel. error {worst:.1e} (tol {loss_tol:g} / {grad_tol:g}, float32 CPU); "

@@ -121,7 +121,7 @@ def run(ctx, run_cfg: ClockRun = ClockRun()) -> list:
         s = trace_summary(t, cfg)
         decision, next_step = decide(s)
         recs.append(ctx.record(
-            name, updates=sum(t["applied"]), update_count=t["clock"].updates, skipped_updates=t["clock"].skipped,
+            name, updates=sum(t["applied"]), skipped_updates=t["clock"].skipped,
             all_finite=t["finite"], decision=decision, next_step=next_step,
             metrics=dict(s, final_lr=t["clock"].lr, schedule=asdict(cfg) | {"total": cfg.total},
                          overflow_calls=list(run_cfg.overflow_calls),
@@ -133,7 +133,7 @@ def run(ctx, run_cfg: ClockRun = ClockRun()) -> list:
     return recs
 
 
-def plan(ctx, run_cfg: ClockRun = ClockRun()) -> dict:
+def dry_run(ctx, run_cfg: ClockRun = ClockRun()) -> dict:
     cfg = run_cfg.schedule
     return dict(schedule=asdict(cfg), boundaries=cfg.boundaries, optimizer_calls=run_cfg.optimizer_calls,
                 overflow_calls=list(run_cfg.overflow_calls), explicit_skip_calls=list(run_cfg.explicit_skip_calls),

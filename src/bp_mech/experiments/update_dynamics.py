@@ -8,19 +8,21 @@ update-to-parameter ratio, and the loss. This is local stability over a few upda
 quality evaluation: a candidate that stays finite and lowers the training loss here still needs a
 held-out evaluation.
 
-Step time and peak come from a separate run on the shared harness (``harness.measure_separate``): on
-the CPU every candidate gets its own model copy and AdamW, alive together; one tracked update each
-gives its peak, then the candidates are timed interleaved on one intra-op thread. On CUDA they run one
-after another on the one model, each with only its own optimizer state. The candidates do the same
-work, except that clipping adds a global norm and a scaling: the clipped candidate's time is compared
-with the unclipped high LR's (strictly more work, so measuring it faster is noise), the high LR's with
-the base LR's. The decision never depends on the time. ``updates`` counts the optimizer steps of a
-candidate's runs that completed: the traced updates and the measurement's (warm update, tracked update
-on the CPU, warm-up and timed steps); ``metrics.updates_by_run`` splits them.
+Every step is the one training step (``bench.step.train_step``, plain strategy; clipping through its
+``max_norm``); the trace watches it with an observer (``TraceObserver``) that reads the gradients and
+the parameters around the optimizer's phase. Step time and peak come from a separate run on the
+harness (``harness.measure``, own weights): on the CPU every arm gets its own model copy and AdamW,
+alive together, timed interleaved on one intra-op thread; on CUDA they run one after another on the
+one model. The arms do the same work, except that clipping adds a global norm and a scaling: the
+clipped arm's time is compared with the unclipped high LR's (strictly more work, so measuring it faster
+is noise), the high LR's with the base LR's. The decision never depends on the time. ``updates`` counts
+the optimizer steps of an arm's runs: the traced updates and the measurement's (warm, tracked, warm-up
+and timed steps); ``metrics.updates_by_run`` splits them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -28,12 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech import update_dynamics
-from bp_mech.experiments import harness
-from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.bench.compare import all_finite
-from bp_mech.bench.oom import oom_as_failure
+from bp_mech.bench.oom import Failed, attempt
+from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
+from bp_mech.bench.step import train_step
+from bp_mech.bench.strategy import PLAIN
+from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
+from bp_mech.bench.workload import build_model, make_batches, param_count
+from bp_mech.experiments import harness
+from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.records.results import json_safe
-from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, build_model, make_batches, param_count, plan_seconds
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
 TIME_BASELINE = {"high_lr": "base_lr", "high_lr_clip": "high_lr"}  # the step each one's time is compared with
@@ -76,61 +82,64 @@ def optimizer(model, name: str, cfg: DynamicsConfig, device):
     return update_dynamics.make_optimizer(model, lr_of(name, cfg), cfg.weight_decay, device)
 
 
-def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) -> list[dict]:
-    """``len(batches)`` updates of one candidate from ``init``; one dict per update."""
-    model.load_state_dict(init)
-    model.zero_grad(set_to_none=True)  # after a failed candidate, stale gradients may remain
-    opt = optimizer(model, name, cfg, device)
-    groups = update_dynamics.param_groups(model)
-    out = []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        finite = bool(torch.isfinite(loss)) and all_finite(p.grad for p in model.parameters())
-        total = update_dynamics.global_grad_norm(p.grad for p in model.parameters())
-        if name == "high_lr_clip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)  # the framework's clip
-        before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        coef = update_dynamics.clip_coefficient(total, cfg.max_norm).item()
-        row = dict(loss=loss.item(), finite=finite, grad_norm=total.item(),
-                   clip_coef=coef if name == "high_lr_clip" else 1.0, would_clip=coef, groups={})
-        for g, ps in groups.items():
+def max_norm_of(name: str, cfg: DynamicsConfig) -> float | None:
+    """The clipping threshold of an arm (None: no clipping)."""
+    return cfg.max_norm if name == "high_lr_clip" else None
+
+
+class TraceObserver:
+    """An observer of ``train_step``: around the optimizer's phase, the gradients' finiteness and total
+    norm before clipping, and per parameter group the update norm and the update-to-parameter ratio."""
+
+    def __init__(self, model) -> None:
+        self.groups = update_dynamics.param_groups(model)
+        self.row: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str, state):
+        if phase != "optimizer":
+            yield
+            return
+        params = list(state.model.parameters())
+        total = update_dynamics.global_grad_norm(p.grad for p in params)
+        finite = all_finite(p.grad for p in params)
+        before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()}
+        yield
+        self.row = dict(finite=finite, grad_norm=total.item(), groups={})
+        for g, ps in self.groups.items():
             du, pn, r = update_dynamics.update_ratio(before[g], ps)
-            row["groups"][g] = dict(update_norm=du, param_norm=pn, ratio=r)
-        del before
-        out.append(row)
+            self.row["groups"][g] = dict(update_norm=du, param_norm=pn, ratio=r)
+
+
+def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) -> list[dict]:
+    """``len(batches)`` updates of one arm from ``init``; one dict per update."""
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)  # after a failed arm, stale gradients may remain
+    opt = optimizer(model, name, cfg, device)
+    observe, out = TraceObserver(model), []
+    for b in batches:
+        r = train_step(model, opt, b, observers=[observe], max_norm=max_norm_of(name, cfg))
+        loss = r.loss.item()
+        row = observe.row
+        coef = update_dynamics.clip_coefficient(torch.tensor(row["grad_norm"]), cfg.max_norm).item()
+        out.append(dict(loss=loss, finite=math.isfinite(loss) and row["finite"], grad_norm=row["grad_norm"],
+                        clip_coef=coef if name == "high_lr_clip" else 1.0, would_clip=coef, groups=row["groups"]))
     return out
 
 
-def prepare_candidate(model, init: dict, batches, name: str, cfg: DynamicsConfig, device):
-    """Load ``init`` into ``model``, make the candidate's AdamW and run one warm update (which creates
-    the optimizer state). Returns ``(step, resident)``: one plain update (forward, backward, clip if
-    any, AdamW step) and the tensors that exist before it (parameters, AdamW state)."""
-    model.load_state_dict(init)
-    model.zero_grad(set_to_none=True)
-    opt = optimizer(model, name, cfg, device)
-
-    def step(i: int) -> None:
-        model(**batches[i % len(batches)]).loss.backward()
-        if name == "high_lr_clip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(0)  # creates the AdamW state before the measurement
-    return step, [list(model.parameters()), [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]]
-
-
-def measure(model, init: dict, batches, cfg: DynamicsConfig, device, progress=None, interleave: bool | None = None):
-    """``harness.measure_separate`` of every candidate: on the CPU each its own copy of ``model``; on CUDA
-    the one model, reloaded from ``init``. ``{name: (dict(stats, resident_bytes, steps), None) | (None, failure)}``."""
+def measure(model, init: dict, batches, cfg: DynamicsConfig, device, progress=None, together: bool | None = None):
+    """``harness.measure`` of every arm (own weights): on the CPU each its own copy of ``model``; on CUDA the
+    one model, reloaded from ``init``; each with its AdamW and one warm update (which creates the optimizer
+    state). ``{name: Measured | Failed}``."""
     def prepare(name, together):
-        return prepare_candidate(copy.deepcopy(model) if together else model, init, batches, name, cfg, device)
+        m = copy.deepcopy(model) if together else model
+        m.load_state_dict(init)
+        m.zero_grad(set_to_none=True)
+        run = harness.Run.of(m, optimizer(m, name, cfg, device), batches, PLAIN, max_norm=max_norm_of(name, cfg))
+        run.step(-1)  # the warm update
+        return run
 
-    return harness.measure_separate(prepare, CANDIDATES, device, cfg.timed, cfg.warmup, progress=progress,
-                                    interleave=interleave)
+    return harness.measure(CANDIDATES, prepare, device, cfg.timed, cfg.warmup, together=together, progress=progress)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -160,61 +169,60 @@ def run(ctx) -> list:
     model = build_model(ctx.workload, dev)
     init = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
     batches = make_batches(ctx.workload, cfg.updates, device=dev)
-    traces = {name: oom_as_failure(trace, model, init, batches, name, cfg, dev)
+    traces = {name: attempt(trace, model, init, batches, name, cfg, dev)
               for name in ctx.progress(CANDIDATES, desc="candidates")}
     measured = measure(model, init, batches, cfg, dev, progress=ctx.progress)
     return [candidate_record(ctx, name, cfg, traces[name], measured) for name in CANDIDATES]
 
 
-def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced: tuple, measured: dict):
-    """One candidate's record from its trace ``(rows, failure)`` and every candidate's measurement."""
-    (rows, trace_failure), (m, measure_failure) = traced, measured[name]
-    failure, stats = trace_failure or measure_failure, m and m["stats"]
+def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced, measured: dict):
+    """One arm's record from its trace (its rows, or ``Failed``) and every arm's measurement."""
+    m = measured[name]
+    rows = None if isinstance(traced, Failed) else traced
+    failure = (traced.failure if rows is None else None) or (m.failure if isinstance(m, Failed) else None)
+    m = m if isinstance(m, harness.Measured) else None
     summary = summarize(rows) if rows else None
     decision, next_step = decide(summary) if summary else (None, None)
     summary, rows = json_safe(summary), json_safe(rows)  # a diverged trace holds NaN/inf: null in the record
     if failure:
         decision, next_step = None, f"failed: {failure}"
-    base = (measured.get(TIME_BASELINE.get(name)) or (None,))[0]
-    base_timing = base and base["stats"].timing
-    compared = stats is not None and base_timing is not None
-    noise = timing_noise(stats.timing, base_timing, more_work=name == "high_lr_clip") if compared else None
-    by_run = dict(trace=len(rows) if rows else None, measurement=m and 1 + m["steps"])  # warm update + measured
+    base = measured.get(TIME_BASELINE.get(name))
+    base_timing = base.timing if isinstance(base, harness.Measured) else None
+    compared = m is not None and base_timing is not None
+    noise = timing_noise(m.timing, base_timing, more_work=name == "high_lr_clip") if compared else None
+    by_run = dict(trace=len(rows) if rows else None, measurement=m and m.updates)  # warm + measured steps
     ran = [n for n in by_run.values() if n is not None]
+    measured = m.record_fields() if m else dict(memory_source=None)
+    measured.update(updates=sum(ran) if ran else None, skipped_updates=0 if ran else None)
     return ctx.record(
-        name, updates=sum(ran) if ran else None, update_count=len(rows) if rows else None,
-        all_finite=summary["all_finite"] if summary else None, skipped_updates=0 if ran else None,
-        peak_allocated=stats and stats.peak_allocated, peak_reserved=stats and stats.peak_reserved,
-        step_median_s=stats and stats.timing.median_s, step_p95_s=stats and stats.timing.p95_s,
-        warmup_excluded=stats and stats.timing.warmup_excluded, threads=stats and stats.timing.threads,
-        timing_noise=noise, memory_source=ctx.memory_source if stats else None, failure=failure, decision=decision,
-        next_step=next_step,
-        metrics=dict(lr=lr_of(name, cfg), max_norm=cfg.max_norm if name == "high_lr_clip" else None,
-                     weight_decay=cfg.weight_decay, timed_steps=cfg.timed, summary=summary, trace=rows,
-                     updates_by_run=by_run, step_samples_s=stats and stats.timing.samples,
-                     interleaved=stats and stats.timing.interleaved, time_baseline=TIME_BASELINE.get(name),
-                     time_ratio=stats.timing.median_s / base_timing.median_s if compared else None,
-                     p95_ratio=stats.timing.p95_s / base_timing.p95_s if compared else None,
+        name, strategy=PLAIN.name, **measured, all_finite=summary["all_finite"] if summary else None,
+        timing_noise=noise, failure=failure, decision=decision, next_step=next_step,
+        metrics=dict(lr=lr_of(name, cfg), max_norm=max_norm_of(name, cfg), weight_decay=cfg.weight_decay,
+                     timed_steps=cfg.timed, summary=summary, trace=rows, updates_by_run=by_run,
+                     step_samples_s=m and m.timing.samples, wall_samples_s=m and m.timing.wall_samples,
+                     interleaved=m and m.timing.interleaved, time_baseline=TIME_BASELINE.get(name),
+                     time_ratio=m.timing.median_s / base_timing.median_s if compared else None,
+                     p95_ratio=m.timing.p95_s / base_timing.p95_s if compared else None,
                      rule=dict(SPIKE_MAX=SPIKE_MAX)))
 
 
-def plan(ctx) -> dict:
-    """LRs, updates and, per mode, a planning estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
+def dry_run(ctx) -> dict:
+    """LRs, updates and, per mode, an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w = ctx.workload
 
     def mode_plan(dev):
         cfg = config_for(w.arch, dev, ctx.smoke)
-        passes = cfg.updates + 1 + harness.separate_steps(dev, cfg.timed, cfg.warmup)  # traced + warm + measured
+        passes = cfg.updates + 1 + steps_per_arm(cfg.timed, cfg.warmup)  # traced + warm + measured
         overhead_s = cfg.updates * 0.05 + 2 * 0.5 if dev == "cuda" else 0.0  # snapshots + ratios, 2 loads from the host
-        per_candidate = plan_seconds(w.arch, w.batch * w.seq, passes, dev) + overhead_s
-        seconds = PLAN_BUILD_S[dev] + len(CANDIDATES) * per_candidate
+        per_arm = dry_run_seconds(w.arch, w.batch * w.seq, passes, dev) + overhead_s
+        seconds = ASSUMED_BUILD_S[dev] + len(CANDIDATES) * per_arm
         return cfg.timed, cfg.warmup, dict(lrs={c: lr_of(c, cfg) for c in CANDIDATES}, traced_updates=cfg.updates,
                                            estimated_seconds=round(seconds, 1))
 
     return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
-                groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=harness.plan_separate(mode_plan),
+                groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=own_weights_modes(mode_plan),
                 rule=dict(SPIKE_MAX=SPIKE_MAX),
-                estimate_basis=PLAN_BASIS + "; + 0.05 s per traced update and 1 s of state loads per candidate (cuda)")
+                estimate_basis=ASSUMED_BASIS + "; + 0.05 s per traced update and 1 s of state loads per arm (cuda)")
 
 
 def conformance():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from bp_mech.ledger import STAGES
-from bp_mech.planner.plan import GiB, PlanError, default_workers, load_config, parse_size, plan
+from bp_mech.planner.inputs import GiB, PlanError, load_config, parse_size
+from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
 
 
 def _unit(values) -> tuple[int, str]:
@@ -22,59 +23,59 @@ def _gib(n) -> str:  # one value with its unit (report.fmt_bytes)
     return fmt_bytes(n)
 
 
-def format_text(p: dict) -> str:
+def format_text(p: Plan) -> str:
     """The plan as a table (GiB, MiB or KiB per lifecycle stage, the peak, what fits) and the recommendation."""
-    m = p["model"]
-    k, unit = _unit([r["needs"] for r in p["rows"]])
+    m = p.model
+    k, unit = _unit([r.needs for r in p.rows])
 
     def num(n) -> str:
         return f"{n / k:.2f}"
 
     lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
-             f"batch {p['batch']} x seq {p['seq']}, budget {_gib(p['budget'])} — estimated (fake tensors, "
-             f"{p['adamw']} AdamW){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
-             f"fits when peak x {1 + p['headroom']['allocator_slack']:.2f} + {_gib(p['headroom']['context_bytes'])} "
+             f"batch {p.batch} x seq {p.seq}, budget {_gib(p.budget)} — estimated (fake tensors, "
+             f"{p.options.adamw} AdamW){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
+             f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {_gib(CONTEXT_BYTES)} "
              "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
              f"step (upper bound); {unit} per stage:", ""]
     head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
-    rows = [[r["strategy"], *(num(r["stages"][x]) for x in STAGES), num(r["peak"]), num(r["needs"]),
-             "yes" if r["fits"] else "no", f"{r['cost']['extra']:+.0%}",
-             f"x{r['measured']['time_ratio']:.2f}" if r["measured"] else "-"] for r in p["rows"]]
+    rows = [[r.strategy, *(num(r.stages[x]) for x in STAGES), num(r.peak), num(r.needs),
+             "yes" if r.fits else "no", f"{r.cost.extra:+.0%}",
+             f"x{r.measured.time_ratio:.2f}" if r.measured else "-"] for r in p.rows]
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         lines.append("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
-    lines += [f"skipped {k}: {v}" for k, v in p["skipped"].items()]
-    lines += [f"cached GPU records not used: {e}" for e in p["cache_errors"]]
-    best = next((r for r in p["rows"] if r["strategy"] == p["recommended"]), None)
+    lines += [f"skipped {k}: {v}" for k, v in p.skipped.items()]
+    lines += [f"cached GPU records not used: {e}" for e in p.cache_errors]
+    best = next((r for r in p.rows if r.strategy == p.recommended), None)
     if best is not None:
-        c = best["cost"]
-        line = (f"\nrecommended: {best['strategy']} — peak {_gib(best['peak'])} at {best['peak_stage']}, needs "
-                f"{_gib(best['needs'])} of {_gib(p['budget'])}; time {c['extra']:+.0%} of a plain step (counted: "
-                f"{c['recomputes']} recomputed sublayers, {c['recompute_flops'] / 1e12:.2f} TFLOP, "
-                f"{(c['d2h_bytes'] + c['h2d_bytes']) / 1e9:.2f} GB over the host link)")
-        if "micro" in best["strategy"]:
+        c = best.cost
+        line = (f"\nrecommended: {best.strategy} — peak {_gib(best.peak)} at {best.peak_stage}, needs "
+                f"{_gib(best.needs)} of {_gib(p.budget)}; time {c.extra:+.0%} of a plain step (counted: "
+                f"{c.recomputes} recomputed sublayers, {c.recompute_flops / 1e12:.2f} TFLOP, "
+                f"{(c.d2h_bytes + c.h2d_bytes) / 1e9:.2f} GB over the host link)")
+        if "micro" in best.strategy:
             line += "; its micro-batches do the same FLOPs in smaller kernels, which the count does not price"
-        if best["measured"]:
-            ms = best["measured"]
-            line += f"; measured x{ms['time_ratio']:.2f} on {ms['device']} at {ms['workload']} ({ms['record']})"
+        if best.measured:
+            ms = best.measured
+            line += f"; measured x{ms.time_ratio:.2f} on {ms.device} at {ms.workload} ({ms.record})"
         lines.append(line)
-        big = best["peak"] / 200  # lines of at least 0.5 % of the peak
-        lines.append("  at its peak: " + ", ".join(f"{name} {_gib(v)}" for name, v in best["peak_ledger"].items()
+        big = best.peak / 200  # lines of at least 0.5 % of the peak
+        lines.append("  at its peak: " + ", ".join(f"{name} {_gib(v)}" for name, v in best.peak_ledger.items()
                                                   if v >= big))
-    lines.append(f"({len(p['rows'])} strategies traced in {p['elapsed_s']:.1f} s)")
+    lines.append(f"({len(p.rows)} strategies traced in {p.elapsed_s:.1f} s)")
     return "\n".join(lines)
 
 
-def no_fit_message(p: dict) -> str:
-    f = p["fits_instead"]
-    if f.get("batch"):
-        alt = f"; about --batch {f['batch']} would fit with it"
-    elif f.get("seq"):
-        alt = f"; about --seq {f['seq']} would fit with it"
+def no_fit_message(p: Plan) -> str:
+    f = p.fits_instead
+    if f.batch:
+        alt = f"; about --batch {f.batch} would fit with it"
+    elif f.seq:
+        alt = f"; about --seq {f.seq} would fit with it"
     else:
-        alt = (f"; even at batch {f['small_shape'][0]} x seq {f['small_shape'][1]} it needs {_gib(f['small_needs'])}, "
-               f"and parameters, gradients and AdamW moments alone hold {_gib(f['model_state'])}")
-    return (f"no strategy fits {_gib(p['budget'])}: the leanest, {f['strategy']}, needs {_gib(f['needs'])} "
+        alt = (f"; even at batch {f.small_shape[0]} x seq {f.small_shape[1]} it needs {_gib(f.small_needs)}, "
+               f"and parameters, gradients and AdamW moments alone hold {_gib(f.model_state)}")
+    return (f"no strategy fits {_gib(p.budget)}: the leanest, {f.strategy}, needs {_gib(f.needs)} "
             f"(with headroom){alt}")
 
 
@@ -94,7 +95,7 @@ def run(a, progress=None) -> int:
         config, batch, seq = qwen2_config(w.arch), a.batch or w.batch, a.seq or w.seq
     workers = a.workers if getattr(a, "workers", None) else default_workers()
     p = plan(config, batch, seq, parse_size(a.budget), a.device_name, progress=progress, workers=workers)
-    print(json.dumps(p, indent=1, default=str) if a.json else format_text(p))
-    if p["recommended"] is None:
+    print(json.dumps(p.to_dict(), indent=1, default=str) if a.json else format_text(p))
+    if p.recommended is None:
         raise PlanError(no_fit_message(p))
     return 0

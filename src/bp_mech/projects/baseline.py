@@ -28,18 +28,19 @@ from pathlib import Path
 
 import torch
 
-from bp_mech.experiments.accumulation import rel_diff
-from bp_mech.bench.timing import summarize, timing_noise
+from bp_mech.bench.compare import relative_l2
+from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
+from bp_mech.bench.strategy import PLAIN
+from bp_mech.bench.timing import clock_for, summarize, timing_noise
 from bp_mech.projects import baseline_loop
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.records.results import json_safe
-from bp_mech.bench.workload import PLAN_BASIS, PLAN_BUILD_S, plan_seconds
 
-CANDIDATES = ("1-process", "2-processes")
-PROCESSES = {"1-process": 1, "2-processes": 2}
+CANDIDATES = ("plain", "2-processes")  # plain: one process, the baseline
+PROCESSES = {"plain": 1, "2-processes": 2}
 MIXED_PRECISION = {"cpu": "no", "cuda": "fp16"}  # FP16 is the book's default low precision (loss scale, skips)
 LAUNCH_TIMEOUT_S = 1200  # one launch, at most
-PLAN_LAUNCH_S = {"cpu": 12.0, "cuda": 10.0}  # planning: launcher + imports + model build per launch
+LAUNCH_S = {"cpu": 12.0, "cuda": 10.0}  # dry run: launcher + imports + model build per launch
 
 # 2 processes against 1 process, float32 on the CPU (relative; measured differences are ~1e-7):
 # the same sums in another order (matmuls over G/2 instead of G rows, the gradient all-reduce adding
@@ -118,25 +119,20 @@ def launch(cfg: LoopConfig, processes: int, workdir: Path) -> dict:
     return result
 
 
-def rel_l2(a, b, base=None) -> float:
-    """||a - b|| / ||b - base|| over all tensors, in float64 (base None: ||b||): Part 02 · 11's ``rel_diff``."""
-    return rel_diff(a, b, base)
-
-
 def compare(ref: dict, got: dict) -> dict:
     """A multi-process run against the 1-process run: token-weighted and naive differences."""
     r, g, n = ref["tensors"], got["tensors"], got["naive"]
     l1, l2 = ref["run"]["loss"], got["run"]["loss"]
     early = len(n["loss"]) if n else 0
     rel = lambda a, b: abs(a - b) / abs(b) if math.isfinite(a - b) else math.inf  # noqa: E731
-    out = dict(loss_rel_diff=max(rel(a, b) for a, b in zip(l2, l1)), grad_rel_diff=rel_l2(g["grad"], r["grad"]),
+    out = dict(loss_rel_diff=max(rel(a, b) for a, b in zip(l2, l1)), grad_rel_diff=relative_l2(g["grad"], r["grad"]),
                grad_max_abs_diff=max((a - b).abs().max().item() for a, b in zip(g["grad"], r["grad"])),
-               param_rel_diff=rel_l2(g["params"], r["params"], r["init"]), compared_updates=len(l1))
+               param_rel_diff=relative_l2(g["params"], r["params"], r["init"]), compared_updates=len(l1))
     if n:
-        out.update(early_updates=early, param_rel_diff_early=rel_l2(g["params_early"], r["params_early"], r["init"]),
+        out.update(early_updates=early, param_rel_diff_early=relative_l2(g["params_early"], r["params_early"], r["init"]),
                    naive=dict(loss_rel_diff=max(rel(a, b) for a, b in zip(n["loss"], l1[:early])),
-                              grad_rel_diff=rel_l2(g["naive_grad"], r["grad"]),
-                              param_rel_diff_early=rel_l2(g["naive_params_early"], r["params_early"], r["init"])))
+                              grad_rel_diff=relative_l2(g["naive_grad"], r["grad"]),
+                              param_rel_diff_early=relative_l2(g["naive_params_early"], r["params_early"], r["init"])))
     return out
 
 
@@ -168,7 +164,7 @@ def run(ctx) -> list:
     with tempfile.TemporaryDirectory(prefix="bp-mech-73-") as tmp:
         for name in ctx.progress(names, desc="candidates"):
             results[name] = launch(cfg, PROCESSES[name], Path(tmp) / name)
-    return [candidate_record(ctx, name, cfg, results[name], results.get("1-process")) for name in names]
+    return [candidate_record(ctx, name, cfg, results[name], results.get(PLAIN.name)) for name in names]
 
 
 def tokens_per_second(res: dict, cfg: LoopConfig) -> float:
@@ -177,25 +173,33 @@ def tokens_per_second(res: dict, cfg: LoopConfig) -> float:
     return sum(res["run"]["target_tokens"][timed]) / sum(res["seconds"][timed])
 
 
+def step_timing(res: dict, cfg: LoopConfig, device):
+    """The timed updates of a launch by the deciding clock (``bench.timing.clock_for``: each rank's thread CPU
+    time on the CPU, the slowest rank's), wall time beside."""
+    clock = clock_for(device)
+    return summarize(res["cpu_seconds"] if clock == "thread_time" else res["seconds"], cfg.warmup_excluded, clock,
+                     res["seconds"])
+
+
 def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | None):
     if res.get("failure"):
-        return ctx.record(name, failure=res["failure"], metrics=dict(processes=PROCESSES[name]))
+        return ctx.record(name, strategy=PLAIN.name, failure=res["failure"], metrics=dict(processes=PROCESSES[name]))
     P, run_, T = res["processes"], res["run"], ctx.workload.seq
-    timing, tokens_per_s = summarize(res["seconds"], cfg.warmup_excluded), tokens_per_second(res, cfg)
+    timing, tokens_per_s = step_timing(res, cfg, ctx.device), tokens_per_second(res, cfg)
+    timing.threads = res["threads"]
     applied_norms = [g for g, a in zip(run_["grad_norm"], run_["applied"]) if a]  # a skipped fp16 step's is inf
     finite = all(math.isfinite(x) for x in run_["loss"] + applied_norms + [res["holdout_before"], res["holdout_after"]])
     eq = compare(ref, res) if P > 1 and ref and not ref.get("failure") and res["tensors"] and ref["tensors"] else None
     decision, next_step = decide(finite, res["holdout_before"], res["holdout_after"], eq, P)
-    base = None if P == 1 or not ref or ref.get("failure") else summarize(ref["seconds"], cfg.warmup_excluded)
+    base = None if P == 1 or not ref or ref.get("failure") else step_timing(ref, cfg, ctx.device)
     naive = res["naive"]
     by_run = dict(baseline=run_["updates"], naive=naive and naive["updates"])
     return ctx.record(
-        name, input_shape=[cfg.global_batch // P, T], effective_batch=cfg.accumulation * cfg.global_batch,
-        updates=sum(v for v in by_run.values() if v), update_count=run_["updates"],
+        name, strategy=PLAIN.name, input_shape=[cfg.global_batch // P, T],
+        effective_batch=cfg.accumulation * cfg.global_batch, updates=sum(v for v in by_run.values() if v),
         skipped_updates=run_["skipped"] + (naive["skipped"] if naive else 0), all_finite=finite,
         output_error=eq and eq["loss_rel_diff"], grad_error=eq and eq["grad_rel_diff"],
-        peak_allocated=max(res["peak_by_rank"]), step_median_s=timing.median_s, step_p95_s=timing.p95_s,
-        warmup_excluded=cfg.warmup_excluded, threads=res["threads"],
+        peak_allocated=max(res["peak_by_rank"]), **timing.record_fields(),
         timing_noise=base and timing_noise(timing, base, more_work=False), memory_source=ctx.memory_source,
         decision=decision, next_step=next_step,
         metrics=dict(
@@ -203,10 +207,12 @@ def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | Non
             mixed_precision=res["mixed_precision"], launch_command=res["command"],
             per_process_rows=cfg.global_batch // P,
             global_micro_batch=cfg.global_batch, accumulation=cfg.accumulation, seq=T,
-            tokens_per_s=tokens_per_s, input_tokens_per_s=cfg.accumulation * cfg.global_batch * T / timing.median_s,
+            tokens_per_s=tokens_per_s,
+            input_tokens_per_s=cfg.accumulation * cfg.global_batch * T / timing.wall_median_s,
             tokens_per_s_definition="target tokens (labels[:, 1:] != -100) of the timed updates on all processes / "
-                                    "the sum of those updates' times, each the slowest rank's",
-            timed_updates=len(timing.samples), step_samples_s=timing.samples, seconds_by_rank=res["seconds_by_rank"],
+                                    "the sum of those updates' wall times, each the slowest rank's",
+            timed_updates=len(timing.samples), step_samples_s=timing.samples, wall_samples_s=timing.wall_samples,
+            seconds_by_rank=res["seconds_by_rank"],
             peak_by_rank=res["peak_by_rank"], holdout_before=res["holdout_before"], holdout_after=res["holdout_after"],
             curve=json_safe({k: run_[k] for k in ("loss", "target_tokens", "lr", "grad_norm", "clip_coef", "applied")}),
             naive_loss=naive and json_safe(naive["loss"]), updates_by_run=by_run, equivalence=eq,
@@ -216,14 +222,14 @@ def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | Non
             rule=dict(GRAD_TOL=GRAD_TOL, LOSS_TOL=LOSS_TOL, PARAM_TOL=PARAM_TOL)))
 
 
-def plan(ctx) -> dict:
-    """Candidates, launch commands and, per mode, a planning estimate (``modes.real_gpu``: one GPU)."""
+def dry_run(ctx) -> dict:
+    """Candidates, launch commands and, per mode, an estimate (``modes.real_gpu``: one GPU)."""
     w = ctx.workload
 
     def fields(dev):
         cfg = config_for(w, dev, ctx.smoke)
-        names = list(CANDIDATES) if dev == "cpu" else ["1-process"]  # 2 processes need 2 GPUs
-        seconds = sum(PLAN_LAUNCH_S[dev] + PLAN_BUILD_S[dev] + plan_seconds(
+        names = list(CANDIDATES) if dev == "cpu" else [PLAIN.name]  # 2 processes need 2 GPUs
+        seconds = sum(LAUNCH_S[dev] + ASSUMED_BUILD_S[dev] + dry_run_seconds(
             w.arch, cfg.global_batch // PROCESSES[n] * w.seq, cfg.accumulation * (cfg.updates + cfg.naive_updates * (
                 PROCESSES[n] > 1)) + 2 * cfg.holdout_batches, dev, low=cfg.mixed_precision != "no") for n in names)
         return dict(candidates=names, updates=cfg.updates, accumulation=cfg.accumulation,
@@ -232,25 +238,8 @@ def plan(ctx) -> dict:
                     commands=[" ".join(["accelerate launch"] + launch_command(PROCESSES[n], cfg, "CONFIG", "OUT")[3:])
                               for n in names], estimated_seconds=round(seconds, 1))
 
-    from bp_mech.experiments.harness import plan_per_mode
+    from bp_mech.experiments.dry_run import per_mode
 
-    return dict(modes=plan_per_mode(fields), optimizer="AdamW", schedule="WSD on the update clock (Part 02 · 12)",
+    return dict(modes=per_mode(fields), optimizer="AdamW", schedule="WSD on the update clock (Part 02 · 12)",
                 rule=dict(GRAD_TOL=GRAD_TOL, LOSS_TOL=LOSS_TOL, PARAM_TOL=PARAM_TOL),
-                estimate_basis=PLAN_BASIS + "; + PLAN_LAUNCH_S per launch (launcher, imports)")
-
-
-def plot_loss_curves(records, title: str = "Training loss per update"):
-    """The loss curve of every record (x = update), the holdout loss before and after as markers."""
-    from bp_mech.book.plots import figure
-
-    fig, ax = figure(6.4, 3.6)
-    for i, r in enumerate(records):
-        ys = [float("nan") if y is None else y for y in r.metrics["curve"]["loss"]]
-        line, = ax.plot(range(1, len(ys) + 1), ys, ls=("-", "--")[i % 2], lw=1.5, label=f"{r.candidate}: training")
-        ax.plot([0, len(ys)], [r.metrics["holdout_before"], r.metrics["holdout_after"]], "os"[i % 2],
-                color=line.get_color(), mfc="none", ms=8, label=f"{r.candidate}: holdout before / after")
-    ax.set_xlabel("update")
-    ax.set_ylabel("loss (nats per target token)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    return fig
+                estimate_basis=ASSUMED_BASIS + "; + LAUNCH_S per launch (launcher, imports)")

@@ -39,6 +39,7 @@ from bp_mech.bench.timing import CPU_TIMING_THREADS, sync, timing_threads
 from bp_mech.bench.oom import is_allocation_failure
 from bp_mech.projects import baseline_loss
 from bp_mech.scheduler import UpdateClock, WSDConfig
+from bp_mech.bench.step import optimizer_state
 from bp_mech.bench.tracking import PeakMemory
 from bp_mech.update_dynamics import clip_coefficient
 from bp_mech.bench.workload import Workload, build_model, make_adamw, make_batches
@@ -98,8 +99,8 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
     clock = UpdateClock(cfg.wsd(), opt)
     k, P, rank = cfg.accumulation, acc.num_processes, acc.process_index
     all_reduce = lambda t: acc.reduce(t.to(acc.device), "sum")  # noqa: E731
-    state = lambda: [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]  # noqa: E731
-    rows = {key: [] for key in ("loss", "target_tokens", "seconds", "grad_norm", "clip_coef", "lr", "applied")}
+    rows = {key: [] for key in ("loss", "target_tokens", "seconds", "cpu_seconds", "grad_norm", "clip_coef", "lr",
+                                "applied")}
     peak = None
     bar = tqdm(range(n_updates), desc=f"updates ({P} process{'es' * (P > 1)})",
                disable=not (cfg.progress and rank == 0))
@@ -107,10 +108,11 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
         micro = [{key: v.to(acc.device) for key, v in baseline_loss.shard_rows(batches[u * k + j], rank, P).items()}
                  for j in range(k)]
         tracked = u == cfg.peak_update
-        pm = PeakMemory(acc.device, resident=[model.parameters(), state()]) if tracked else contextlib.nullcontext()
+        pm = PeakMemory(acc.device, resident=[model.parameters(), optimizer_state(opt)]) if tracked else \
+            contextlib.nullcontext()
         lr = clock.lr
         sync(acc.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with pm:
             counts = [accumulation.count_targets(mb["labels"]) for mb in micro]  # this rank's, per micro-batch
             divisor = divisor_fn(counts, P, all_reduce)
@@ -133,8 +135,9 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
             loss = (loss_sum / n_total).item()  # the global token mean (n_total < 2^24: exact in float32)
         sync(acc.device)
         rows["seconds"].append(time.perf_counter() - t0)
+        rows["cpu_seconds"].append(time.thread_time() - c0)  # this rank's thread: no wait for a core or the peer
         if tracked:
-            peak = pm.peak_allocated
+            peak = pm.peak.allocated
         for key, v in (("loss", loss), ("target_tokens", round(n_total.item())), ("grad_norm", norm.item()),
                        ("clip_coef", clip_coefficient(norm, cfg.max_norm).item()), ("lr", lr), ("applied", applied)):
             rows[key].append(v)
@@ -180,16 +183,17 @@ def train(cfg: LoopConfig, out: Path | None = None) -> dict:
                                 cfg.naive_updates, baseline_loss.per_rank_divisor, naive_snap)
             if snap is not None:
                 snap.update(naive_grad=naive_snap["grad"], naive_params_early=naive_snap["params_early"])
-        seconds = torch.tensor(run["seconds"], dtype=torch.float64, device=acc.device)
-        times = acc.gather(seconds).reshape(acc.num_processes, -1)  # (P, updates)
+        seconds = torch.tensor([run["seconds"], run["cpu_seconds"]], dtype=torch.float64, device=acc.device)
+        times, cpu_times = acc.gather(seconds[None]).reshape(acc.num_processes, 2, -1).unbind(1)  # (P, updates) each
         peaks = acc.gather(torch.tensor([run["peak"] or 0], device=acc.device)).tolist()
     result = dict(processes=acc.num_processes, distributed_type=str(acc.distributed_type),
                   backend=acc.state.backend, device=str(acc.device), mixed_precision=cfg.mixed_precision,
                   threads=threads, holdout_before=before, holdout_after=after,
                   per_process_rows=cfg.global_batch // acc.num_processes,
-                  seconds=times.max(0).values.tolist(), seconds_by_rank=times.tolist(), peak_by_rank=peaks,
-                  run={k: v for k, v in run.items() if k != "seconds"}, naive=naive and {
-                      k: v for k, v in naive.items() if k != "seconds"})
+                  seconds=times.max(0).values.tolist(), seconds_by_rank=times.tolist(),
+                  cpu_seconds=cpu_times.max(0).values.tolist(), peak_by_rank=peaks,
+                  run={k: v for k, v in run.items() if k not in ("seconds", "cpu_seconds")},
+                  naive=naive and {k: v for k, v in naive.items() if k not in ("seconds", "cpu_seconds")})
     if out is not None and acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(result))

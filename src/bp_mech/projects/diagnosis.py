@@ -8,19 +8,21 @@
   each stage, through ``CATEGORY_TO_CLASS``;
 * ``predicted_saving``: what a remedy saves at the peak when it changes some lines of the ledger,
   the peak free to move to another stage (the attribution of a ledger line to a remedy);
-* ``REMEDIES`` / ``line_changes`` / ``rank``: each remedy is a ``strategy.Strategy`` and the
+* ``REMEDIES`` / ``line_changes`` / ``rank``: each remedy is a ``bench.strategy.Strategy`` and the
   changes it makes to the measured plain ledger, line by line: Part 02 · 43's formula for that
   strategy minus the formula for the plain step (``ledger.theoretical``), or, for the chunked loss,
-  which the formula does not model, its own rule (``chunked_loss_changes``).
+  which the formula does not model, its own rule (``chunked_loss_changes``); ``Attribution`` is one
+  remedy of the ranked list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from bp_mech import chunked_loss, ledger
-from bp_mech.ledger import CLASS_LABELS, CLASSES, STAGES, LedgerConfig
-from bp_mech.bench.strategy import Strategy
+from bp_mech.bench.strategy import Strategy, parse
+from bp_mech.ledger import CLASS_LABELS, CLASSES, STAGES
 
 POINTS = ("forward_peak", *STAGES)  # the ledger's stages and the peak inside the forward
 POINT_LABELS = dict(ledger.STAGE_LABELS, forward_peak="peak in forward")
@@ -43,12 +45,23 @@ def peak_point(rows: dict[str, dict[str, int]]) -> str:
     return max(rows, key=lambda p: sum(rows[p].values()))
 
 
-def dominant_state(rows: dict[str, dict[str, int]]) -> dict:
+@dataclass(frozen=True)
+class Dominant:
+    """Where the peak is, and the line of the ledger that holds most of it."""
+
+    point: str  # the point (a ledger stage, or "forward_peak")
+    peak: int  # bytes alive there
+    line: str  # the ledger class that holds most of them
+    bytes: int  # its bytes
+    share: float  # bytes / peak
+
+
+def dominant_state(rows: dict[str, dict[str, int]]) -> Dominant:
     """The peak's point, its total, and the line (class) that holds most of it, with its share."""
     point = peak_point(rows)
     total = sum(rows[point].values())
     line = max(CLASSES, key=lambda c: rows[point][c])
-    return dict(point=point, peak=total, line=line, bytes=rows[point][line], share=rows[point][line] / total)
+    return Dominant(point, total, line, rows[point][line], rows[point][line] / total)
 
 
 def predicted_saving(stages: dict[str, dict[str, int]], change: dict[str, dict[str, int]]) -> int:
@@ -159,9 +172,8 @@ def reconcile(cross: dict[str, dict], known: dict[str, int], rows: dict[str, dic
 
 @dataclass(frozen=True)
 class Remedy:
-    strategy: Strategy  # the mechanism, as every chapter runs it (``strategy.train_step``)
+    strategy: Strategy  # the mechanism, as every chapter runs it (``bench.step.train_step``)
     line: str  # the ledger class it removes
-    formula: LedgerConfig | None  # Part 02 · 43's formula for it (None: its own rule)
     how: str  # what it does to that line, in words
 
     @property
@@ -175,16 +187,16 @@ class Remedy:
 
 
 REMEDIES = (
-    Remedy(Strategy(chunked_loss=chunked_loss.DEFAULT_CHUNK), "logits_loss", None,
+    Remedy(parse("chunked-loss"), "logits_loss",
            f"computes the loss over the vocabulary {chunked_loss.DEFAULT_CHUNK} tokens at a time: one chunk's fp32 "
            "logits alive, never all of them"),
-    Remedy(Strategy(checkpoint="checkpoint-all"), "saved_activations", LedgerConfig("checkpoint"),
+    Remedy(parse("checkpoint-all"), "saved_activations",
            "keeps each decoder layer's input only and recomputes the layer in its backward"),
-    Remedy(Strategy(offload=True), "saved_activations", LedgerConfig("offload"),
+    Remedy(parse("offload"), "saved_activations",
            "moves the saved activations to host memory and copies each back when its backward needs it"),
-    Remedy(Strategy(amp="float16"), "saved_activations", LedgerConfig("amp", amp_dtype="float16"),
+    Remedy(parse("fp16"), "saved_activations",
            "saves half-precision activations, at the price of half-precision weight copies"),
-    Remedy(Strategy(micro_batches=2), "saved_activations", LedgerConfig("accumulation", micro_batches=2),
+    Remedy(parse("micro2"), "saved_activations",
            "runs the batch as 2 micro-batches: half the activations and logits, gradients already present"),
 )
 
@@ -221,39 +233,57 @@ def chunked_loss_changes(rows: dict[str, dict[str, int]], tokens: int, vocab: in
 def line_changes(remedy: Remedy, rows: dict[str, dict[str, int]], w, device) -> dict[str, dict[str, int]]:
     """The changes ``remedy`` makes to the measured plain ledger ``rows`` of workload ``w`` on ``device``:
     per point and class, the formula's bytes for the remedy minus its bytes for the plain step
-    (``ledger.theoretical``), or the chunked loss's own rule."""
+    (``ledger.theoretical``), or, for the chunked loss (``ledger.unmodelled``), its own rule."""
     from bp_mech.bench.workload import ARCHITECTURES
 
     arch = ARCHITECTURES[w.arch]
-    if remedy.formula is None:
+    if ledger.unmodelled(remedy.strategy):
         return chunked_loss_changes(rows, w.batch * w.seq // remedy.strategy.micro_batches, arch["vocab_size"],
                                     arch["hidden_size"], remedy.strategy.chunked_loss)
-    plain = ledger_rows(ledger.theoretical(arch, w.batch, w.seq, LedgerConfig(), device))
-    after = ledger_rows(ledger.theoretical(arch, w.batch, w.seq, remedy.formula, device))
+    plain = ledger_rows(ledger.theoretical(arch, w.batch, w.seq, None, device))
+    after = ledger_rows(ledger.theoretical(arch, w.batch, w.seq, remedy.strategy, device))
     return {p: {c: after[p][c] - plain[p][c] for c in CLASSES if after[p][c] != plain[p][c]} for p in POINTS}
 
 
-def attribution(remedy: Remedy, rows: dict[str, dict[str, int]], w, device) -> dict:
-    """One remedy of the ranked list: the line it removes and what it holds at the peak, the predicted
-    saving (``predicted_saving``, the peak free to move), the naive one (the changes at the plain
-    peak's point only, as if the peak stayed there), the predicted peak and the point it is at."""
+@dataclass(frozen=True)
+class Attribution:
+    """One remedy of the ranked list: the line it removes and what the ledger predicts it saves."""
+
+    remedy: str  # the strategy's name
+    line: str  # the ledger class it removes
+    line_label: str  # that class in words
+    line_at_peak: int  # bytes the line holds at the plain peak
+    peak_point: str  # where the plain peak is
+    predicted_saving: int  # ``predicted_saving``: the peak free to move to another point
+    naive_saving: int  # the changes at the plain peak's point only, as if the peak stayed there
+    predicted_peak: int  # the plain peak minus the predicted saving
+    predicted_peak_point: str  # where the peak is predicted to be after the remedy
+    how: str  # what the remedy does, in words
+    changes: dict  # ``line_changes``: {point: {class: bytes}}
+
+    def to_dict(self, changes: bool = True) -> dict:
+        d = dataclasses.asdict(self)
+        return d if changes else {k: v for k, v in d.items() if k != "changes"}
+
+
+def attribution(remedy: Remedy, rows: dict[str, dict[str, int]], w, device) -> Attribution:
+    """The ``Attribution`` of ``remedy`` on the measured plain ledger ``rows``."""
     change = line_changes(remedy, rows, w, device)
     point = peak_point(rows)
     after = {p: {c: rows[p][c] + change.get(p, {}).get(c, 0) for c in CLASSES} for p in rows}
     saving = predicted_saving(rows, change)
-    return dict(remedy=remedy.name, line=remedy.line, line_label=CLASS_LABELS[remedy.line],
-                line_at_peak=rows[point][remedy.line], peak_point=point, predicted_saving=saving,
-                naive_saving=-sum(change.get(point, {}).values()), predicted_peak=sum(rows[point].values()) - saving,
-                predicted_peak_point=peak_point(after), how=remedy.how, changes=change)
+    return Attribution(remedy.name, remedy.line, CLASS_LABELS[remedy.line], rows[point][remedy.line], point, saving,
+                       -sum(change.get(point, {}).values()), sum(rows[point].values()) - saving, peak_point(after),
+                       remedy.how, change)
 
 
-def rank(rows: dict[str, dict[str, int]], w, device, remedies=REMEDIES) -> list[dict]:
+def rank(rows: dict[str, dict[str, int]], w, device, remedies=REMEDIES) -> list[Attribution]:
     """Every remedy's ``attribution`` (those that can run on ``w``), the largest predicted saving first."""
     return sorted((attribution(r, rows, w, device) for r in remedies if r.unfit(w) is None),
-                  key=lambda a: -a["predicted_saving"])
+                  key=lambda a: -a.predicted_saving)
 
 
-def sentence(a: dict, fmt_bytes) -> str:
-    """"fp32 logits hold X at the peak; a chunked loss removes about Y" for one ``attribution``."""
-    return (f"{a['line_label']} hold {fmt_bytes(a['line_at_peak'])} at the peak ({POINT_LABELS[a['peak_point']]}); "
-            f"{a['remedy']} removes about {fmt_bytes(a['predicted_saving'])}")
+def sentence(a: Attribution, fmt_bytes) -> str:
+    """"fp32 logits hold X at the peak; a chunked loss removes about Y" for one ``Attribution``."""
+    return (f"{a.line_label} hold {fmt_bytes(a.line_at_peak)} at the peak ({POINT_LABELS[a.peak_point]}); "
+            f"{a.remedy} removes about {fmt_bytes(a.predicted_saving)}")

@@ -13,10 +13,11 @@ Pure functions of the numbers: the exercises of chapter 76 ask for the first two
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from bp_mech.bench.timing import Timing, timing_noise
+from bp_mech.bench.timing import timing_noise
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -55,7 +56,7 @@ def choose_for_budget(points: dict[str, tuple[float, float]], budget: float, sla
 
 
 @dataclass(frozen=True)
-class Measured:
+class Candidate:
     """One candidate as the decision sees it (from a measurement or from a record)."""
 
     peak: int  # allocated peak of a full step, bytes
@@ -64,96 +65,73 @@ class Measured:
     work: tuple[int, int, int]  # counted work: sublayer recomputes, offload D2H bytes, chunked-loss recomputes
     equal: bool  # finite, and loss and gradients within its tolerance of the plain step
 
-    def more_work(self, other: "Measured") -> bool:
+    def more_work(self, other: "Candidate") -> bool:
         """Strictly more counted work than ``other``: no less of each kind, more of one."""
         return all(a >= b for a, b in zip(self.work, other.work)) and self.work != other.work
 
-    def timing(self) -> Timing:  # what ``measure.timing_noise`` reads
-        return Timing(self.median_s, self.p95_s, 0)
 
-
-def from_records(recs) -> dict[str, Measured]:
-    """``Measured`` of every record that did not fail."""
-    return {r.candidate: Measured(r.peak_allocated, r.step_median_s, r.step_p95_s,
+def from_records(recs) -> dict[str, Candidate]:
+    """``Candidate`` of every record that did not fail."""
+    return {r.candidate: Candidate(r.peak_allocated, r.step_median_s, r.step_p95_s,
                                   (r.recompute_count, (r.transfer_bytes or {}).get("d2h", 0),
                                    r.metrics["chunked_loss_recomputes"]), r.metrics["equal"])
             for r in recs if r.failure is None}
 
 
-def budget_decision(cands: dict[str, Measured], budget: float | None, slack: float, context: float) -> dict:
+@dataclass(frozen=True)
+class BudgetDecision:
+    """The decision for a budget among the candidates that pass the quality check."""
+
+    budget_bytes: float | None  # the budget (None: no budget, no pick)
+    slack: float  # the allocator's slack on the peak
+    context_bytes: float  # bytes outside the allocator (the CUDA context)
+    pareto: list[str]  # the Pareto set, by increasing peak
+    max_peak_bytes: float | None = None  # the largest peak that fits
+    fitting: list[str] = dataclasses.field(default_factory=list)  # the candidates that fit, fastest first
+    pick: str | None = None  # the fastest that fits, unless its time against the runner-up is noise
+    fastest_fitting: str | None = None  # the fastest that fits, noise or not
+    runner_up: str | None = None  # the next fastest that fits
+    noise: str | None = None  # why the pick's time against the runner-up's is noise
+    leanest: str | None = None  # when nothing fits: the candidate with the least peak
+    leanest_needs_bytes: float | None = None  # and the budget it needs
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def budget_decision(cands: dict[str, Candidate], budget: float | None, slack: float, context: float) -> BudgetDecision:
     """The decision for ``budget`` among the candidates that pass the quality check: the Pareto set, the
     largest peak that fits, the fitting candidates (fastest first) and the pick (``choose_for_budget``).
-    No pick when the pick's time against the runner-up is noise (``measure.timing_noise``: it does strictly
-    more counted work yet ran faster, or the median and P95 ratios disagree): the time does not separate
-    them. When nothing fits: the leanest candidate and the budget it needs."""
+    No pick when the pick's time against the runner-up is noise (``bench.timing.timing_noise``: it does
+    strictly more counted work yet ran faster, or the median and P95 ratios disagree): the time does not
+    separate them. When nothing fits: the leanest candidate and the budget it needs."""
     points = {n: (c.peak, c.median_s) for n, c in cands.items() if c.equal}
-    out = dict(budget_bytes=budget, slack=slack, context_bytes=context, max_peak_bytes=None,
-               pareto=pareto_front(points) if points else [], fitting=[], pick=None, fastest_fitting=None,
-               runner_up=None, noise=None, leanest=None, leanest_needs_bytes=None)
+    out = BudgetDecision(budget, slack, context, pareto_front(points) if points else [])
     if budget is None or not points:
         return out
-    out["max_peak_bytes"] = (budget - context) / (1 + slack)
-    out["fitting"] = sorted((n for n, (p, _) in points.items() if needed_bytes(p, slack, context) <= budget),
-                            key=lambda n: (points[n][1], points[n][0], n))
+    fitting = sorted((n for n, (p, _) in points.items() if needed_bytes(p, slack, context) <= budget),
+                     key=lambda n: (points[n][1], points[n][0], n))
+    out = dataclasses.replace(out, max_peak_bytes=(budget - context) / (1 + slack), fitting=fitting)
     pick = choose_for_budget(points, budget, slack, context)
     if pick is None:
         leanest = min(points, key=lambda n: (points[n][0], points[n][1], n))
-        return dict(out, leanest=leanest, leanest_needs_bytes=needed_bytes(points[leanest][0], slack, context))
-    runner = next((n for n in out["fitting"] if n != pick), None)  # the next fastest: "fitting" is in pick order
-    noise = runner and timing_noise(cands[pick].timing(), cands[runner].timing(), cands[pick].more_work(cands[runner]))
-    return dict(out, pick=None if noise else pick, fastest_fitting=pick, runner_up=runner, noise=noise or None)
+        return dataclasses.replace(out, leanest=leanest,
+                                   leanest_needs_bytes=needed_bytes(points[leanest][0], slack, context))
+    runner = next((n for n in fitting if n != pick), None)  # the next fastest: "fitting" is in pick order
+    noise = runner and timing_noise(cands[pick], cands[runner], cands[pick].more_work(cands[runner]))
+    return dataclasses.replace(out, pick=None if noise else pick, fastest_fitting=pick, runner_up=runner,
+                               noise=noise or None)
 
 
-def pick_text(d: dict) -> str:
+def pick_text(d: BudgetDecision) -> str:
     """A ``budget_decision`` in words: the pick; or the two the time does not separate; or what would fit."""
-    if d["pick"]:
-        return d["pick"]
-    if d["noise"]:
-        return (f"none: {d['fastest_fitting']} or {d['runner_up']}, the time does not separate them (the first "
-                f"against the second: {d['noise']})")
-    if d["leanest"]:
+    if d.pick:
+        return d.pick
+    if d.noise:
+        return (f"none: {d.fastest_fitting} or {d.runner_up}, the time does not separate them (the first "
+                f"against the second: {d.noise})")
+    if d.leanest:
         from bp_mech.book.report import fmt_bytes
 
-        need = fmt_bytes(d["leanest_needs_bytes"])
-        return f"none: nothing fits; the leanest, {d['leanest']}, needs {need} with the headroom"
-    return "none: no candidate passed the quality check" if d["budget_bytes"] is not None else "none: no budget"
-
-
-def plot_frontier(points: dict[str, tuple[int, float, float]], front: list[str], title: str,
-                  max_peak: float | None = None, pick: str | None = None):
-    """The memory–time plane: each candidate at (median step, peak), a whisker to its P95; the Pareto set
-    filled, named and joined; the others numbered (the key beside the plot); the largest peak that fits
-    the budget dashed; the pick ringed. ``points`` = {candidate: (peak bytes, median s, P95 s)}."""
-    from matplotlib.ticker import FormatStrFormatter
-
-    from bp_mech.book.plots import figure
-
-    fig, ax = figure(9.0, 4.6)
-    scale, unit = (2**30, "GiB") if max(p for p, _, _ in points.values()) >= 2**30 else (2**20, "MiB")
-    key = []
-    for name, (peak, med, p95) in points.items():
-        on = name in front
-        ax.errorbar([med * 1e3], [peak / scale], xerr=[[0], [max(p95 - med, 0) * 1e3]], fmt="o", capsize=3,
-                    color="C3" if on else "grey", mfc="C3" if on else "white", ms=7, zorder=3 if on else 2)
-        if not on:
-            key.append(f"{len(key) + 1}: {name}")
-        ax.annotate(name if on else str(len(key)), (med * 1e3, peak / scale), textcoords="offset points",
-                    xytext=(5, 5), fontsize=8 if on else 7, color="black" if on else "dimgrey")
-    by_time = front[::-1]  # the set's staircase: the least peak reachable within a step time
-    ax.step([points[n][1] * 1e3 for n in by_time], [points[n][0] / scale for n in by_time], where="post", color="C3",
-            lw=1, label="Pareto set")
-    if max_peak is not None:
-        ax.axhline(max_peak / scale, ls="--", color="C0", lw=1, label="largest peak that fits the budget")
-    if pick is not None:
-        ax.plot([points[pick][1] * 1e3], [points[pick][0] / scale], "o", ms=15, mfc="none", color="C0", label="pick")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    ax.tick_params(axis="x", which="minor", labelsize=7)
-    ax.set_xlabel("median step time (ms, log); whisker to P95")
-    ax.set_ylabel(f"peak ({unit})")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper right")
-    if key:
-        ax.text(1.02, 1.0, "dominated:\n" + "\n".join(key), transform=ax.transAxes, fontsize=7, va="top")
-    return fig
+        return f"none: nothing fits; the leanest, {d.leanest}, needs {fmt_bytes(d.leanest_needs_bytes)} with the headroom"
+    return "none: no candidate passed the quality check" if d.budget_bytes is not None else "none: no budget"

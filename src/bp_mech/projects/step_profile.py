@@ -1,11 +1,11 @@
 """Part 02 · 74 — the training step under ``torch.profiler``: trace, memory by category, operators.
 
-``profile_step`` runs the baseline full training step of a workload (forward, backward, AdamW
-update, ``zero_grad``: ``experiments.harness.train_step``'s work, in the order of
-``ledger_measure.train_step`` so that the traced window starts and ends without gradients) under
-``torch.profiler.profile`` with a wait/warmup/active schedule, ``profile_memory``,
-``record_shapes`` and ``with_stack``. Each phase is a ``record_function`` range, so the trace and
-the memory timeline can be cut at the ledger's stages.
+``profile_step`` runs the baseline full training step of a workload (the one ``bench.step.train_step``:
+forward, backward, AdamW update, ``zero_grad``, so the traced window starts and ends without gradients)
+under ``torch.profiler.profile`` with a wait/warmup/active schedule, ``profile_memory``,
+``record_shapes`` and ``with_stack``. ``record_phases``, an observer of the step, opens a
+``record_function`` range per phase, so the trace and the memory timeline can be cut at the ledger's
+stages.
 
 What it returns (``StepProfile``):
 
@@ -15,9 +15,9 @@ What it returns (``StepProfile``):
   optimizer state, input, temporary, activation, gradient, autograd detail, and ``unknown`` for
   allocations it cannot attribute), replayed from its event list (``category_timeline``), and
   its snapshot at each ledger stage (``stage_snapshots``);
-* the **operators by self time** (``operator_table``, from a second, lighter profile of several
-  steps: medians): CPU self time on the CPU, device (kernel) self time on CUDA, per step, with the
-  input shapes of the costliest variant.
+* the **operators by self time** (``projects.operators.operator_table``, from a second, lighter
+  profile of several steps: medians): CPU self time on the CPU, device (kernel) self time on CUDA, per
+  step, with the input shapes of the costliest variant.
 
 The memory profiler is reached through ``prof._memory_profile()``, the object torch's own (now
 deprecated) ``export_memory_timeline`` builds its plot from.
@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-MARK = "bp_mech::"  # prefix of the phase ranges (record_function) in the trace
-PHASES = ("forward", "backward", "optimizer", "zero_grad")  # the profiled step, in order
+from bp_mech.bench.step import PHASES  # noqa: F401  (re-exported: the profiled step's phases, in order)
+from bp_mech.projects.operators import MARK, operator_table, without_kineto_markers
 # the profiler's categories (torch.profiler._memory_profiler.Category, lower case) + what it cannot attribute
 CATEGORIES = ("parameter", "optimizer_state", "gradient", "activation", "autograd_detail", "temporary", "input",
               "unknown")
@@ -82,27 +80,19 @@ class StepProfile:
                     phases=[list(p) for p in self.phases], device=self.device)
 
 
-def profiled_step(model, opt, batch, device) -> torch.Tensor:
-    """One full training step with a ``record_function`` range per phase. On CUDA each phase ends
-    with a synchronize, so a phase's range covers its kernels and the live set at its end is settled."""
+def record_phases(device):
+    """An observer of ``train_step`` on ``device``: a ``record_function`` range per phase (``MARK`` + the
+    phase). On CUDA each phase ends with a synchronize, so a phase's range covers its kernels and the live
+    set at its end is settled."""
     cuda = torch.device(device).type == "cuda"
 
     @contextlib.contextmanager
-    def phase(name):
-        with torch.profiler.record_function(MARK + name):
+    def observe(phase: str, state):
+        with torch.profiler.record_function(MARK + phase):
             yield
             if cuda:
                 torch.cuda.synchronize(device)
-
-    with phase("forward"):
-        loss = model(**batch).loss  # the output (and its logits) is dropped here, as in the ledger
-    with phase("backward"):
-        loss.backward()
-    with phase("optimizer"):
-        opt.step()
-    with phase("zero_grad"):
-        opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return observe
 
 
 def live_by_category(events, categories: dict) -> tuple[list[int], list[dict[str, int]]]:
@@ -179,81 +169,6 @@ def stage_snapshots(times, states, ranges: dict[str, tuple[int, int]]) -> dict[s
     return out
 
 
-def _median(xs) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-def operator_table(events, device, top_n: int) -> tuple[list[dict], dict]:
-    """The aten operators by self time per step, from the events of a profile with one
-    ``ProfilerStep`` range per step: per operator the median over the steps (a shared machine may
-    preempt the thread inside any operator of any one step; the median leaves such a step out). CPU:
-    self CPU time; CUDA: self device (kernel) time. Returns the first ``top_n`` rows (name, calls per
-    step, self time per step in us, share of the step's summed self time, the input shapes that took
-    the most self time) and the step's medians: ``self_total_us`` (every event's self time), ``step_us``
-    (from its first phase's start to its last phase's end: a step's own range may also hold the
-    profiler's bookkeeping) and ``phase_us`` (each ``bp_mech::`` phase's duration)."""
-    from torch.autograd import DeviceType
-
-    attr = "self_cpu_time_total" if torch.device(device).type == "cpu" else "self_device_time_total"
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU)
-
-    def step_of(e):
-        return next((i for i, (s, t) in enumerate(steps) if s <= e.time_range.start <= t), None)
-
-    per_op: dict[str, list] = {}  # name -> per step [self us, calls]
-    totals, phases, shapes = [0.0] * len(steps), {p: [] for p in PHASES}, {}
-    spans = [[math.inf, -math.inf] for _ in steps]  # per step: first phase's start, last phase's end
-    for e in events:
-        # host-side events only: a kernel's time is in its launching operator's self device time (a
-        # kernel's own event, and a range's device-side copy, would count it twice)
-        i = step_of(e) if e.device_type == DeviceType.CPU else None
-        if i is None or e.name.startswith("ProfilerStep"):
-            continue
-        totals[i] += getattr(e, attr)  # a phase range's own self time: the Python between its operators
-        if e.name.startswith(MARK):
-            phases[e.name[len(MARK):]].append(e.time_range.end - e.time_range.start)
-            spans[i] = [min(spans[i][0], e.time_range.start), max(spans[i][1], e.time_range.end)]
-        elif e.name.startswith("aten::"):
-            row = per_op.setdefault(e.name, [[0.0, 0] for _ in steps])
-            row[i][0] += getattr(e, attr)
-            row[i][1] += 1
-            key = (e.name, str([list(x) for x in e.input_shapes if x]))
-            shapes[key] = shapes.get(key, 0.0) + getattr(e, attr)
-    total = _median(totals)
-    ops = sorted(((n, _median([x[0] for x in r]), _median([x[1] for x in r])) for n, r in per_op.items()),
-                 key=lambda o: -o[1])[:top_n]
-    rows = [dict(name=n, calls=calls, self_us=us, share=us / total if total else 0.0,
-                 shapes=max((k for k in shapes if k[0] == n), key=shapes.get)[1]) for n, us, calls in ops]
-    return rows, dict(self_total_us=total, step_us=_median([t - s for s, t in spans if t > s]),
-                      phase_us={p: _median(d) for p, d in phases.items()})
-
-
-@contextlib.contextmanager
-def without_kineto_markers():
-    """Kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line to the process's stderr (file
-    descriptor 2, past Python) at each profile; a notebook shows them as an error stream. Lines of that
-    form are dropped; anything else written to fd 2 meanwhile is passed on to ``sys.stderr``."""
-    import os
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryFile() as tmp:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            rest = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                    if not line.startswith("USDT:")]
-            if rest:
-                sys.stderr.write("".join(rest))
-
-
 def profile_step(w, device="cpu", cfg: ProfileConfig = ProfileConfig(), trace_path=None) -> StepProfile:
     """Profile steady-state training steps of workload ``w`` on ``device`` (CPU: one intra-op thread, the
     book's timing protocol), twice: ``cfg.active`` step(s) with memory, shapes and stacks on the
@@ -263,9 +178,10 @@ def profile_step(w, device="cpu", cfg: ProfileConfig = ProfileConfig(), trace_pa
     the first there."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from bp_mech.experiments.harness import LR
+    from bp_mech.bench.step import train_step
     from bp_mech.bench.timing import timing_threads
     from bp_mech.bench.workload import build_model, make_adamw, make_batches
+    from bp_mech.experiments.harness import LR
 
     cuda = torch.device(device).type == "cuda"
     model, batch = build_model(w, device), make_batches(w, 1, device=device)[0]
@@ -275,7 +191,7 @@ def profile_step(w, device="cpu", cfg: ProfileConfig = ProfileConfig(), trace_pa
     def run(steps, **options):
         with profile(activities=activities, record_shapes=True, **options) as prof:
             for _ in range(steps):
-                profiled_step(model, opt, batch, device)
+                train_step(model, opt, batch, observers=[record_phases(device)])
                 prof.step()
         return prof
 

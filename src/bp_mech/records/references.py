@@ -21,6 +21,7 @@ class SeedReference:
     peak_saving: float  # fraction by which the candidate lowered the peak (0.337 = 33.7 %)
     median_ratio: float  # candidate's median step / baseline's median step
     decision: str | None  # the seed's decision (accept | tune | reject), None where it gives none
+    strategy: str | None = None  # the book's strategy (bench.strategy name) it measured, None: not one strategy
     peak_is_upper_bound: bool = False  # the seed says "down up to" this much
     condition: str | None = None  # where the figures hold, e.g. "seq 256"
     note: str | None = None  # a further statement of the seed, e.g. about short sequences
@@ -51,16 +52,21 @@ class SeedReference:
 SEED: dict[str, SeedReference] = {r.semantic_id: r for r in [
     SeedReference("TRAIN-GRADIENT-ACCUMULATION", "seq 128 / 256", "micro-batch accumulation vs the full batch",
                   peak_saving=0.173, median_ratio=1.335, decision=None, peak_is_upper_bound=True,
-                  condition="seq 256", note="short sequences: decision tune"),
+                  condition="seq 256", note="short sequences: decision tune"),  # 2 and 4 micro-batches
     SeedReference("TRAIN-AMP-BACKWARD", "default14", "FP16 autocast vs FP32", peak_saving=0.107, median_ratio=1.0,
-                  decision=None),
+                  decision=None, strategy="fp16"),
     SeedReference("TRAIN-CHECKPOINT", "b2s512_default2", "gradient checkpointing vs plain saving",
-                  peak_saving=0.337, median_ratio=1.192, decision="accept"),
+                  peak_saving=0.337, median_ratio=1.192, decision="accept", strategy="checkpoint-all"),
     SeedReference("TRAIN-OFFLOAD", "b2s512_default1", "host offload vs GPU-resident", peak_saving=0.343,
-                  median_ratio=5.87, decision="tune"),
+                  median_ratio=5.87, decision="tune", strategy="offload"),
 ]}
 
 
 def seed_reference(semantic_id: str) -> SeedReference | None:
     """The seed's reference for an experiment, or None where the seed gives none."""
     return SEED.get(semantic_id)
+
+
+def for_strategy(name: str) -> SeedReference | None:
+    """The seed's reference that measured the strategy ``name``, or None."""
+    return next((r for r in SEED.values() if r.strategy == name), None)

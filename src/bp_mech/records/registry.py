@@ -5,19 +5,17 @@ project's is ``bp_mech.projects.<name>``) exposes:
 
 * ``CANDIDATES``: the arms of its fixed comparison (tuple of str);
 * ``run(ctx: RunContext) -> list[Record]``: run every candidate, one record each;
-* optionally ``plan(ctx) -> dict`` (extra lines for ``--mode dry_run``),
+* optionally ``dry_run(ctx) -> dict`` (extra lines for ``--mode dry_run``),
   ``conformance() -> ConformanceRow`` (its framework-conformance check) and ``OPTIONS`` (the
   ``ctx.options`` it reads), with ``check_options(ctx)`` (the CLI calls it before anything runs).
 
-The registry lists the IDs statically; a row whose module is not written yet is *planned*.
-The status of a row is computed from the modules, the chapter pages and the cached records,
-never typed.
+The registry lists the IDs statically. The status of a row is computed from the chapter pages and
+the cached records, never typed.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -54,19 +52,7 @@ class Experiment:
         return self.module.replace(".experiments.", ".")
 
     def load(self) -> ModuleType:
-        try:
-            return importlib.import_module(self.module)
-        except ModuleNotFoundError as e:
-            if e.name == self.module:
-                raise RegistryError(f"{self.semantic_id} is registered but not implemented yet ({self.module})") from None
-            raise
-
-    @property
-    def implemented(self) -> bool:
-        try:
-            return importlib.util.find_spec(self.module) is not None
-        except ModuleNotFoundError:  # its parent package (e.g. bp_mech.projects) does not exist yet
-            return False
+        return importlib.import_module(self.module)
 
 
 # GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76, then the projects 73, 74.
@@ -126,7 +112,7 @@ def by_number(number: str) -> Experiment:
 
 
 def gpu_suite() -> list[Experiment]:
-    return [e for e in EXPERIMENTS.values() if e.gpu and e.implemented]
+    return [e for e in EXPERIMENTS.values() if e.gpu]
 
 
 def _notifies(make: Callable) -> Callable:
@@ -206,15 +192,15 @@ def make_context(semantic_id: str, mode: str = "cpu", workload: str | Workload |
     return ctx
 
 
-def plan(ctx: RunContext) -> dict:
-    """What ``run`` would do, without touching a model."""
+def dry_run(ctx: RunContext) -> dict:
+    """What ``run`` would do, without touching a model (``--mode dry_run``)."""
     mod = ctx.experiment.load()
     out = dict(semantic_id=ctx.experiment.semantic_id, page=ctx.experiment.page, mode=ctx.mode,
                workload=ctx.workload.workload_id, model_id=ctx.workload.hub_id, model_source=ctx.workload.source,
                candidates=list(getattr(mod, "CANDIDATES", ())),
                evidence_if_run={"cpu": "cpu-mechanism", "real_gpu": "gpu-measured"})
-    if hasattr(mod, "plan"):
-        out.update(mod.plan(ctx))
+    if hasattr(mod, "dry_run"):
+        out.update(mod.dry_run(ctx))
     return out
 
 
@@ -253,9 +239,7 @@ class ConformanceRow:
 
 
 def status(e: Experiment, root: Path, results_dir: Path) -> str:
-    """Computed from the module, the chapter page and the cached records (valid, not stale)."""
-    if not e.implemented:
-        return "planned"
+    """Computed from the chapter page and the cached records (valid, not stale)."""
     if not (root / e.doc).exists():
         return "in progress (no chapter yet)"
     recs = [r for _, r in results.load_records(results_dir, e.semantic_id) if r.failure is None]

@@ -38,6 +38,7 @@ class Record:
     run_label: str  # e.g. cpu-default; a shrunken matrix gets its own label
     page: str  # e.g. "Part 02 · 09"
     candidate: str  # which arm of the fixed comparison
+    strategy: str | None = None  # the memory strategy its training steps ran (bench.strategy's name), None: none
     # workload
     model_id: str | None = None
     model_commit: str | None = None
@@ -45,7 +46,7 @@ class Record:
     tokenizer: str | None = None
     input_shape: list | None = None
     effective_batch: int | None = None
-    updates: int | None = None
+    updates: int | None = None  # optimizer steps that applied an update, over the arm's runs (metrics.updates_by_run)
     dtype: str | None = None
     seed: int | None = None
     # environment
@@ -61,13 +62,15 @@ class Record:
     output_error: float | None = None
     grad_error: float | None = None
     all_finite: bool | None = None
-    skipped_updates: int | None = None
-    update_count: int | None = None
+    skipped_updates: int | None = None  # optimizer steps whose update the fp16 scaler skipped
     # resources and performance
     peak_allocated: int | None = None  # bytes
     peak_reserved: int | None = None  # bytes
-    step_median_s: float | None = None
+    step_median_s: float | None = None  # by ``step_clock``: the thread's CPU time on the CPU, wall time on CUDA
     step_p95_s: float | None = None
+    step_clock: str | None = None  # "thread_time" | "wall" (bench.timing.CLOCKS)
+    wall_median_s: float | None = None  # the same steps by the wall clock
+    wall_p95_s: float | None = None
     warmup_excluded: int | None = None
     threads: int | None = None  # CPU intra-op threads inside the timed steps (None: CUDA, or not timed)
     timing_noise: str | None = None  # why the time ratio is noise and decides nothing (None: usable)

@@ -1,0 +1,232 @@
+"""The training step: one full update under a memory strategy, watched through its phases.
+
+Every measured step of the book is this one function (``train_step``): the experiments' timed and
+tracked steps, Part 02 · 43's ledger (``bench.lifecycle``), ``bp-mech plan``'s fake-tensor trace and
+the profiler of project 74. Its phases, in order::
+
+    for each micro-batch:  "forward"   (under the strategy's offload hooks and autocast)
+                           "backward"  (the loss scaled under fp16)
+    "optimizer"            (unscale and clip when asked, the optimizer's step through the scaler, the LR clock)
+    "zero_grad"            (set_to_none: the next step starts with no gradients)
+
+An *observer* is a callable ``observer(phase, state) -> context manager`` entered around each phase
+(``state``: a ``StepState``, the loss of the micro-batch once its forward has run): the ledger's
+storage tracker marks its stages there, the profiler opens a ``record_function`` range, a probe
+marks the live bytes. ``probe`` is the step without the update (loss and gradients from the current
+weights, for comparing strategies); ``optimizer_state`` lists the optimizer's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Sequence
+
+import torch
+
+from bp_mech.bench.counters import ForwardCounter, SavedBytesCounter
+from bp_mech.bench.strategy import PLAIN, Applied, Strategy, applied as enter_strategy
+from bp_mech.bench.tracking import PeakMemory
+from bp_mech.scheduler import UpdateClock, scaler_step
+from bp_mech.update_dynamics import global_grad_norm
+
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+@dataclass
+class StepState:
+    """What an observer sees of the step in progress."""
+
+    model: torch.nn.Module
+    opt: object  # the optimizer (None in a probe)
+    strategy: Strategy
+    applied: Applied  # the strategy entered on the model: offload hooks, scaler, transfer counts
+    micro: int = 0  # the micro-batch in progress (0 .. k - 1)
+    loss: torch.Tensor | None = None  # the micro-batch's loss, from the end of its forward to the end of its backward
+
+
+Observer = Callable[[str, StepState], ContextManager]
+
+
+@dataclass
+class StepResult:
+    """What one step gives back."""
+
+    loss: torch.Tensor  # detached: the batch's mean token loss (micro-batches: their token-weighted shares summed)
+    applied: bool  # the optimizer applied the update (False: the fp16 scaler skipped it, or no update was asked)
+    grad_norm: torch.Tensor | None = None  # with ``max_norm``: the total gradient norm before clipping (unscaled)
+    scale: float | None = None  # fp16: the loss scale the step's backward used
+
+
+@contextlib.contextmanager
+def _phase(name: str, state: StepState, observers: Sequence[Observer]):
+    with contextlib.ExitStack() as stack:
+        for observe in observers:
+            stack.enter_context(observe(name, state))
+        yield
+
+
+def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | None = None,
+               observers: Sequence[Observer] = (), update: bool = True, max_norm: float | None = None,
+               clock: UpdateClock | None = None) -> StepResult:
+    """One training step of ``model`` on ``batch`` under ``strategy``.
+
+    Args:
+        model: a causal LM whose ``model(**batch).loss`` is the mean token loss.
+        opt: its optimizer (None only with ``update=False``).
+        batch: ``input_ids`` and ``labels`` of shape (B, T); B must split into the strategy's micro-batches.
+        strategy: the memory strategy (``bench.strategy.Strategy``); default plain.
+        applied: the strategy already entered on ``model`` (``bench.strategy.applied``), to reuse across
+            steps (the offload's host pool, the scaler's state); None enters it for this one step.
+        observers: callables ``(phase, state) -> context manager`` entered around each phase (``PHASES``).
+        update: False stops after the backward (a probe): the gradients stay, unscaled under fp16.
+        max_norm: clip the total gradient norm to it, after unscaling (None: no clipping).
+        clock: an LR clock (``scheduler.UpdateClock``) advanced by every optimizer call, counting only the
+            updates that were applied.
+
+    Returns:
+        a ``StepResult``: the detached loss, whether the update was applied, the pre-clip norm, the scale.
+
+    Gradients an earlier call left (a probe, a user's own backward) are dropped first: every step starts
+    from none, as the zero_grad that ends each step leaves it.
+    """
+    if applied is None:
+        device = next(model.parameters()).device
+        with enter_strategy(model, strategy, device) as entered:
+            return train_step(model, opt, batch, strategy, applied=entered, observers=observers, update=update,
+                              max_norm=max_norm, clock=clock)
+    if applied.strategy != strategy or applied.model is not model:
+        raise ValueError(f"applied is {applied.strategy.name!r} on another model; train_step was asked for "
+                         f"{strategy.name!r}")
+    if update and opt is None:
+        raise ValueError("a step that updates needs an optimizer")
+    k, rows = strategy.micro_batches, batch["input_ids"].shape[0]
+    if rows % k:
+        raise ValueError(f"accumulation needs micro_batches ({k}) to divide the batch ({rows})")
+    model.zero_grad(set_to_none=True)
+    scaler, state = applied.scaler, StepState(model, opt, strategy, applied)
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    applied.d2h_bytes = applied.h2d_bytes = 0
+    losses = []
+    with applied.micro_batches(batch) as micro:
+        for i, mb in enumerate(micro):
+            state.micro = i
+            with _phase("forward", state, observers):
+                with applied.forward():
+                    state.loss = model(**mb).loss  # the outputs (the logits, when they exist) are dropped here
+            with _phase("backward", state, observers):
+                scaler.scale(state.loss).backward()
+                applied.count_transfers()  # the hooks' counters cover the last forward and its backward
+            losses.append(state.loss.detach())
+            state.loss = None
+    loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+    if not update:
+        if scale is not None:  # the true gradients, as GradScaler.unscale_ gives them (the scale is a power of 2)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / scale)
+        return StepResult(loss, False, None, scale)
+    norm = None
+    with _phase("optimizer", state, observers):
+        if max_norm is not None:
+            scaler.unscale_(opt)  # BEFORE clipping: max_norm is in the units of the true gradient
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if scaler.is_enabled():
+            done = scaler_step(scaler, opt)  # skipped (scale backed off) when a gradient is inf/NaN
+        else:
+            opt.step()
+            done = True
+        if clock is not None:
+            clock.step(done)
+    with _phase("zero_grad", state, observers):
+        opt.zero_grad(set_to_none=True)
+    return StepResult(loss, done, norm, scale)
+
+
+def optimizer_state(opt) -> list[torch.Tensor]:
+    """Every tensor of the optimizer's state (AdamW: each parameter's exp_avg, exp_avg_sq and step)."""
+    return [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+
+
+@dataclass
+class Probe:
+    """One step without the update: what the timed steps do not show."""
+
+    loss: float
+    grads: list  # a copy of every parameter's gradient (None where it has none), on the device
+    grad_norm: float  # the total gradient norm, float64
+    finite: bool  # loss and every gradient finite (a NaN or inf anywhere makes the norm one)
+    calls: dict[str, list[int]]  # forward calls per decoder layer of "layer", "attn", "mlp" (recomputes included)
+    recomputes: int  # sublayer (attention, MLP) forwards beyond one per micro-batch
+    held_after_forward: int  # live bytes the forward added (allocator on CUDA, tracked storages on the CPU)
+    saved_bytes: int  # bytes autograd saved outside any other saved-tensor hooks (offload, checkpointing)
+    saved_tensors: int  # tensors it saved there
+
+
+def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | None = None, device=None,
+          observers: Sequence[Observer] = ()) -> Probe:
+    """The step without the update on the current weights: loss, gradients, forward calls, saved bytes.
+
+    No update: every strategy's probe from the same weights gives loss and gradients that compare with
+    the plain one exactly. The gradients are copied (on the device) and cleared.
+    """
+    device = torch.device(device or next(model.parameters()).device)
+    marks = PeakMemory(device, resident=[model.parameters()])
+    counter = SavedBytesCounter(model.parameters())
+
+    @contextlib.contextmanager
+    def watch(phase, state):
+        if phase != "forward":
+            yield
+            return
+        marks.mark("start")
+        with counter:  # outermost: the offload's and checkpointing's own hooks, inside it, win
+            yield
+        marks.mark("after_forward")
+
+    with ForwardCounter(model) as fc, marks:
+        r = train_step(model, None, batch, strategy, applied=applied, observers=(watch, *observers), update=False)
+    grads = [p.grad for p in model.parameters()]
+    norm = global_grad_norm(grads, dtype=torch.float64).item()
+    copies = [None if g is None else g.detach().clone() for g in grads]
+    model.zero_grad(set_to_none=True)
+    k, loss = strategy.micro_batches, r.loss.item()
+    recomputes = sum(n - k for part in ("attn", "mlp") for n in fc.calls[part] if n)
+    return Probe(loss, copies, norm, math.isfinite(loss) and math.isfinite(norm), fc.calls, recomputes,
+                 marks.marks["after_forward"] - marks.marks["start"], counter.bytes, counter.tensors)
+
+
+# --- how the step is run, beyond the strategy ------------------------------------------------------
+
+ADAMW_IMPLS = ("fused", "foreach")  # AdamW implementations (torch.optim.AdamW's flags)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step is run besides its memory strategy: the optimizer and the offload's threshold."""
+
+    adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
+    offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
+    lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+
+    def __post_init__(self):
+        if self.adamw not in (None, *ADAMW_IMPLS):
+            raise ValueError(f"unknown AdamW implementation {self.adamw!r}; known: {', '.join(ADAMW_IMPLS)}")
+
+    def for_device(self, device) -> "StepOptions":
+        """These options with their defaults resolved for ``device``: ``make_adamw``'s AdamW (fused on
+        CUDA, foreach on the CPU) and Part 02 · 42's ``offload.min_bytes``."""
+        from bp_mech.offload import min_bytes
+
+        cuda = torch.device(device).type == "cuda"
+        return dataclasses.replace(
+            self, adamw=self.adamw or ("fused" if cuda else "foreach"),
+            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes)
+
+
+def make_optimizer(params, options: StepOptions, device) -> torch.optim.AdamW:
+    """AdamW of ``options.for_device(device).adamw`` at ``options.lr``."""
+    impl = options.for_device(device).adamw
+    return torch.optim.AdamW(params, lr=options.lr, **{impl: True})
