@@ -104,3 +104,27 @@ def hooked_probe(model, batch, hooks=None):
 
     s = PLAIN if hooks is None else Strategy(offload=True)
     return probe(model, batch, s, applied=Applied(model, s, "cpu", hooks=hooks))
+
+
+def one_error_line(capsys) -> str:
+    """The one line a refused command wrote to stderr (and no traceback)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+def gpu_suite_ids() -> list[str]:
+    """The semantic ids of the GPU suite, in its order."""
+    from bp_mech.records import registry
+
+    return [e.semantic_id for e in registry.gpu_suite()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random-init Qwen2 (``tiny-b2s32``) and two batches, built once per test module."""
+    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+
+    w = parse_workload("tiny-b2s32")
+    return build_model(w), make_batches(w, 2)

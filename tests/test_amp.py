@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from bp_mech import amp
-from bp_mech.records import registry
 from bp_mech.amp import DynamicLossScaler, unscale_and_clip_
 from bp_mech.checks import ex_amp
 

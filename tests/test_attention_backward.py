@@ -9,28 +9,28 @@ import types
 import pytest
 import torch
 
-from bp_mech import attention_backward
+from bp_mech import attention_backward, attention_framework, attention_strategies
 from bp_mech.experiments import attention_backward as experiment
 from bp_mech.bench.tracking import PeakMemory
 from bp_mech.checks import ex10
 
-CFG = attention_backward.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
+CFG = attention_strategies.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
 
 
 def test_both_strategies_match_autograd_float64_and_sdpa_float32():
     errs = experiment.errors(CFG, 21)  # 21: the last tile is short
-    for name in attention_backward.STRATEGIES:
+    for name in attention_strategies.STRATEGIES:
         assert max(errs[name]["float64_vs_autograd"].values()) <= experiment.TOL64, errs[name]
         assert max(errs[name]["float32_vs_sdpa"].values()) <= experiment.TOL32, errs[name]
         assert errs[name]["finite"]
 
 
-@pytest.mark.parametrize("strategy", list(attention_backward.STRATEGIES))
+@pytest.mark.parametrize("strategy", list(attention_strategies.STRATEGIES))
 def test_hand_attention_gradcheck(strategy):
     """Finite differences, independent of any autograd formula (RoPE, GQA, mask, scale)."""
-    cfg = attention_backward.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
+    cfg = attention_strategies.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
     (q, k, v, cos, sin), _ = experiment.make_inputs(cfg, 5, torch.float64, seed=3)
-    fn = attention_backward.attention_fn(strategy, cfg.block)
+    fn = attention_framework.attention_fn(strategy, cfg.block)
     assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, cos, sin),
                                     [t.requires_grad_() for t in (q, k, v)])
 
@@ -50,11 +50,11 @@ def test_rope_tables_match_transformers():
 
 
 def test_saved_bytes_match_formula_and_grow_as_claimed():
-    cfg = attention_backward.AttnConfig.from_arch("tiny", 1)
+    cfg = attention_strategies.AttnConfig.from_arch("tiny", 1)
     Ts = (64, 128, 256)
     swept = experiment.sweep_saved_bytes(cfg, Ts)
-    for s in attention_backward.STRATEGIES:
-        assert [swept[s][T] for T in Ts] == [attention_backward.saved_bytes_formula(cfg, T, s) for T in Ts]
+    for s in attention_strategies.STRATEGIES:
+        assert [swept[s][T] for T in Ts] == [attention_strategies.saved_bytes_formula(cfg, T, s) for T in Ts]
     rec, probs = swept["recompute"], swept["saved_probs"]
     assert rec[128] == 2 * rec[64] and rec[256] == 2 * rec[128]  # linear in T
     quad = cfg.batch * cfg.heads * 4  # bytes per T^2 of P (float32)
@@ -75,23 +75,23 @@ def test_saved_bytes_counts_each_storage_once():
             return g * 2
 
     x = torch.zeros(10)
-    assert attention_backward.saved_bytes(lambda q, k, v: Twice.apply(q), (x, x, x)) == 40
+    assert attention_strategies.saved_bytes(lambda q, k, v: Twice.apply(q), (x, x, x)) == 40
 
 
 def test_recompute_never_holds_a_full_score_matrix():
-    cfg = attention_backward.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
+    cfg = attention_strategies.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
     T = 512  # long enough that one (H, T, T) matrix outweighs all the (H, T, d) tensors
     inputs, dO = experiment.make_inputs(cfg, T, torch.float32)
     full = cfg.batch * cfg.heads * T * T * 4
     peaks = {}
-    for s in attention_backward.STRATEGIES:
+    for s in attention_strategies.STRATEGIES:
         with PeakMemory("cpu") as pm:
-            experiment.grads(attention_backward.attention_fn(s, cfg.block), inputs, dO)
+            experiment.grads(attention_framework.attention_fn(s, cfg.block), inputs, dO)
         peaks[s] = pm.peak.allocated
     assert peaks["recompute"] < full / 4 < full <= peaks["saved_probs"], peaks
 
 
-@pytest.mark.parametrize("strategy", list(attention_backward.STRATEGIES))
+@pytest.mark.parametrize("strategy", list(attention_strategies.STRATEGIES))
 def test_whole_qwen2_attention_layer(strategy):
     assert experiment.qwen2_module_error(strategy, T=40, block=16) <= experiment.TOL_MODULE
 
@@ -112,7 +112,7 @@ def test_eager_qwen2_attention_with_explicit_mask():
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     with torch.no_grad():
-        y, dx, g = attention_backward.qwen2_attention_backward(x, attn, cos, sin, dy, "recompute", block=4)
+        y, dx, g = attention_framework.qwen2_attention_backward(x, attn, cos, sin, dy, "recompute", block=4)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx, x.grad, atol=1e-5, rtol=1e-5)
     for n, p in attn.named_parameters():

@@ -18,14 +18,7 @@ from bp_mech.bench import counters
 from bp_mech.bench.compare import compare
 from bp_mech.bench.step import probe
 from bp_mech.bench.strategy import configured, parse
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
 from bp_mech.checks import ex19
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    w = parse_workload("tiny-b2s32")
-    return build_model(w), make_batches(w, 2)
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,10 @@ from bp_mech import checkpointing, offload
 from bp_mech.bench import counters
 from bp_mech.bench.compare import compare
 from bp_mech.bench.tracking import PeakMemory
-from bp_mech.bench.workload import build_model, make_batches, parse_workload, qwen2_config
+from bp_mech.bench.workload import qwen2_config
 from conftest import hooked_probe, hooked_step
 
 MIN = offload.CPU_MIN_BYTES
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    w = parse_workload("tiny-b2s32")
-    return build_model(w), make_batches(w, 2)
 
 
 def _count_saved(model, batch, setup="plain") -> counters.SavedBytesCounter:

@@ -10,16 +10,9 @@ import torch
 
 from bp_mech import checkpointing, offload
 from bp_mech.bench.compare import compare
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
 from conftest import hooked_probe, hooked_step
 
 MIN = offload.CPU_MIN_BYTES
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    w = parse_workload("tiny-b2s32")
-    return build_model(w), make_batches(w, 2)
 
 
 # --- the CUDA stream protocol, simulated on the CPU -------------------------------------

@@ -1,17 +1,29 @@
 """bp_mech: backpropagation and the training mechanisms of LLMs, measured.
 
-The package follows the book, one concept per module:
+The package follows the book. Read it in this order:
 
-* ``bp_mech.<mechanism>``: what a chapter teaches (``local_backward``, ``attention_backward``,
-  ``accumulation``, ``scheduler``, ``amp``, ``checkpointing``, ``offload``, ``ledger``,
-  ``update_dynamics``), what the exercise answers re-export;
-* ``bp_mech.experiments.<mechanism>``: that chapter's experiment (candidates, plan, decision rule,
-  records), all on ``bp_mech.experiments.harness``;
-* shared tools: ``workload`` (models, text, batches), ``measure`` (the timing protocol, the OOM
-  guard), ``tracking`` (the storage tracker, ``PeakMemory``), ``counters`` (forward calls, saved
-  tensors), ``results`` (the record), ``provenance`` (code hash, commit), ``registry`` (the IDs and
-  ``chapter_map``: chapter -> mechanism -> experiment -> exercise -> tests), ``environment``,
-  ``report`` and ``plots`` (what the chapters show), ``cli``.
+1. **The mechanisms** (``bp_mech.<mechanism>``): what a chapter teaches, and what the exercise
+   answers re-export. Part 02 · 09 ``local_backward``; 10 ``attention_backward`` (with
+   ``attention_strategies``, ``attention_framework``); 11 ``accumulation`` and ``chunked_loss``;
+   12 ``scheduler``; AMP ``amp`` and ``loss_scaling``; 19 ``checkpointing``; 42 ``offload`` and
+   ``host_memory``; 43 ``ledger`` and ``state_bytes``; 55 ``update_dynamics``; 56
+   ``continual_pretrain`` (with ``continual_data``, ``continual_eval``) and ``training_state`` (with
+   ``state_format``). Each backward sits beside its forward; each memory strategy is a context
+   manager with an off switch.
+2. **The bench** (``bp_mech.bench``): the workload, the one training step (``bench.step.train_step``)
+   with its phase observers, strategies by name (``bench.strategy``), timing, memory tracking,
+   counters, comparisons.
+3. **The experiments** (``bp_mech.experiments``): one per chapter, all on ``experiments.harness``
+   (same-weights and own-weights arms), ``decision`` (the strategies' rule) and ``dry_run``.
+4. **The projects** (``bp_mech.projects``): 73 baseline, 74 profiling and diagnosis, 76 memory strategy.
+5. **The planner** (``bp_mech.planner``): ``bp-mech plan``.
+6. **The records** (``bp_mech.records``): the record, its provenance, the registry of experiments.
+7. **The book's helpers** (``bp_mech.book``) and the **exercise checks** (``bp_mech.checks``,
+   ``bp-mech check``); ``cli`` ties them together.
+
+Imports run down these layers, never up, and form no cycle (tests/test_layers.py): the instruments
+the mechanisms measure with (``bench.workload``, ``bench.tracking``, ``bench.counters``), the
+mechanisms, the rest of the bench, records, experiments, planner, projects, book, checks, cli.
 """
 
 from pathlib import Path

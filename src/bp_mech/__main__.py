@@ -1,5 +1,8 @@
+"""``python -m bp_mech``: the command line (``bp_mech.cli``)."""
+
 import sys
 
 from bp_mech.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,6 +37,27 @@ def padded_batches(w: Workload, n: int, micro_max: int, max_pad: float) -> list[
     Row r keeps its first T - p_r tokens (p_r < max_pad * T); the rest become PAD_ID inputs
     with label -100, so micro-batches hold different numbers of target tokens. Right padding
     under a causal mask never changes a real token's logits, so no attention mask is needed.
+    The padding is drawn from a generator seeded with ``w.seed + 11``: the same call gives the
+    same batches.
+
+    Args:
+        w: the workload; ``w.batch`` is the smallest micro-batch, ``w.seq`` is T.
+        n: number of effective batches.
+        micro_max: the largest number of micro-batches the batches will be split into
+            (E = w.batch * micro_max rows, so every k dividing micro_max splits evenly).
+        max_pad: the largest padded fraction of a row, in [0, 1); at most T - 2 tokens are padded,
+            so every row keeps at least one target.
+
+    Returns:
+        A list of ``n`` dicts with ``input_ids`` and ``labels``, each a long tensor of shape (E, T).
+
+    Example:
+        >>> from bp_mech.bench.workload import parse_workload
+        >>> b = padded_batches(parse_workload("tiny-b1s8"), 1, micro_max=2, max_pad=0.5)[0]
+        >>> b["input_ids"].shape, b["labels"].shape
+        (torch.Size([2, 8]), torch.Size([2, 8]))
+        >>> bool(((b["labels"] == -100) == (b["input_ids"] == PAD_ID)).all())  # padding = ignored labels
+        True
     """
     E, T = w.batch * micro_max, w.seq
     g = torch.Generator().manual_seed(w.seed + 11)
@@ -50,7 +71,27 @@ def padded_batches(w: Workload, n: int, micro_max: int, max_pad: float) -> list[
 
 
 def split(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
-    """k micro-batches along the batch dimension, in order. Raises ValueError if E % k."""
+    """k micro-batches along the batch dimension, in order.
+
+    Args:
+        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing dimensions).
+        k: number of micro-batches, >= 1.
+
+    Returns:
+        A list of k dicts with the same keys; micro-batch j holds rows j E/k to (j + 1) E/k - 1,
+        each tensor of shape (E/k, ...) (views, not copies).
+
+    Raises:
+        ValueError: if k < 1 or E is not divisible by k.
+
+    Example:
+        >>> b = {"input_ids": torch.arange(8).view(4, 2)}
+        >>> [mb["input_ids"][:, 0].tolist() for mb in split(b, 2)]
+        [[0, 2], [4, 6]]
+        >>> split(b, 3)
+        Traceback (most recent call last):
+        ValueError: cannot split a batch of 4 sequences into 3 equal micro-batches
+    """
     E = batch["input_ids"].shape[0]
     if k < 1 or E % k:
         raise ValueError(f"cannot split a batch of {E} sequences into {k} equal micro-batches")
@@ -60,15 +101,41 @@ def split(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor
 # --- the loss and the accumulated update (from scratch) --------------------------------
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Next-token targets that count: labels[:, 1:] != -100 (position t predicts t + 1)."""
+    """Next-token targets that count: labels[:, 1:] != -100 (position t predicts t + 1).
+
+    Args:
+        labels: shape (B, T), long, -100 where a position is not a target.
+
+    Returns:
+        A 0-dim integer tensor, the number of targets (0 when there is none).
+
+    Example:
+        >>> int(count_targets(torch.tensor([[5, 6, 7], [8, 9, -100]])))  # label 0 of a row is no target
+        3
+    """
     return (labels[..., 1:] != IGNORE).sum()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies (at least float32). logits (B, T, V), labels (B, T).
+    """Sum of next-token cross-entropies, S = sum_t -log softmax(logits[b, t])[labels[b, t + 1]].
 
     Shifts the labels (pad one -100 on the right) instead of slicing the logits, so the
     (B, T, V) logits are never copied — the same trick as Transformers' ForCausalLMLoss.
+
+    Args:
+        logits: shape (B, T, V); float64, float32, bfloat16 or float16.
+        labels: shape (B, T), long, -100 where a position is not a target.
+
+    Returns:
+        A 0-dim tensor, differentiable with respect to the logits, in at least float32 (16-bit logits
+        are upcast, float64 stays float64); 0 when there is no target.
+
+    Example:
+        >>> logits = torch.zeros(1, 3, 4)  # uniform: each target costs log 4
+        >>> round(token_loss_sum(logits, torch.tensor([[1, 2, 3]])).item(), 4)  # 2 targets: 2 log 4
+        2.7726
+        >>> token_loss_sum(logits.bfloat16(), torch.tensor([[1, 2, 3]])).dtype
+        torch.float32
     """
     shifted = shifted_targets(labels)  # (B, T)
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # float64 stays
@@ -80,7 +147,23 @@ def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int, norm: st
 
     norm="token": loss_j = S_j / N (N = targets of the whole batch); sum_j loss_j is the
     full-batch mean. norm="naive": loss_j = (S_j / n_j) / k, the mean of micro-batch means.
-    Returns the accumulated loss (detached), the value a training log would show.
+    The gradients add into ``.grad`` (zero it before, as before any update).
+
+    Args:
+        model: a causal LM; ``model(input_ids=...)`` returns an object with ``.logits`` (B, T, V).
+        batch: ``input_ids`` and ``labels``, long tensors of shape (E, T); E divisible by k.
+        k: number of micro-batches.
+        norm: "token" or "naive"; anything else raises ValueError.
+
+    Returns:
+        The accumulated loss (a detached 0-dim tensor), the value a training log would show.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> w = parse_workload("tiny-b4s8"); model = build_model(w); batch = make_batches(w, 1)[0]
+        >>> full = accumulated_backward(model, batch, k=1)
+        >>> torch.allclose(accumulated_backward(model, batch, k=2), full)  # token-weighted: the same loss
+        True
     """
     if norm not in ("token", "naive"):
         raise ValueError(f"unknown normalisation {norm!r}")
@@ -107,6 +190,23 @@ def token_weighted(batch: dict[str, torch.Tensor], k: int):
     tokens of the whole batch, so that ``model(**mb).loss`` is Transformers' S_j / N and the gradients
     the k backward passes add up are the full batch's (token-weighted). k == 1: off,
     ``nullcontext([batch])``: the batch as it is, with the model's own mean loss.
+
+    Args:
+        batch: ``input_ids`` and ``labels`` (and any other model inputs), tensors of shape (E, ...).
+        k: number of micro-batches, >= 1; E divisible by k.
+
+    Returns:
+        A context manager whose ``with ... as mbs`` value is the list of micro-batch dicts to
+        run forward/backward on, in order.
+
+    Example:
+        >>> batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": torch.ones(4, 3, dtype=torch.long)}
+        >>> with token_weighted(batch, 2) as mbs:
+        ...     [(mb["input_ids"].shape[0], int(mb["num_items_in_batch"])) for mb in mbs]
+        [(2, 8), (2, 8)]
+        >>> with token_weighted(batch, 1) as mbs:
+        ...     mbs[0] is batch
+        True
     """
     if k == 1:
         return contextlib.nullcontext([batch])
@@ -114,7 +214,20 @@ def token_weighted(batch: dict[str, torch.Tensor], k: int):
 
 
 def snapshot(tensors) -> list[torch.Tensor]:
-    """Copies on the tensors' own device (a GPU run never round-trips 2 GB through the host)."""
+    """Copies on the tensors' own device (a GPU run never round-trips 2 GB through the host).
+
+    Args:
+        tensors: an iterable of tensors (for example ``p.grad for p in model.parameters()``).
+
+    Returns:
+        A list of detached clones, in order, each with its tensor's shape, dtype and device.
+
+    Example:
+        >>> t = torch.ones(2, requires_grad=True)
+        >>> s = snapshot([t * 2])
+        >>> s[0].tolist(), s[0].requires_grad
+        ([2.0, 2.0], False)
+    """
     return [t.detach().clone() for t in tensors]
 
 
@@ -125,8 +238,26 @@ def accelerate_updates(model, init: dict, batches, k: int, lr: float) -> list[to
 
     ``model(..., labels=, num_items_in_batch=N)`` returns S_j / N (Transformers' token-weighted
     loss); ``accelerator.backward`` divides by gradient_accumulation_steps, so it gets k S_j / N.
-    The prepared optimizer steps (and zeroes) only on every k-th micro-batch. Returns the first
-    update's gradient; the model holds the parameters after the last update.
+    The prepared optimizer steps (and zeroes) only on every k-th micro-batch. Runs on the CPU
+    (``Accelerator(cpu=True)``) with ``make_adamw``'s AdamW.
+
+    Args:
+        model: a Transformers causal LM (its forward takes ``labels`` and ``num_items_in_batch``).
+        init: a state dict loaded into ``model`` first, so that runs start from the same weights.
+        batches: effective batches (``input_ids`` and ``labels`` of shape (E, T)), one update each.
+        k: micro-batches per update (gradient_accumulation_steps); E divisible by k.
+        lr: AdamW's learning rate.
+
+    Returns:
+        The first update's gradient, one tensor per parameter in ``model.parameters()`` order; the
+        model holds the parameters after the last update.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> w = parse_workload("tiny-b2s8"); model = build_model(w)
+        >>> g = accelerate_updates(model, model.state_dict(), make_batches(w, 1), k=2, lr=1e-3)
+        >>> [x.shape for x in g] == [p.shape for p in model.parameters()]
+        True
     """
     from accelerate import Accelerator
 

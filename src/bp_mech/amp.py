@@ -10,13 +10,14 @@ gradients by S before the update (``unscale_``), and
 * skips ``optimizer.step()`` when any unscaled gradient is inf/NaN, and backs off S *= 0.5;
 * after ``growth_interval`` consecutive finite steps grows S *= 2 (if the result is finite).
 
-``DynamicLossScaler`` is that rule in plain Python. Clipping comes *after* ``unscale_``: the
-threshold is in the units of the true gradient (``unscale_and_clip_``, with Part 02 · 55's global
-norm); ``clipping_order`` shows what clipping the still-scaled gradients does to AdamW's updates.
-BF16 has float32's 8-bit exponent, so it needs no scaler; it rounds harder (8-bit significand). A
-skipped step changes no parameter and must not advance the LR clock (Part 02 · 12, ``UpdateClock``).
-``AmpTrainer`` puts the pieces together with the framework's tools. The experiment (FP32 against FP16
-and BF16, the overflow sample, records, decision) is ``bp_mech.experiments.amp``.
+``DynamicLossScaler`` is that rule in plain Python (it lives in ``bp_mech.loss_scaling``; this module
+re-exports it). Clipping comes *after* ``unscale_``: the threshold is in the units of the true gradient
+(``unscale_and_clip_``, with Part 02 · 55's global norm); ``clipping_order`` shows what clipping the
+still-scaled gradients does to AdamW's updates. BF16 has float32's 8-bit exponent, so it needs no scaler;
+it rounds harder (8-bit significand). A skipped step changes no parameter and must not advance the LR
+clock (Part 02 · 12, ``UpdateClock``). ``AmpTrainer`` puts the pieces together with the framework's
+tools. The experiment (FP32 against FP16 and BF16, the overflow sample, records, decision) is
+``bp_mech.experiments.amp``.
 """
 
 from __future__ import annotations
@@ -30,44 +31,10 @@ import torch
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
 from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
 from bp_mech.bench.workload import make_adamw
+from bp_mech.loss_scaling import DynamicLossScaler
 
-
-class DynamicLossScaler:
-    """``torch.amp.GradScaler``'s update rule (``_amp_update_scale_``) in plain Python.
-
-    Same constructor arguments as GradScaler. State: ``scale`` (S, the loss is multiplied
-    by it before backward) and ``growth_tracker`` (finite steps since the last overflow or
-    growth). GradScaler keeps S in a float32 tensor, so every new S is rounded to float32 and a
-    growth is refused when the float32 result is inf: with growth factor 2, S stops at 2^127
-    (2^128 is finite as a Python float, but not in float32).
-    """
-
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
-        self.scale = self.float32(init_scale)
-        self.growth_factor = growth_factor  # S *= growth_factor after growth_interval finite steps
-        self.backoff_factor = backoff_factor  # S *= backoff_factor on a step with inf/NaN gradients
-        self.growth_interval = growth_interval
-        self.growth_tracker = 0
-
-    @staticmethod
-    def float32(x: float) -> float:
-        """``x`` rounded to float32 (inf past its largest value, about 3.4e38), as a Python float."""
-        return torch.tensor(x, dtype=torch.float64).float().item()
-
-    def update(self, found_inf: bool) -> bool:
-        """Advance one step; returns True when ``optimizer.step()`` must be skipped."""
-        if found_inf:
-            self.scale = self.float32(self.scale * self.backoff_factor)
-            self.growth_tracker = 0
-            return True
-        self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
-            grown = self.float32(self.scale * self.growth_factor)  # in float32, as GradScaler's kernel
-            if math.isfinite(grown):
-                self.scale = grown
-            self.growth_tracker = 0
-        return False
+__all__ = ["DynamicLossScaler", "unscale_and_clip_", "autocast", "autocast_dtypes", "AmpTrainer",  # public names
+           "CLIP_DEMO_MAX_NORM", "CLIP_DEMO_UPDATES", "clipping_order"]  # (DynamicLossScaler: re-exported)
 
 
 def _clip_coef(norm: float, max_norm: float, eps: float = 1e-6) -> float:
@@ -78,9 +45,24 @@ def _clip_coef(norm: float, max_norm: float, eps: float = 1e-6) -> float:
 def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
     """In place: g <- g / S, then clip by the *unscaled* total norm (as clip_grad_norm_).
 
-    Returns ``(total_norm, clip_coef, found_inf)`` with total_norm = ||(g_1/S, ..., g_n/S)||_2
-    and clip_coef = min(1, max_norm / (total_norm + eps)). Nothing is clipped when a gradient
-    is inf/NaN: that step is skipped anyway.
+    Nothing is clipped when a gradient is inf/NaN: that step is skipped anyway.
+
+    Args:
+        grads: the gradients of a step, scaled by S; modified in place.
+        scale: S, the loss scale of that step.
+        max_norm: the clip threshold, in the units of the true (unscaled) gradient.
+        eps: added to the norm in the clip coefficient, as ``clip_grad_norm_``.
+
+    Returns:
+        ``(total_norm, clip_coef, found_inf)`` with total_norm = ||(g_1/S, ..., g_n/S)||_2 (a float),
+        clip_coef = min(1, max_norm / (total_norm + eps)) (1.0 when found_inf) and found_inf True
+        when the norm is inf/NaN.
+
+    Example:
+        >>> g = [torch.tensor([300.0, 400.0])]  # S = 100: the true gradient (3, 4) has norm 5
+        >>> total, coef, found_inf = unscale_and_clip_(g, scale=100.0, max_norm=1.0)
+        >>> round(total, 4), round(coef, 4), found_inf, [round(x, 4) for x in g[0].tolist()]
+        (5.0, 0.2, False, [0.6, 0.8])
     """
     for g in grads:
         g.mul_(1.0 / scale)
@@ -94,12 +76,43 @@ def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, 
 
 
 def autocast(device_type: str, low: torch.dtype | None):
-    """``torch.autocast`` to ``low``, or ``nullcontext()`` for plain FP32."""
+    """``torch.autocast`` to ``low``, or ``nullcontext()`` for plain FP32.
+
+    Args:
+        device_type: "cpu" or "cuda" (``torch.device(device).type``).
+        low: the 16-bit dtype (``torch.float16`` or ``torch.bfloat16``), or None for FP32.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> with autocast("cpu", torch.bfloat16):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+    """
     return contextlib.nullcontext() if low is None else torch.autocast(device_type, dtype=low)
 
 
 def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | None) -> dict[str, str]:
-    """Output dtype per module type in one forward under ``autocast`` (what runs in 16 bits)."""
+    """Output dtype per module type in one forward under ``autocast`` (what runs in 16 bits).
+
+    Args:
+        model: a Transformers model; ``model(**batch)`` returns ``.logits`` and ``.loss``.
+        batch: its inputs (``input_ids`` and ``labels``).
+        device_type: "cpu" or "cuda".
+        low: the autocast dtype, or None for FP32.
+
+    Returns:
+        Module class name (plus "(logits)" and "(loss)") -> the dtypes its outputs had,
+        without "torch." and joined by "/" when several.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> w = parse_workload("tiny-b1s8")
+        >>> d = autocast_dtypes(build_model(w), make_batches(w, 1)[0], "cpu", torch.bfloat16)
+        >>> d["Linear"], d["Qwen2RMSNorm"], d["(loss)"]
+        ('bfloat16', 'float32', 'float32')
+    """
     seen: dict[str, set] = {}
 
     def hook(mod, args, out):
@@ -121,9 +134,23 @@ def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | Non
 class AmpTrainer:
     """One model + AdamW + GradScaler + WSD update clock; ``step`` is one optimizer call.
 
-    ``low``: the autocast dtype (None: plain FP32); the GradScaler is enabled for float16 only.
-    ``schedule``: the LR clock (its ``base_lr`` is AdamW's); ``max_norm``: the clip threshold on the
-    unscaled gradient norm; ``init_scale`` and ``growth_interval``: the GradScaler's.
+    ``trace`` holds one entry per step under "loss", "scale" (None without a scaler), "finite",
+    "applied", "grad_norm" and "clip_coef" (None when not finite) and "lr".
+
+    Args:
+        model: a Transformers model on ``device``; ``model(**batch).loss`` is its loss.
+        low: the autocast dtype (None: plain FP32); the GradScaler is enabled for float16 only.
+        device: where the model lives (AdamW is fused on CUDA, foreach on the CPU: ``make_adamw``).
+        schedule: the LR clock (its ``base_lr`` is AdamW's).
+        max_norm: the clip threshold on the unscaled gradient norm.
+        init_scale: the GradScaler's first scale.
+        growth_interval: the GradScaler's finite steps before a growth.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> w = parse_workload("tiny-b1s8"); t = AmpTrainer(build_model(w), torch.float16, "cpu", WSDConfig())
+        >>> t.step(make_batches(w, 1)[0], inject=float("inf")), t.trace["scale"]  # overflow: skipped
+        (False, [32768.0])
     """
 
     def __init__(self, model, low: torch.dtype | None, device: str, schedule: WSDConfig, max_norm: float = 1.0,
@@ -138,7 +165,22 @@ class AmpTrainer:
         self.trace = {k: [] for k in ("loss", "scale", "finite", "applied", "grad_norm", "clip_coef", "lr")}
 
     def step(self, batch: dict, inject: float = 1.0) -> bool:
-        """Forward under autocast, scaled backward, unscale, clip, scaler step, clock."""
+        """Forward under autocast, scaled backward, unscale, clip, scaler step, clock.
+
+        Args:
+            batch: the model's inputs (``input_ids`` and ``labels``).
+            inject: a factor on the loss before scaling (``float("inf")`` forces an overflow).
+
+        Returns:
+            True when the optimizer step ran, False when the GradScaler skipped it (the clock
+            then does not advance). Appends one entry to each list of ``trace``.
+
+        Example:
+            >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+            >>> w = parse_workload("tiny-b1s8"); t = AmpTrainer(build_model(w), None, "cpu", WSDConfig())
+            >>> t.step(make_batches(w, 1)[0]), t.trace["scale"], t.trace["finite"]
+            (True, [None], [True])
+        """
         self.opt.zero_grad(set_to_none=True)
         with autocast(self.device_type, self.low):
             loss = self.model(**batch).loss  # float32: transformers upcasts the logits
@@ -167,13 +209,35 @@ CLIP_DEMO_UPDATES = 10
 
 def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.0**16, lr: float = 1e-3,
                    adam_eps: float = 1e-8, device: str = "cpu") -> list[dict]:
-    """The clipping bug, measured. Two AdamW runs (constant ``lr``, ``eps=adam_eps``) from the same
-    weights on the same batches, FP16 autocast and a GradScaler held at ``scale``:
-    (a) unscale, then clip at ``max_norm`` (correct); (b) clip the still-scaled gradients, and let
-    ``scaler.step`` unscale them afterwards (the bug). One row per update: each run's norm as
-    ``clip_grad_norm_`` saw it (b's is ``scale`` times the true one), whether it clipped, its
-    coefficient min(1, max_norm / (norm + 1e-6)), the median |gradient| element AdamW received, and
-    ||Δp_b - Δp_a|| / ||Δp_a|| of the updates."""
+    """The clipping bug, measured: clip after ``unscale_`` (correct) against clip before it (the bug).
+
+    Two AdamW runs (constant ``lr``, ``eps=adam_eps``) from the same weights on the same batches,
+    FP16 autocast and a GradScaler held at ``scale``: (a) unscale, then clip at ``max_norm``
+    (correct); (b) clip the still-scaled gradients, and let ``scaler.step`` unscale them afterwards
+    (the bug).
+
+    Args:
+        base: the model both runs copy (``copy.deepcopy``; ``base`` itself is not trained).
+        batches: one batch per update (``input_ids`` and ``labels``).
+        max_norm: the clip threshold.
+        scale: the loss scale, held fixed (the scaler never grows).
+        lr: AdamW's constant learning rate.
+        adam_eps: AdamW's eps.
+        device: where the runs train.
+
+    Returns:
+        One dict per update, with key suffix _a / _b per run: ``loss``, ``norm`` (as
+        ``clip_grad_norm_`` saw it: b's is ``scale`` times the true one), ``clipped``, ``clip_coef``
+        (min(1, max_norm / (norm + 1e-6))), ``applied``, ``grad_median`` (the median |gradient|
+        element AdamW received), and ``update_rel_diff`` = ||Δp_b - Δp_a|| / ||Δp_a||.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> w = parse_workload("tiny-b1s8")
+        >>> row = clipping_order(build_model(w), make_batches(w, 1), max_norm=1.0, scale=2.0**10)[0]
+        >>> round(row["norm_b"] / row["norm_a"]), row["clipped_b"], row["update_rel_diff"] > 0
+        (1024, True, True)
+    """
     runs = []
     for clip_scaled in (False, True):
         model = copy.deepcopy(base).to(device)

@@ -37,11 +37,36 @@ class CheckpointFunction(torch.autograd.Function):
 
     ``params`` (those ``fn`` uses) are passed as inputs so that autograd asks for their gradients
     even when ``x`` needs none; they are not activations, keeping a reference to them costs nothing.
-    (No RNG stashing, unlike ``torch.utils.checkpoint``: Qwen2 has no dropout.)
+    (No RNG stashing, unlike ``torch.utils.checkpoint``: Qwen2 has no dropout.) Called as
+    ``CheckpointFunction.apply(fn, x, *params)``; the arguments are those of ``forward``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> lin, x = nn.Linear(4, 4).double(), torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+        >>> y = CheckpointFunction.apply(lambda t: lin(t).tanh(), x, *lin.parameters())
+        >>> torch.allclose(y, lin(x).tanh()), y.grad_fn.name()
+        (True, 'CheckpointFunctionBackward')
     """
 
     @staticmethod
     def forward(ctx, fn, x, *params):  # x (..., C)
+        """Run ``fn(x)`` under ``no_grad`` and save only ``x`` for the backward.
+
+        Args:
+            ctx: the autograd context (``apply`` supplies it); keeps ``fn``, ``params`` and ``x``.
+            fn: the block, a callable ``(..., C) -> (..., C')``; it must be deterministic (it runs twice).
+            x: the block's input (..., C), the only activation kept between forward and backward.
+            *params: the parameters ``fn`` uses, so that autograd returns their gradients.
+
+        Returns:
+            ``fn(x)`` (..., C'), computed without a graph: none of ``fn``'s intermediates is kept.
+
+        Example:
+            >>> x = torch.ones(3, 2, requires_grad=True)
+            >>> y = CheckpointFunction.apply(lambda t: (2 * t).exp(), x)
+            >>> tuple(y.shape), y.requires_grad
+            ((3, 2), True)
+        """
         ctx.fn, ctx.params = fn, params
         ctx.save_for_backward(x)  # the only activation kept between forward and backward
         with torch.no_grad():  # no graph: fn's intermediates are freed as soon as they are used
@@ -49,6 +74,22 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """Recompute ``fn(x)`` with grad (the block's second forward), then differentiate it.
+
+        Args:
+            ctx: the context ``forward`` filled: ``fn``, ``params`` and the saved ``x``.
+            dy: dL/dy (..., C'), the upstream gradient of the block's output.
+
+        Returns:
+            ``(None, dx, *dparams)``: nothing for ``fn``, dL/dx (..., C) (None if ``x`` is unused)
+            and one gradient per parameter, each of its parameter's shape (None if unused).
+
+        Example:
+            >>> x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+            >>> y = CheckpointFunction.apply(torch.sin, x)
+            >>> torch.allclose(torch.autograd.grad(y.sum(), x)[0], x.cos())
+            True
+        """
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -58,7 +99,22 @@ class CheckpointFunction(torch.autograd.Function):
 
 
 class CheckpointedBlock(nn.Module):
-    """A block whose forward keeps only its input; ``calls`` counts real executions of the block."""
+    """A block whose forward keeps only its input; ``calls`` counts real executions of the block.
+
+    Args:
+        block: the module to checkpoint, ``(..., C) -> (..., C')`` of one tensor input.
+
+    Attributes:
+        block: the wrapped module.
+        calls: how often ``block`` ran, the recompute in backward included.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> cb = CheckpointedBlock(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
+        >>> cb(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        >>> cb.calls  # the forward, then the recompute in backward
+        2
+    """
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -70,6 +126,22 @@ class CheckpointedBlock(nn.Module):
         return self.block(x)
 
     def forward(self, x):
+        """``block(x)``, through ``CheckpointFunction`` whenever there is something to differentiate.
+
+        Args:
+            x: the block's input (..., C).
+
+        Returns:
+            ``block(x)`` (..., C'). Under ``no_grad``, or with neither ``x`` nor a parameter
+            requiring grad, a plain forward (nothing is saved, nothing is recomputed).
+
+        Example:
+            >>> cb = CheckpointedBlock(nn.Linear(4, 4))
+            >>> with torch.no_grad():
+            ...     y = cb(torch.ones(3, 4))
+            >>> tuple(y.shape), y.grad_fn is None, cb.calls
+            ((3, 4), True, 1)
+        """
         params = [p for p in self.block.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             return self._run(x)  # nothing to differentiate: a plain forward
@@ -94,7 +166,26 @@ class _Checkpointed(nn.Module):
 
 @contextlib.contextmanager
 def checkpoint_mlp(model):
-    """Selective checkpointing: only each decoder layer's MLP is recomputed in backward."""
+    """Selective checkpointing: only each decoder layer's MLP is recomputed in backward.
+
+    Each ``model.model.layers[i].mlp`` is wrapped in ``torch.utils.checkpoint`` (non-reentrant,
+    while the model trains) for the duration of the ``with`` block and unwrapped after.
+
+    Args:
+        model: a ``transformers`` Qwen2 causal LM (``model.model.layers`` with an ``mlp`` each).
+
+    Yields:
+        ``model`` itself, its MLPs checkpointed.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model = build_model(parse_workload("tiny-b1s8"))
+        >>> with checkpoint_mlp(model) as m:
+        ...     type(m.model.layers[0].mlp).__name__
+        '_Checkpointed'
+        >>> type(model.model.layers[0].mlp).__name__
+        'Qwen2MLP'
+    """
     layers = model.model.layers
     for layer in layers:
         layer.mlp = _Checkpointed(layer.mlp)
@@ -106,7 +197,26 @@ def checkpoint_mlp(model):
 
 
 def enable_native(model, every_n_layers: int = 1) -> None:
-    """Transformers' checkpointing: ``torch.utils.checkpoint`` (non-reentrant) on every n-th layer."""
+    """Transformers' checkpointing: ``torch.utils.checkpoint`` (non-reentrant) on every n-th layer.
+
+    Calls ``model.gradient_checkpointing_enable``; where that lacks ``every_n_layers`` (older
+    Transformers), sets the same per-layer ``gradient_checkpointing`` flags by hand. It stays on
+    until ``model.gradient_checkpointing_disable()`` (``native_checkpointing`` does both).
+
+    Args:
+        model: a ``transformers`` Qwen2 causal LM.
+        every_n_layers: checkpoint decoder layers 0, n, 2n, ... (1: every layer).
+
+    Returns:
+        None; ``model`` is changed in place.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model = build_model(parse_workload("tiny-b1s8"))  # 2 decoder layers
+        >>> enable_native(model, every_n_layers=2)
+        >>> [layer.gradient_checkpointing for layer in model.model.layers]
+        [True, False]
+    """
     kwargs = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
     has_every_n = "every_n_layers" in inspect.signature(model.gradient_checkpointing_enable).parameters
     if has_every_n:
@@ -119,7 +229,25 @@ def enable_native(model, every_n_layers: int = 1) -> None:
 
 @contextlib.contextmanager
 def native_checkpointing(model, every_n_layers: int = 1):
-    """``enable_native`` inside the block; Transformers' own switch turns it off after."""
+    """``enable_native`` inside the block; Transformers' own switch turns it off after.
+
+    Args:
+        model: a ``transformers`` Qwen2 causal LM.
+        every_n_layers: checkpoint every n-th decoder layer (1: every layer).
+
+    Yields:
+        ``model`` itself, checkpointed; after the block (also when it raises) checkpointing is
+        off and the input-grad hook that enabling added to the embeddings is removed.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model = build_model(parse_workload("tiny-b1s8"))
+        >>> with native_checkpointing(model) as m:
+        ...     m.is_gradient_checkpointing
+        True
+        >>> model.is_gradient_checkpointing
+        False
+    """
     enable_native(model, every_n_layers)
     try:
         yield model
@@ -142,6 +270,26 @@ def configure(model, candidate: str):
     ``"checkpoint-all"`` / ``"checkpoint-every2"``: Transformers' checkpointing on every (every
     second) decoder layer; ``"checkpoint-mlp"``: each layer's MLP only. ``with configure(...) as m``
     gives ``model`` back in every case.
+
+    Args:
+        model: a ``transformers`` Qwen2 causal LM.
+        candidate: one of ``CONFIGURATIONS``.
+
+    Returns:
+        A context manager yielding ``model``.
+
+    Raises:
+        ValueError: ``candidate`` is not in ``CONFIGURATIONS``.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model = build_model(parse_workload("tiny-b1s8"))
+        >>> with configure(model, "checkpoint-all") as m:
+        ...     m is model and m.is_gradient_checkpointing
+        True
+        >>> with configure(model, "plain") as m:
+        ...     m.is_gradient_checkpointing
+        False
     """
     if candidate == "plain":
         return contextlib.nullcontext(model)

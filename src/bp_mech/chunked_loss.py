@@ -45,15 +45,46 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """``sum_i [lse(h_i W^T) - (h_i W^T)_{y_i}]`` over targets ``y_i != IGNORE``, in float32 (float64
-    for float64 inputs), chunked.
+    """The summed token loss of ``lm_head`` + cross-entropy, computed in chunks of tokens.
 
-    Args of ``apply``: hidden (N, C), weight (V, C), targets (N,) int64, chunk (tokens per chunk).
-    Saves h, W (references, not copies), targets and lse (N,) float32.
+    ``sum_i [lse(h_i W^T) - (h_i W^T)_{y_i}]`` over targets ``y_i != IGNORE``, in float32 (float64
+    for float64 inputs). Saves h, W (references, not copies), targets and lse (N,) float32.
+    Called as ``ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)``, whose arguments are:
+
+    Args:
+        hidden: h, (N, C), the final hidden states of N tokens.
+        weight: W, (V, C), the ``lm_head`` weight (no bias).
+        targets: (N,) int64 token ids; ``IGNORE`` marks a position that is not a target.
+        chunk: tokens per chunk.
+
+    Example:
+        >>> h, W, t = torch.zeros(5, 2), torch.ones(3, 2), torch.tensor([0, 1, 2, IGNORE, 0])
+        >>> round(ChunkedLinearCrossEntropy.apply(h, W, t, 2).item(), 4)  # 4 targets, uniform logits: 4 ln 3
+        4.3944
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int):
+        """The loss, one chunk of (chunk, V) logits at a time; saves lse (N,) for backward.
+
+        Args:
+            ctx: the autograd context.
+            hidden: h, (N, C).
+            weight: W, (V, C).
+            targets: (N,) int64; ``IGNORE`` positions add nothing.
+            chunk: tokens per chunk.
+
+        Returns:
+            The sum of token losses, a 0-dim tensor in float32 (float64 for float64 inputs).
+
+        Example:
+            >>> _ = torch.manual_seed(0)
+            >>> h, W = torch.randn(7, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64)
+            >>> t = torch.tensor([1, 2, IGNORE, 3, 4, 5, 6])
+            >>> ref = F.cross_entropy(h @ W.T, t, reduction="sum")
+            >>> torch.allclose(ChunkedLinearCrossEntropy.apply(h, W, t, 3), ref)
+            True
+        """
         low = _autocast_dtype(hidden.device.type)  # autocast is on in forward, off in backward: remember it
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32 (float64 for float64 inputs)
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -71,6 +102,27 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        """d loss / d (h, W), recomputing one chunk of logits at a time.
+
+        Per chunk: recompute the logits z, turn them in place into dz = (softmax(z) - onehot(y)) * grad_total
+        (0 on ``IGNORE`` rows), then dh = dz W and dW += dz^T h (in the forward's autocast dtype, if any).
+
+        Args:
+            ctx: the autograd context, with what forward saved.
+            grad_total: d out / d loss, a 0-dim tensor.
+
+        Returns:
+            (dh, dW, None, None): dh (N, C) and dW (V, C), each None when not needed; none for targets, chunk.
+
+        Example:
+            >>> _ = torch.manual_seed(0)
+            >>> h, W = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in [(7, 4), (11, 4)])
+            >>> t = torch.tensor([1, 2, IGNORE, 3, 4, 5, 6])
+            >>> ref = torch.autograd.grad(F.cross_entropy(h @ W.T, t, reduction="sum"), (h, W))
+            >>> ours = torch.autograd.grad(ChunkedLinearCrossEntropy.apply(h, W, t, 3), (h, W))
+            >>> all(torch.allclose(a, b) for a, b in zip(ours, ref))
+            True
+        """
         hidden, weight, targets, lse = ctx.saved_tensors
         dev = hidden.device.type
         dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -94,15 +146,45 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Next-token targets (B, T): labels shifted left by one, IGNORE at the end (Transformers' shift)."""
+    """Next-token targets: labels shifted left by one, IGNORE at the end (Transformers' shift).
+
+    Args:
+        labels: (B, T) int64 token ids (any leading dims; the shift is along the last).
+
+    Returns:
+        Targets of the same shape: ``targets[..., t] = labels[..., t + 1]``, ``IGNORE`` at t = T - 1.
+
+    Example:
+        >>> shifted_targets(torch.tensor([[5, 6, 7]])).tolist()
+        [[6, 7, -100]]
+    """
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = DEFAULT_CHUNK,
                  num_items_in_batch=None) -> torch.Tensor:
-    """Transformers' causal-LM loss of ``lm_head`` (weight (V, C), no bias) on ``hidden`` (B, T, C):
-    the mean over target tokens, or the sum divided by ``num_items_in_batch`` when given (token-
-    weighted accumulation, Part 02 · 11), without the (B, T, V) logits."""
+    """Transformers' causal-LM loss of ``lm_head`` on ``hidden``, without the (B, T, V) logits.
+
+    The mean over target tokens, or the sum divided by ``num_items_in_batch`` when given (token-
+    weighted accumulation, Part 02 · 11).
+
+    Args:
+        hidden: (B, T, C), the final hidden states.
+        weight: (V, C), the ``lm_head`` weight (no bias).
+        labels: (B, T) int64, unshifted as passed to the model; ``IGNORE`` marks a non-target.
+        chunk: tokens per chunk.
+        num_items_in_batch: the divisor (int or 0-dim tensor); None divides by this batch's targets.
+
+    Returns:
+        The loss, a 0-dim tensor in float32 (float64 for float64 inputs).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> h, W, y = torch.randn(2, 5, 4), torch.randn(11, 4), torch.randint(0, 11, (2, 5))
+        >>> ref = F.cross_entropy((h @ W.T)[:, :-1].reshape(-1, 11), y[:, 1:].reshape(-1))
+        >>> torch.allclose(chunked_loss(h, W, y, chunk=3), ref)
+        True
+    """
     t = shifted_targets(labels).reshape(-1)
     total = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, t, chunk)
     n = (t != IGNORE).sum() if num_items_in_batch is None else num_items_in_batch
@@ -110,7 +192,17 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 
 
 class ChunkedHead(nn.Module):
-    """The model's ``lm_head`` (kept as ``linear``) turned into its loss: ``head(hidden, labels)``."""
+    """The model's ``lm_head`` (kept as ``linear``) turned into its loss: ``head(hidden, labels)``.
+
+    Args:
+        linear: the ``lm_head``, an ``nn.Linear`` (V, C) without bias (else ``ValueError``).
+        chunk: tokens per chunk.
+
+    Example:
+        >>> ChunkedHead(torch.nn.Linear(4, 11), chunk=3)
+        Traceback (most recent call last):
+        ValueError: the chunked loss supports an lm_head without bias
+    """
 
     def __init__(self, linear: nn.Linear, chunk: int):
         super().__init__()
@@ -119,6 +211,21 @@ class ChunkedHead(nn.Module):
         self.linear, self.chunk = linear, chunk  # chunk: tokens per chunk
 
     def forward(self, hidden, labels, num_items_in_batch=None):
+        """``chunked_loss`` with this head's weight and chunk.
+
+        Args:
+            hidden: (B, T, C), the final hidden states.
+            labels: (B, T) int64, unshifted.
+            num_items_in_batch: as in ``chunked_loss``.
+
+        Returns:
+            The loss, a 0-dim tensor.
+
+        Example:
+            >>> head = ChunkedHead(torch.nn.Linear(4, 11, bias=False), chunk=3)
+            >>> round(head(torch.zeros(2, 5, 4), torch.zeros(2, 5, dtype=torch.long)).item(), 4)  # ln 11
+            2.3979
+        """
         return chunked_loss(hidden, self.linear.weight, labels, self.chunk, num_items_in_batch)
 
 
@@ -145,9 +252,30 @@ def _chunked(model, chunk: int):
 
 
 def chunked(model, chunk: int | None = DEFAULT_CHUNK):
-    """Inside the block, ``model(input_ids=, labels=)`` computes its loss in chunks of ``chunk`` tokens
+    """The chunked loss as a strategy: a context manager that switches ``model`` to it.
+
+    Inside the block, ``model(input_ids=, labels=)`` computes its loss in chunks of ``chunk`` tokens
     (``model.lm_head`` is the ``ChunkedHead`` there, called with the final hidden states; the output's
-    ``logits`` is None); after it, the model is as before. ``chunk=None``: off, ``nullcontext(model)``."""
+    ``logits`` is None); after it, the model is as before. ``chunk=None``: off, ``nullcontext(model)``.
+
+    Args:
+        model: a Transformers causal LM with ``model.model`` and ``lm_head`` (no bias, no logit soft-capping).
+        chunk: tokens per chunk (>= 1), or None for off.
+
+    Returns:
+        A context manager whose ``with`` value is ``model`` itself.
+
+    Raises:
+        ValueError: ``chunk`` < 1, or a model that soft-caps its logits.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model, ids = build_model(parse_workload("tiny-b1s8")), torch.arange(8)[None]
+        >>> with chunked(model, chunk=3) as m:
+        ...     out = m(input_ids=ids, labels=ids)
+        >>> out.logits is None, torch.allclose(out.loss, model(input_ids=ids, labels=ids).loss, atol=1e-5)
+        (True, True)
+    """
     if chunk is None:
         return contextlib.nullcontext(model)
     if chunk < 1:

@@ -22,26 +22,51 @@ AdamW, and the update clock of Part 02 · 12, which moves only when the scaler a
 In float32 the scaler's power-of-two scale is exact, so it changes no number; the loop is the one
 an fp16 run uses, and the scaler's state is part of the training state. Saving and resuming that
 state is ``bp_mech.training_state``; the experiment is ``bp_mech.experiments.continual_pretrain``.
+The texts and the data stream live in ``bp_mech.continual_data``, the evaluation (``eval_batches``,
+``token_loss``, gain, drift) in ``bp_mech.continual_eval``; both are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from bp_mech.accumulation import IGNORE, count_targets, token_loss_sum
+from bp_mech.accumulation import count_targets, token_loss_sum
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.bench.workload import PAD_ID, WorkloadError, build_model, load_text, make_adamw, tokenize
+from bp_mech.bench.workload import build_model, make_adamw
+from bp_mech.continual_data import Text, TextStream, load_texts, split_text, text_sha256
+from bp_mech.continual_eval import eval_batches, gain_and_drift, resume_difference, token_loss
+
+__all__ = ["TrainConfig", "text_sha256", "split_text", "Text", "load_texts", "TextStream", "eval_batches", "token_loss",
+           "Trainer", "train", "pretrain", "base_model", "domain_run", "resume_difference", "gain_and_drift"]
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training phase (the general-text pretraining, or the domain run)."""
+    """One training phase (the general-text pretraining, or the domain run).
+
+    The learning rate follows a WSD schedule (``schedule``) read at the update clock's count of
+    applied updates; a step the GradScaler skips moves neither the schedule nor ``updates``.
+
+    Args:
+        updates: effective updates of the phase (a step the scaler skips does not count).
+        lr: peak AdamW learning rate: the WSD schedule's stable value.
+        warmup: WSD warmup updates (linear, from ``min_lr_ratio * lr``).
+        decay: WSD cosine-decay updates at the end; the updates in between are stable.
+        min_lr_ratio: the schedule's floor, as a fraction of ``lr``.
+        weight_decay: AdamW's decoupled weight decay.
+        max_norm: global-norm clipping threshold, applied after unscaling.
+        init_scale: the GradScaler's initial loss scale.
+        growth_interval: applied updates before the scaler doubles its scale.
+        seed: seed of the data stream's generator (which windows the batches hold).
+
+    Example:
+        >>> cfg = TrainConfig(updates=10, warmup=2, decay=4)
+        >>> cfg.lr, cfg.schedule.stable
+        (0.001, 4)
+    """
 
     updates: int = 40  # effective updates of the phase (a step the scaler skips does not count)
     lr: float = 1e-3  # peak AdamW learning rate: the WSD schedule's stable value
@@ -56,123 +81,38 @@ class TrainConfig:
 
     @property
     def schedule(self) -> WSDConfig:
+        """The phase's WSD schedule: ``warmup``, ``updates - warmup - decay`` stable, cosine ``decay``.
+
+        Returns:
+            A ``scheduler.WSDConfig`` with base LR ``lr`` and floor ``min_lr_ratio * lr``.
+
+        Example:
+            >>> s = TrainConfig(updates=40, warmup=4, decay=12).schedule
+            >>> s.warmup, s.stable, s.decay, s.decay_type
+            (4, 24, 12, 'cosine')
+        """
         return WSDConfig(base_lr=self.lr, warmup=self.warmup, stable=self.updates - self.warmup - self.decay,
                          decay=self.decay, decay_type="cosine", min_lr_ratio=self.min_lr_ratio)
 
 
-def text_sha256(ids: torch.Tensor) -> str:
-    """Identity of a token sequence (16 hex digits of the sha256 of its int64 ids)."""
-    return hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-def split_text(ids: torch.Tensor, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train part, evaluation part): the last ``eval_fraction`` of the tokens is never trained on."""
-    cut = len(ids) - max(2, round(eval_fraction * len(ids)))
-    if cut < 2:
-        raise ValueError(f"a text of {len(ids)} tokens is too short to split into training and evaluation parts")
-    return ids[:cut], ids[cut:]
-
-
-@dataclass(frozen=True)
-class Text:
-    source: str  # "shipped:<name>" or the path the reader gave
-    ids: torch.Tensor  # (N,) token ids
-
-
-def load_texts(domain_path=None, holdout_path=None, w=None) -> dict[str, Text]:
-    """The general, domain and holdout texts, tokenized for workload ``w``: the shipped ones, or the
-    reader's own UTF-8 files for the domain and the holdout text."""
-    out = {}
-    for name, path in (("general", None), ("domain", domain_path), ("holdout", holdout_path)):
-        if path is None:
-            out[name] = Text(f"shipped:{name}", tokenize(load_text(name), w))
-            continue
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise WorkloadError(f"cannot read the {name} text {path}: {e}") from None
-        ids = tokenize(text, w)
-        if len(ids) < 16:
-            raise WorkloadError(f"the {name} text {path} has {len(ids)} tokens; at least 16 are needed")
-        out[name] = Text(str(path), ids)
-    return out
-
-
-class TextStream:
-    """Full-sequence training batches cut from one token sequence at random offsets.
-
-    Its state is ``generator`` (which draws the offsets) and ``position`` (batches drawn so far).
-    Labels equal the inputs: every next token is a target.
-    """
-
-    def __init__(self, ids: torch.Tensor, batch: int, seq: int, seed: int, device="cpu") -> None:
-        if len(ids) < 2:
-            raise ValueError("a training text needs at least 2 tokens")
-        self.ids = ids.cpu()  # (N,)
-        self.batch, self.seq, self.device = batch, seq, device
-        self.generator = torch.Generator().manual_seed(seed)
-        self.position = 0
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the batches drawn so far."""
-        return self.position * self.batch * self.seq
-
-    def next(self) -> dict[str, torch.Tensor]:
-        n, T = len(self.ids), self.seq
-        text = self.ids if n >= T else self.ids.repeat(T // n + 2)  # a short text wraps around
-        starts = torch.randint(0, max(1, n - T + 1) if n >= T else n, (self.batch,), generator=self.generator)
-        x = torch.stack([text[s:s + T] for s in starts.tolist()]).to(self.device)  # (B, T)
-        self.position += 1
-        return {"input_ids": x, "labels": x.clone()}
-
-    def state_dict(self) -> dict:
-        return {"position": self.position, "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-        self.generator.set_state(state["generator"].clone())
-
-
-def eval_batches(ids: torch.Tensor, seq: int, batch: int) -> list[dict[str, torch.Tensor]]:
-    """The whole text once, as non-overlapping windows of ``seq`` tokens, ``batch`` windows per batch.
-
-    The last window is right-padded: PAD_ID inputs with label -100 (not targets). Under a causal mask
-    right padding never changes a real token's logits. Returns dicts of (b, seq) ``input_ids``/``labels``.
-    """
-    windows = math.ceil(len(ids) / seq)
-    x = torch.full((windows * seq,), PAD_ID, dtype=torch.long)
-    y = torch.full((windows * seq,), IGNORE, dtype=torch.long)
-    x[:len(ids)], y[:len(ids)] = ids, ids
-    x, y = x.view(windows, seq), y.view(windows, seq)
-    return [{"input_ids": x[i:i + batch], "labels": y[i:i + batch]} for i in range(0, windows, batch)]
-
-
-@torch.no_grad()
-def token_loss(model, batches) -> float:
-    """Mean next-token cross-entropy per target token over all ``batches`` (nats per token).
-
-    Each batch holds ``input_ids`` and ``labels`` (B, T); label -100 marks a position that is not a
-    target. The token losses of all batches are summed, and divided once by the number of targets of
-    all batches (float64 accumulation): every token weighs the same, however the batches are filled.
-    """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    for b in batches:
-        labels = b["labels"].to(device)
-        logits = model(input_ids=b["input_ids"].to(device)).logits  # (B, T, V)
-        total += token_loss_sum(logits, labels).double()
-        count += int(count_targets(labels))
-        del logits
-    model.train(was_training)
-    return (total / count).item()
-
-
 class Trainer:
-    """One training loop and its whole state: the model, AdamW, a GradScaler, the update clock
-    (Part 02 · 12, counting applied updates) and the data stream."""
+    """One training loop and its whole state.
+
+    The model, AdamW, a GradScaler, the update clock (Part 02 · 12, counting applied updates) and
+    the data stream. The clock writes the LR of update 0 into AdamW at construction.
+
+    Args:
+        model: the causal LM to train (in place); its output has ``.logits`` (B, T, V).
+        cfg: the phase's ``TrainConfig`` (LR schedule, clipping, weight decay, scaler).
+        data: the ``TextStream`` the batches come from.
+        device: the model's device; AdamW is fused on CUDA, foreach elsewhere.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> t.clock.updates, round(t.optimizer.param_groups[0]["lr"], 4)  # warmup starts at 0.1 x lr
+        (0, 0.0001)
+    """
 
     def __init__(self, model, cfg: TrainConfig, data: TextStream, device="cpu") -> None:
         self.model, self.cfg, self.data, self.device = model, cfg, data, device
@@ -182,10 +122,24 @@ class Trainer:
         self.clock = UpdateClock(cfg.schedule, self.optimizer)  # writes the LR of update 0 into AdamW
 
     def step(self) -> dict:
-        """One full training step: zero_grad, forward, token-weighted loss, scaled backward, unscale,
-        global-norm clip, AdamW update (skipped by the scaler on inf/NaN), then the clock.
+        """One full training step on the next batch of the data stream, then the clock.
 
-        Returns the loss, whether the update was applied, the LR it used and the gradient norm."""
+        zero_grad, forward, token-weighted loss, scaled backward, unscale, global-norm clip, AdamW update
+        (skipped by the scaler on inf/NaN), then the clock.
+
+        Returns:
+            The loss, whether the update was applied, the LR it used and the gradient norm:
+            ``{"update": the clock's applied updates after the step, "loss": the batch's mean token
+            loss (float), "applied": bool, "lr": float, "grad_norm": the global norm before clipping}``.
+
+        Example:
+            >>> from bp_mech.bench.workload import build_model, parse_workload
+            >>> model = build_model(parse_workload("tiny-b1s8"))
+            >>> t = Trainer(model, TrainConfig(), TextStream(torch.arange(64), batch=1, seq=8, seed=0))
+            >>> row = t.step()
+            >>> sorted(row), row["update"], row["applied"]
+            (['applied', 'grad_norm', 'loss', 'lr', 'update'], 1, True)
+        """
         batch = self.data.next()
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.model(input_ids=batch["input_ids"]).logits  # (B, T, V)
@@ -201,9 +155,25 @@ class Trainer:
 
 def train(trainer: Trainer, until: int, after_update: Callable[[Trainer], None] | None = None,
           progress=None) -> list[dict]:
-    """Steps until the clock counts ``until`` applied updates; ``after_update(trainer)`` after each
-    applied one. A run whose updates keep being skipped (non-finite) stops after 2 x ``until`` + 10
-    calls. Returns one row per step (``Trainer.step``)."""
+    """Steps until the clock counts ``until`` applied updates; ``after_update(trainer)`` after each applied one.
+
+    A run whose updates keep being skipped (non-finite) stops after 2 x ``until`` + 10 calls.
+
+    Args:
+        trainer: the ``Trainer`` to step, from wherever its clock stands.
+        until: the clock's count of applied updates to reach (a total, not a number of further updates).
+        after_update: called as ``after_update(trainer)`` after each applied update; None: nothing.
+        progress: a tqdm-like ``progress(iterable, desc=...)``, advanced per applied update; None: no bar.
+
+    Returns:
+        One row per step (``Trainer.step``), skipped steps included.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> [row["update"] for row in train(t, 3)], t.clock.updates
+        ([1, 2, 3], 3)
+    """
     rows, limit = [], 2 * until + 10
     ticks = iter(progress(range(until - trainer.clock.updates), desc="updates")) if progress else None
     while trainer.clock.updates < until and trainer.clock.calls < limit:
@@ -220,24 +190,82 @@ def train(trainer: Trainer, until: int, after_update: Callable[[Trainer], None] 
 
 
 def pretrain(model, ids: torch.Tensor, batch: int, seq: int, cfg: TrainConfig, device="cpu") -> list[dict]:
-    """The short general-text pretraining that gives a random-init model something to forget."""
+    """The short general-text pretraining that gives a random-init model something to forget.
+
+    ``cfg.updates`` applied updates of a fresh ``Trainer`` on a ``TextStream`` seeded with ``cfg.seed``.
+
+    Args:
+        model: the model to train in place.
+        ids: (N,) token ids of the general text.
+        batch: sequences per batch.
+        seq: tokens per sequence.
+        cfg: the pretraining phase's ``TrainConfig``.
+        device: the model's device.
+
+    Returns:
+        The step rows (``Trainer.step``).
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> model = build_model(parse_workload("tiny-b1s8"))
+        >>> rows = pretrain(model, torch.arange(64), batch=1, seq=8, cfg=TrainConfig(updates=3, warmup=1, decay=1))
+        >>> len(rows), rows[-1]["update"]
+        (3, 3)
+    """
     return train(Trainer(model, cfg, TextStream(ids, batch, seq, cfg.seed, device), device), cfg.updates)
 
 
 def base_model(w, general: torch.Tensor, cfg: TrainConfig, device="cpu"):
-    """The workload's model, pretrained on the general text when it is a random-init one (``config``
-    source); a pretrained workload keeps its weights. Returns (model, the pretraining's step rows)."""
+    """The workload's model, pretrained on the general text when it is a random-init one.
+
+    A random-init model (``config`` source) gets ``pretrain``; a pretrained workload keeps its weights.
+
+    Args:
+        w: the ``bench.workload.Workload`` (architecture, batch, seq, source, seed).
+        general: (N,) token ids of the general text.
+        cfg: the pretraining phase's ``TrainConfig``.
+        device: where to build the model.
+
+    Returns:
+        (model, the pretraining's step rows); the rows are empty for a pretrained workload.
+
+    Example:
+        >>> from bp_mech.bench.workload import parse_workload
+        >>> cfg = TrainConfig(updates=2, warmup=1, decay=1)
+        >>> model, rows = base_model(parse_workload("tiny-b1s8"), torch.arange(64), cfg)
+        >>> len(rows), model.training
+        (2, True)
+    """
     model = build_model(w, device)
     return model, pretrain(model, general, w.batch, w.seq, cfg, device) if w.source == "config" else []
 
 
 def domain_run(trainer: Trainer, evals: dict[str, list], eval_at, until: int,
                save_at=(), save: Callable[[Trainer], object] | None = None, progress=None) -> dict:
-    """Continue ``trainer`` to ``until`` updates; evaluate ``token_loss`` on every set of ``evals``
-    at each update of ``eval_at`` it reaches (0 included when the trainer starts there), and call
-    ``save(trainer)`` at each update of ``save_at``.
+    """Continue ``trainer`` to ``until`` updates, evaluating and saving on the way.
 
-    Returns ``steps`` (``Trainer.step`` rows) and ``evals`` (``[{"update": u, name: loss, ...}]``)."""
+    Evaluate ``token_loss`` on every set of ``evals`` at each update of ``eval_at`` it reaches (0
+    included when the trainer starts there), and call ``save(trainer)`` at each update of ``save_at``.
+
+    Args:
+        trainer: the ``Trainer`` to continue.
+        evals: evaluation set name -> its batches (``eval_batches``).
+        eval_at: the updates (clock counts) to evaluate at; a set or any container.
+        until: the clock's count of applied updates to reach.
+        save_at: the updates to call ``save`` at.
+        save: called as ``save(trainer)``, e.g. ``lambda t: save_training_state(t, root, ...)``; None: none.
+        progress: a tqdm-like progress callable, as in ``train``; None: no bar.
+
+    Returns:
+        ``steps`` (``Trainer.step`` rows) and ``evals`` (``[{"update": u, name: loss, ...}]``).
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> run = domain_run(t, {"domain": eval_batches(torch.arange(64), 8, 4)}, eval_at={0, 2}, until=3)
+        >>> len(run["steps"]), [e["update"] for e in run["evals"]], sorted(run["evals"][0])
+        (3, [0, 2], ['domain', 'update'])
+    """
     points = []
 
     def evaluate(t: Trainer) -> None:
@@ -253,31 +281,3 @@ def domain_run(trainer: Trainer, evals: dict[str, list], eval_at, until: int,
         evaluate(trainer)
     steps = train(trainer, until, after, progress)
     return dict(steps=steps, evals=points)
-
-
-def resume_difference(main: dict, resumed: dict, clock: dict, final, got) -> dict:
-    """A resumed ``domain_run`` against the uninterrupted one, from the saved state's ``clock``
-    (``{"updates", "skipped"}``): the losses of the steps after it (relative), the evaluations both made
-    (absolute) and the final weights ``got`` against ``final`` (relative; 0.0 everywhere: bit for bit)."""
-    calls = clock["updates"] + clock["skipped"]
-    a, b = [r["loss"] for r in main["steps"][calls:]], [r["loss"] for r in resumed["steps"]]
-    loss_diff = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else math.inf
-    ref = {e["update"]: e for e in main["evals"]}
-    eval_diff = max((abs(e[k] - ref[e["update"]][k]) for e in resumed["evals"] if e["update"] in ref
-                     for k in ("domain", "holdout")), default=0.0)
-    weight_diff = max(((g.detach().double() - f.double()).abs().max() / f.double().abs().max().clamp_min(1e-300)).item()
-                      for g, f in zip(got, final))
-    bitwise = loss_diff == 0.0 and eval_diff == 0.0 and weight_diff == 0.0
-    return dict(from_update=clock["updates"], loss_rel_diff=loss_diff, eval_abs_diff=eval_diff,
-                weight_rel_diff=weight_diff, bitwise=bitwise, steps=len(b))
-
-
-def gain_and_drift(evals: list[dict]) -> dict:
-    """Domain gain and holdout drift between the first and the last evaluation (nats per token),
-    absolute and relative to the first, and the largest holdout drift on the way (and where)."""
-    first, last = evals[0], evals[-1]
-    gain, drift = first["domain"] - last["domain"], last["holdout"] - first["holdout"]
-    peak = max(evals, key=lambda e: e["holdout"])
-    return dict(domain_gain=gain, holdout_drift=drift, domain_gain_rel=gain / first["domain"],
-                holdout_drift_rel=drift / first["holdout"], updates=last["update"] - first["update"],
-                max_holdout_drift=peak["holdout"] - first["holdout"], max_drift_update=peak["update"])

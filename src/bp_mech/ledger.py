@@ -6,7 +6,8 @@ allocated by a warm-up step) by **lifecycle stage** (``STAGES``) and by **object
 ``theoretical`` derives every line for the Qwen2 block (SwiGLU, RMSNorm, GQA, fused SDPA,
 tied embeddings, fp32 logits) from what each operator saves for backward. The exercise
 answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
-``block_saved_bytes``) are its building blocks.
+``block_saved_bytes``) are its building blocks; they live in ``bp_mech.state_bytes`` (with
+``layer_saved_storages``, ``gpt_activation_bytes``, ``attention_probs_bytes``) and are re-exported here.
 
 ``bp_mech.bench.lifecycle`` fills the same table from a real or a fake-tensor step (the storage
 tracker of ``bp_mech.bench.tracking``); ``bp_mech.experiments.ledger`` compares the three sources
@@ -19,6 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bp_mech.state_bytes import (_dims, _layer_params, _outer_saved_storages, adam_state_bytes, attention_probs_bytes,
+                                 block_saved_bytes, gpt_activation_bytes, grad_bytes, layer_saved_storages, param_bytes)
+
+__all__ = ["STAGES", "CLASSES", "STAGE_LABELS", "CLASS_LABELS", "Counts", "Ledger", "unmodelled", "theoretical",
+           # re-exported from bp_mech.state_bytes
+           "param_bytes", "grad_bytes", "adam_state_bytes", "block_saved_bytes", "layer_saved_storages",
+           "gpt_activation_bytes", "attention_probs_bytes"]
+
 STAGES = ("load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
 CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
 STAGE_LABELS = dict(load="after model load", forward="after forward", backward_peak="peak in backward",
@@ -29,7 +38,20 @@ CLASS_LABELS = dict(parameters="parameters", gradients="gradients", optimizer_st
 
 @dataclass(frozen=True)
 class Counts:
-    """What a measured step did, counted: sublayer forwards (recomputes included) and offload copies."""
+    """What a measured step did, counted: sublayer forwards (recomputes included) and offload copies.
+
+    Args:
+        recomputes: attention and MLP forwards beyond one per micro-batch.
+        attn_calls: attention forwards over all layers.
+        mlp_calls: MLP forwards over all layers.
+        d2h_bytes: bytes the offload copied to the host.
+        h2d_bytes: bytes it copied back.
+
+    Example:
+        >>> c = Counts(recomputes=4, attn_calls=4, mlp_calls=4, d2h_bytes=0, h2d_bytes=0)  # 2 layers, each run twice
+        >>> c.attn_calls + c.mlp_calls - c.recomputes  # sublayer forwards without the recomputes
+        4
+    """
 
     recomputes: int  # attention and MLP forwards beyond one per micro-batch
     attn_calls: int  # attention forwards over all layers
@@ -40,7 +62,29 @@ class Counts:
 
 @dataclass
 class Ledger:
-    """Device bytes per stage and class (+ host bytes of offloaded activations)."""
+    """Device bytes per stage and class (+ host bytes of offloaded activations).
+
+    Args:
+        source: formula | fake-tensor | tracked-cpu | cuda-allocator.
+        strategy: the strategy's name (``bench.strategy``), e.g. "plain" or "checkpoint-all".
+        stages: stage (``STAGES``) -> class (``CLASSES``) -> bytes.
+        host: stage -> host bytes in use (the offload pool's).
+        forward_peak: peak inside the forward (not a ledger stage, counts for the peak).
+        allocator: CUDA only: stage -> allocator bytes.
+        rounded: stage -> bytes in 512-byte allocator blocks.
+        finite: the step's loss was finite (None: fake tensors have no values).
+        moment: formula only: which candidate moment is the backward peak.
+        updates: optimizer steps run, warm-up included (0: formula).
+        skipped: amp: of those, the ones the GradScaler skipped (inf/NaN).
+        counts: measured: sublayer forwards and recomputes, offload copies (None: formula).
+
+    Example:
+        >>> stages = {s: {c: 0 for c in CLASSES} for s in STAGES}
+        >>> stages["forward"]["saved_activations"] = 100
+        >>> led = Ledger("formula", "plain", stages, forward_peak=150)
+        >>> led.total("forward"), led.peak, led.peak_stage
+        (100, 150, 'forward_peak')
+    """
 
     source: str  # formula | fake-tensor | tracked-cpu | cuda-allocator
     strategy: str
@@ -56,13 +100,37 @@ class Ledger:
     counts: Counts | None = None  # measured: sublayer forwards and recomputes, offload copies (None: formula)
 
     def total(self, stage: str) -> int:
+        """Device bytes of one stage, all classes together.
+
+        Args:
+            stage: one of ``STAGES``.
+
+        Returns:
+            The sum of ``stages[stage]``, in bytes.
+
+        Example:
+            >>> led = Ledger("formula", "plain", {"load": {"parameters": 64, "other": 8}})
+            >>> led.total("load")
+            72
+        """
         return sum(self.stages[stage].values())
 
     def totals(self) -> dict[str, int]:
+        """Device bytes per stage.
+
+        Returns:
+            Stage -> ``total(stage)``, for every stage of ``STAGES``, in that order.
+
+        Example:
+            >>> led = Ledger("formula", "plain", {s: {"parameters": 64} for s in STAGES})
+            >>> list(led.totals().values()) == [64] * len(STAGES)
+            True
+        """
         return {s: self.total(s) for s in STAGES}
 
     @property
     def peak(self) -> int:
+        """The step's peak in bytes: the largest stage total, or ``forward_peak`` if larger."""
         return max(self.forward_peak, *self.totals().values())
 
     @property
@@ -74,90 +142,22 @@ class Ledger:
 
 # --- the theoretical ledger -----------------------------------------------------------
 
-def _dims(cfg) -> dict:
-    """Sizes of a Qwen2 config (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict)."""
-    g = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
-    C, H, KV = g("hidden_size"), g("num_attention_heads"), g("num_key_value_heads")
-    return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"), V=g("vocab_size"),
-                L=g("num_hidden_layers"), tied=bool(g("tie_word_embeddings")))
-
-
-def _layer_params(d) -> int:
-    """q/k/v (with bias), o, gate/up/down, two RMSNorm gains."""
-    C, Ckv, I = d["C"], d["Ckv"], d["I"]
-    return (C * C + C) + 2 * (C * Ckv + Ckv) + C * C + 3 * C * I + 2 * C
-
-
-def param_bytes(cfg, bytes_per_value: int = 4) -> int:
-    """Unique parameters: embedding (once if tied to lm_head), L layers, final norm."""
-    d = _dims(cfg)
-    n = d["V"] * d["C"] * (1 if d["tied"] else 2) + d["L"] * _layer_params(d) + d["C"]
-    return n * bytes_per_value
-
-
-def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
-    """One gradient per unique parameter (a tied weight has one .grad)."""
-    return param_bytes(cfg, bytes_per_value)
-
-
-def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
-    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter; the step counters come on top."""
-    return 2 * param_bytes(cfg, bytes_per_value)
-
-
-def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
-    """Bytes one Qwen2 decoder layer saves for backward (fused SDPA), its input included, its
-    weights and the shared RoPE cos/sin excluded. ``half``: under fp16/bf16 autocast.
-
-    fp32, n = B*T tokens: 4 n (8C + 2Ckv + 4I + 2) + 4 B H T, from
-      RMSNorm x2: input x, 1/rms (n,1), x/rms, normed output (the q/k/v or gate/up input): 3C + 1 each
-      attention: RoPE'd q (C) and k (Ckv), v (Ckv), SDPA output (C, also o_proj's input), lse (B,H,T)
-      residual sum entering the second norm is that norm's x (counted above)
-      SwiGLU: gate out, silu out, up out, their product (down_proj's input): 4 I
-    autocast: the norms stay fp32 (x, x/rms, 1/rms), each linear saves its own half-precision
-    copy of its input (q, k, v: 3 copies; gate, up: 2), SDPA saves half q/k/v/out, the MLP is half:
-      n (30C + 4Ckv + 8I + 8) + 4 B H T.
-    """
-    d, n = _dims(cfg), batch * seq
-    C, Ckv, I, lse = d["C"], d["Ckv"], d["I"], 4 * batch * d["H"] * seq
-    if half:
-        return n * (30 * C + 4 * Ckv + 8 * I + 8) + lse
-    return 4 * n * (8 * C + 2 * Ckv + 4 * I + 2) + lse
-
-
-def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
-    """``block_saved_bytes`` (float32) storage by storage, in bytes: what an offload that moves whole
-    storages and keeps the small ones (Part 02 · 42) sees. n = B*T tokens:
-    two RMSNorms (x, x/rms, normed output: 4nC each; 1/rms: 4n), attention (RoPE'd q 4nC and k 4nC_kv,
-    v 4nC_kv, SDPA output 4nC, log-sum-exp 4BHT), SwiGLU (gate, SiLU, up, product: 4nI each)."""
-    d, n = _dims(cfg), batch * seq
-    C, Ckv, I = d["C"], d["Ckv"], d["I"]
-    return [4 * n * C] * 6 + [4 * n] * 2 + [4 * n * C, 4 * n * Ckv, 4 * n * Ckv, 4 * n * C,
-                                           4 * batch * d["H"] * seq] + [4 * n * I] * 4
-
-
-def _outer_saved_storages(d, batch: int, seq: int) -> list[int]:
-    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm (x, x/rms,
-    normed output, 1/rms)."""
-    n = batch * seq
-    return [4 * seq * d["hd"]] * 2 + [4 * n * d["C"]] * 3 + [4 * n]
-
-
-def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
-    """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al. 2022, eq. 2):
-    16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the materialised s x s scores."""
-    d = _dims(cfg)
-    return seq * batch * d["C"] * (34 + 5 * d["H"] * seq / d["C"])
-
-
-def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -> int:
-    """What one layer adds if SDPA falls back to its math kernel: the (B, H, T, T) probabilities."""
-    return batch * _dims(cfg)["H"] * seq * seq * bytes_per_value
-
-
 def unmodelled(strategy) -> str | None:
-    """Why ``theoretical`` has no formula for ``strategy`` (a ``bench.strategy.Strategy``), or None when
-    it has one: plain, and each of checkpoint-all, offload, fp16 / bf16 and micro<k> alone."""
+    """Why ``theoretical`` has no formula for ``strategy``, or None when it has one.
+
+    It has one for plain, and for each of checkpoint-all, offload, fp16 / bf16 and micro<k> alone.
+
+    Args:
+        strategy: a ``bench.strategy.Strategy``.
+
+    Returns:
+        None, or the reason as a sentence.
+
+    Example:
+        >>> from bp_mech.bench.strategy import parse
+        >>> unmodelled(parse("checkpoint-all")) is None, unmodelled(parse("checkpoint-all+fp16"))
+        (True, 'the formula takes one strategy at a time (project 76 measures the combinations)')
+    """
     if strategy.chunked_loss is not None:
         return "the formula has no chunked loss (project 74 derives its own rule for it)"
     if strategy.checkpoint not in ("plain", "checkpoint-all"):
@@ -170,10 +170,7 @@ def unmodelled(strategy) -> str | None:
 
 def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu", adamw: str | None = None,
                 offload_min_bytes: int | None = None) -> Ledger:
-    """The formula ledger of one steady-state step (derivation in the chapter) of ``strategy`` (a
-    ``bench.strategy.Strategy``, None: plain; ``unmodelled`` says which it covers) on ``device``, with
-    AdamW ``adamw`` ("fused" | "foreach"; None: fused on CUDA, foreach on the CPU, as ``make_adamw``)
-    and the offload's ``offload_min_bytes`` (None: ``offload.min_bytes(device)``).
+    """The formula ledger of one steady-state step (derivation in the chapter).
 
     n = B T / k tokens per micro-batch, W = ``param_bytes``, M = 2W (+ 4-byte steps), E = 4 V C:
       after load       W (+ the RoPE buffers)
@@ -187,6 +184,29 @@ def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu", adamw: 
     saved = L A + RoPE + final norm (plain, amp, accumulation); L layer inputs (checkpoint); with
     offload only the saved storages under ``offload_min_bytes`` (``layer_saved_storages``), which
     Part 02 · 42's ``ActivationOffload`` leaves on the device (parameters it keeps cost nothing extra).
+
+    Args:
+        arch: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
+        batch: B, sequences per update (split into k micro-batches under micro<k>).
+        seq: T, tokens per sequence.
+        strategy: a ``bench.strategy.Strategy`` (None: plain; ``unmodelled`` says which it covers).
+        device: where the step runs ("cpu" or "cuda").
+        adamw: "fused" | "foreach" (None: fused on CUDA, foreach on the CPU, as ``make_adamw``).
+        offload_min_bytes: the offload's threshold (None: ``offload.min_bytes(device)``).
+
+    Returns:
+        A ``Ledger`` with source "formula", every stage of ``STAGES``, ``forward_peak`` and ``moment``.
+
+    Raises:
+        ValueError: if ``unmodelled(strategy)`` gives a reason.
+
+    Example:
+        >>> from bp_mech.bench.strategy import parse
+        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> a = ARCHITECTURES["qwen05"]  # Qwen2.5-0.5B, B = 2, T = 512
+        >>> plain, ckpt = theoretical(a, 2, 512, device="cuda"), theoretical(a, 2, 512, parse("checkpoint-all"), "cuda")
+        >>> plain.moment, ckpt.moment, ckpt.total("forward") < plain.total("forward")
+        ('the log-softmax backward', 'the end of the backward (tied embedding)', True)
     """
     from bp_mech.offload import min_bytes
 

@@ -9,8 +9,8 @@ buffer and unpacks it to the device again:
   on the device anyway, and a tiny copy costs more in launch latency than it frees;
 * copies go per *storage*: views of one storage (``q``/``k`` slices, ``x.view(...)``) are moved and
   counted once, and rebuilt as views with their offset, size and stride;
-* host buffers come from a reused pool (``HostPool``; pinned on CUDA), so from the second step on
-  no host memory is allocated;
+* host buffers come from a reused pool (``HostPool``, in ``bp_mech.host_memory``; pinned on CUDA), so
+  from the second step on no host memory is allocated;
 * on CUDA, device-to-host copies run on a side stream; compute runs at most ``inflight`` copies
   ahead before it waits (which bounds the device memory still waiting for its copy), and backward
   prefetches the next ``prefetch`` storages host-to-device on that stream;
@@ -35,10 +35,7 @@ The experiment of the chapter (candidates, the counting pass, link metrics, reco
 
 from __future__ import annotations
 
-import contextlib
-import statistics
 import weakref
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -47,35 +44,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bp_mech.bench.tracking import host_side
+from bp_mech.host_memory import HostPool, measure_bandwidth
+
+__all__ = ["OFFLOADABLE_TYPES", "HostPool", "OffloadConfig", "ActivationOffload", "CountingSaveOnCpu",
+           "measure_bandwidth", "CPU_MIN_BYTES", "min_bytes"]  # HostPool, measure_bandwidth: re-exported
 
 OFFLOADABLE_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)  # offloaded; subclasses (DTensor, ...) stay as they are
-
-
-class HostPool:
-    """Host buffers reused across steps, bucketed by exact byte size (pinned on CUDA)."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin  # page-locked: needed for asynchronous copies
-        self.idle: dict[int, list] = defaultdict(list)  # nbytes -> uint8 buffers not handed out
-        self.allocated = 0  # bytes ever allocated
-        self.allocations = 0  # buffers ever allocated
-        self.in_use = 0  # bytes handed out now
-        self.high_water = 0  # most bytes handed out at once
-
-    def take(self, n: int) -> torch.Tensor:
-        if self.idle[n]:
-            buf = self.idle[n].pop()
-        else:
-            with host_side():
-                buf = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
-            self.allocated, self.allocations = self.allocated + n, self.allocations + 1
-        self.in_use += n
-        self.high_water = max(self.high_water, self.in_use)
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        self.idle[buf.numel()].append(buf)
-        self.in_use -= buf.numel()
 
 
 class _Slot:
@@ -91,6 +65,19 @@ class _Slot:
 
 @dataclass
 class OffloadConfig:
+    """The offload's tuning knobs (``ActivationOffload``).
+
+    Args:
+        min_bytes: storages smaller than this stay resident (``min_bytes(device)`` picks it per device).
+        side_stream: CUDA: copy on a side stream instead of the compute stream.
+        prefetch: CUDA: storages copied back ahead of backward's use.
+        inflight: CUDA: D2H copies the compute stream may run ahead of before it waits.
+
+    Example:
+        >>> OffloadConfig(min_bytes=4096)
+        OffloadConfig(min_bytes=4096, side_stream=True, prefetch=2, inflight=4)
+    """
+
     min_bytes: int = 2**20  # storages smaller than this stay resident
     side_stream: bool = True  # CUDA: copy on a side stream instead of the compute stream
     prefetch: int = 2  # CUDA: storages copied back ahead of backward's use
@@ -98,8 +85,25 @@ class OffloadConfig:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that offload activations to a reused host pool. Enter once per forward;
-    the counters cover the last forward and its backward."""
+    """Saved-tensor hooks that offload activations to a reused host pool (see the module's docstring).
+
+    Enter once per forward; the counters cover the last forward and its backward: ``d2h_bytes`` /
+    ``h2d_bytes`` (bytes copied), ``offloaded``, ``shared_views``, ``kept_params``, ``kept_small``
+    (saved tensors by fate) and ``kept_small_bytes``.
+
+    Args:
+        params: the model's parameters (they, and views of them, stay resident).
+        cfg: the thresholds and CUDA stream settings.
+        device: where the activations live ("cpu": clones stand for the copies, no stream).
+
+    Example:
+        >>> x = torch.ones(1024, 8, requires_grad=True)  # 32 KiB, not a parameter
+        >>> hooks = ActivationOffload([], OffloadConfig(min_bytes=4096))
+        >>> with hooks:
+        ...     y = x.exp().sum()  # exp saves its (1024, 8) float32 output
+        >>> y.backward(); hooks.offloaded, hooks.d2h_bytes, hooks.h2d_bytes, torch.allclose(x.grad, x.exp())
+        (1, 32768, 32768, True)
+    """
 
     def __init__(self, params, cfg: OffloadConfig = OffloadConfig(), device="cpu"):
         self.params, self.cfg, self.device = list(params), cfg, torch.device(device)
@@ -218,17 +222,20 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return torch.empty(0, dtype=dtype, device=buf.device).set_(buf.untyped_storage(), offset, size, stride)
 
 
-def offload_activations(params, enabled: bool = True, cfg: OffloadConfig = OffloadConfig(), device="cpu"):
-    """``ActivationOffload``, or ``contextlib.nullcontext()`` when off."""
-    return ActivationOffload(params, cfg, device) if enabled else contextlib.nullcontext()
-
-
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     """PyTorch's ``save_on_cpu(pin_memory=True)``, its hooks wrapped to count the bytes it copies.
 
     It copies every saved tensor (parameters and each view separately) on the compute stream. On
     the CPU its ``.to(device)`` returns the host tensor itself; the wrapper clones it there, to
-    stand for the copy back a device would make.
+    stand for the copy back a device would make. ``d2h_bytes`` / ``h2d_bytes`` cover the last
+    forward and its backward.
+
+    Example:
+        >>> x, hooks = torch.ones(1024, 8, requires_grad=True), CountingSaveOnCpu()
+        >>> with hooks:
+        ...     y = x.exp().sum()
+        >>> y.backward(); hooks.d2h_bytes, hooks.h2d_bytes
+        (32768, 32768)
     """
 
     def __init__(self):
@@ -253,28 +260,20 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         return super().__enter__()
 
 
-def measure_bandwidth(device, nbytes: int = 256 * 2**20, reps: int = 5) -> dict:
-    """Pinned host <-> device copy bandwidth (bytes/s, median of ``reps``), CUDA events."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out = {}
-    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-        dst.copy_(src, non_blocking=True)  # warm-up
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        out[name] = nbytes / statistics.median(times)
-    return out
-
-
 CPU_MIN_BYTES = 4096  # the tiny workload's activations are KiB-sized: a smaller threshold on the CPU
 
 
 def min_bytes(device) -> int:
-    """The offload threshold on ``device``: ``OffloadConfig.min_bytes`` on CUDA, ``CPU_MIN_BYTES`` on the CPU."""
+    """The offload threshold on ``device``: ``OffloadConfig.min_bytes`` on CUDA, ``CPU_MIN_BYTES`` on the CPU.
+
+    Args:
+        device: a device or its name.
+
+    Returns:
+        The ``min_bytes`` to offload with there, in bytes.
+
+    Example:
+        >>> min_bytes("cpu"), min_bytes("cuda") == 2**20
+        (4096, True)
+    """
     return OffloadConfig.min_bytes if torch.device(device).type == "cuda" else CPU_MIN_BYTES

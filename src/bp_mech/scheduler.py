@@ -38,6 +38,25 @@ DECAY_TYPES = ("linear", "cosine")
 
 @dataclass(frozen=True)
 class WSDConfig:
+    """A warmup–stable–decay schedule: phase lengths in effective updates, peak LR and floor.
+
+    Args:
+        base_lr: peak learning rate (the stable value).
+        warmup: W, updates of linear warmup from ``min_lr_ratio * base_lr`` up to ``base_lr``.
+        stable: S, updates at ``base_lr``.
+        decay: D, updates of decay from ``base_lr`` down to ``min_lr_ratio * base_lr``.
+        decay_type: "linear" or "cosine" (half a cosine wave).
+        min_lr_ratio: m, the floor as a fraction of ``base_lr`` (also where warmup starts).
+
+    Raises:
+        ValueError: an unknown ``decay_type`` or a negative phase length.
+
+    Example:
+        >>> cfg = WSDConfig(warmup=2, stable=3, decay=4)
+        >>> cfg.total, cfg.boundaries
+        (9, {'warmup_end': 2, 'decay_start': 5, 'end': 9})
+    """
+
     base_lr: float = 1e-3  # peak learning rate (the stable value)
     warmup: int = 6  # W: updates of linear warmup from min_lr_ratio * base_lr up to base_lr
     stable: int = 10  # S: updates at base_lr
@@ -53,16 +72,33 @@ class WSDConfig:
 
     @property
     def total(self) -> int:
+        """W + S + D, the number of updates the schedule spans (int); after it the LR stays at the floor."""
         return self.warmup + self.stable + self.decay
 
     @property
     def boundaries(self) -> dict[str, int]:
-        """The effective update at which each phase ends (warmup end = first full-LR update)."""
+        """The effective update at which each phase ends (warmup end = first full-LR update).
+
+        A dict with keys ``warmup_end`` (W), ``decay_start`` (W + S) and ``end`` (W + S + D).
+        """
         return {"warmup_end": self.warmup, "decay_start": self.warmup + self.stable, "end": self.total}
 
 
 def wsd_factor(update: int, cfg: WSDConfig) -> float:
-    """The LR multiplier at effective update ``update`` (0-based), as transformers computes it."""
+    """The LR multiplier at effective update ``update`` (0-based), as transformers computes it.
+
+    Args:
+        update: k, the 0-based index of the effective update (= updates applied before it).
+        cfg: the schedule.
+
+    Returns:
+        The factor in [m, 1] by the module's formula (m = ``cfg.min_lr_ratio``).
+
+    Example:
+        >>> cfg = WSDConfig(warmup=2, stable=1, decay=2, decay_type="linear")
+        >>> [wsd_factor(k, cfg) for k in range(6)]
+        [0.0, 0.5, 1.0, 1.0, 0.5, 0.0]
+    """
     W, S, D, m = cfg.warmup, cfg.stable, cfg.decay, cfg.min_lr_ratio
     if update < W:
         progress = float(update) / float(max(1, W))
@@ -77,7 +113,19 @@ def wsd_factor(update: int, cfg: WSDConfig) -> float:
 
 
 def wsd_lr(update: int, cfg: WSDConfig) -> float:
-    """lr = base_lr * wsd_factor(update); LambdaLR multiplies the same way."""
+    """lr = base_lr * wsd_factor(update); LambdaLR multiplies the same way.
+
+    Args:
+        update: k, the 0-based index of the effective update (= updates applied before it).
+        cfg: the schedule.
+
+    Returns:
+        The learning rate of update ``update``.
+
+    Example:
+        >>> wsd_lr(1, WSDConfig(base_lr=0.5, warmup=2))
+        0.25
+    """
     return cfg.base_lr * wsd_factor(update, cfg)
 
 
@@ -87,6 +135,15 @@ class UpdateClock:
     ``lr`` is the learning rate of the *next* update, ``wsd_lr(position)``; before any call it
     is ``wsd_lr(0)`` (as ``LambdaLR`` right after construction). ``step(applied)`` is called
     once per optimizer call; with an optimizer attached it writes ``lr`` into every param group.
+
+    Args:
+        cfg: the schedule.
+        optimizer: if given, every param group's ``lr`` is set to ``self.lr`` now and after each step.
+
+    Example:
+        >>> clock = UpdateClock(WSDConfig(base_lr=1.0, warmup=4))
+        >>> clock.step(True), clock.step(False), (clock.updates, clock.skipped, clock.calls)
+        (0.25, 0.25, (1, 1, 2))
     """
 
     def __init__(self, cfg: WSDConfig, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -98,6 +155,7 @@ class UpdateClock:
 
     @property
     def calls(self) -> int:
+        """Optimizer calls so far, applied or skipped: ``updates + skipped``."""
         return self.updates + self.skipped
 
     @property
@@ -107,9 +165,23 @@ class UpdateClock:
 
     @property
     def lr(self) -> float:
+        """The learning rate of the next update, ``wsd_lr(position, cfg)``."""
         return wsd_lr(self.position, self.cfg)
 
     def step(self, applied: bool) -> float:
+        """Record one optimizer call and write the new ``lr`` into the optimizer, if any.
+
+        Args:
+            applied: True when the call changed the parameters, False when it was skipped.
+
+        Returns:
+            The learning rate of the next update (``self.lr`` after the call).
+
+        Example:
+            >>> clock = UpdateClock(WSDConfig(base_lr=1.0, warmup=2))
+            >>> clock.lr, clock.step(False), clock.step(True)
+            (0.0, 0.0, 0.5)
+        """
         if applied:
             self.updates += 1
         else:
@@ -124,10 +196,20 @@ class UpdateClock:
 
 
 class NaiveClock(UpdateClock):
-    """The bug: reads the schedule at the number of optimizer *calls*, skipped ones included."""
+    """The bug: reads the schedule at the number of optimizer *calls*, skipped ones included.
+
+    Args:
+        cfg, optimizer: as for ``UpdateClock``.
+
+    Example:
+        >>> clock = NaiveClock(WSDConfig(base_lr=1.0, warmup=2))
+        >>> clock.step(False)  # a skipped step still moves warmup on
+        0.5
+    """
 
     @property
     def position(self) -> int:
+        """The count the schedule is read at: ``calls``, the bug."""
         return self.calls
 
 
@@ -136,6 +218,22 @@ def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
 
     Public API only: the scale shrinks in ``update()`` iff the step found inf/NaN, which is
     iff ``step()`` skipped ``optimizer.step()``. A disabled scaler always steps (scale 1.0).
+
+    Args:
+        scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``; enabled, it needs
+            ``backoff_factor < 1`` (else ``ValueError``).
+        optimizer: the optimizer to step.
+
+    Returns:
+        True when the update was applied, False when the scaler skipped it.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([p], lr=0.1)
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+        >>> scaler.scale(p.sum() * float("inf")).backward(); scaler_step(scaler, opt)
+        False
+        >>> opt.zero_grad(); scaler.scale(p.sum()).backward(); scaler_step(scaler, opt)
+        True
     """
     if scaler.is_enabled() and not scaler.get_backoff_factor() < 1.0:
         raise ValueError("skip detection needs backoff_factor < 1")
@@ -148,7 +246,20 @@ def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
 # --- cross-check against transformers ----------------------------------------------
 
 def transformers_schedule(cfg: WSDConfig):
-    """(dummy optimizer, ``transformers.get_wsd_schedule``) for ``cfg``; step both together."""
+    """(dummy optimizer, ``transformers.get_wsd_schedule``) for ``cfg``; step both together.
+
+    Args:
+        cfg: the schedule.
+
+    Returns:
+        (opt, sched): an SGD optimizer over one dummy tensor at ``cfg.base_lr`` and the
+        ``LambdaLR`` of ``get_wsd_schedule`` on it.
+
+    Example:
+        >>> opt, sched = transformers_schedule(WSDConfig(base_lr=1.0, warmup=2))
+        >>> opt.step(); sched.step(); opt.param_groups[0]["lr"]
+        0.5
+    """
     from transformers import get_wsd_schedule
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.base_lr)
@@ -160,7 +271,16 @@ def transformers_schedule(cfg: WSDConfig):
 def compare_with_transformers(cfg: WSDConfig, past_end: int = 3) -> dict:
     """LR at every update 0 .. total+past_end-1: ours vs ``get_wsd_schedule``, no skips.
 
-    Returns ``ours``, ``theirs`` (lists) and ``max_abs_diff`` (0.0 means bitwise equal).
+    Args:
+        cfg: the schedule.
+        past_end: updates to compare after the schedule's end (on the floor).
+
+    Returns:
+        A dict: ``ours``, ``theirs`` (lists of floats) and ``max_abs_diff`` (0.0 means bitwise equal).
+
+    Example:
+        >>> compare_with_transformers(WSDConfig())["max_abs_diff"]
+        0.0
     """
     opt, sched = transformers_schedule(cfg)
     ours, theirs = [], []

@@ -15,12 +15,11 @@ in the manifest tells a damaged file). ``load_training_state`` checks the manife
 files' sizes and sha256, the weights' names, shapes and dtypes and the optimizer state's layout against
 the live trainer *before* it changes anything; a mismatch is one ``TrainingStateError`` line and nothing
 is loaded. ``config.json`` makes a saved state a Transformers model directory (``from_pretrained``).
+The format and its checks are ``bp_mech.state_format``; every name of it is importable from here.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -31,34 +30,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bp_mech.continual_pretrain import text_sha256
+from bp_mech.state_format import (FIELDS, FILES, FORMAT, IDENTITY, LATEST, MODEL_CONFIG_KEYS, TrainingStateError,
+                                  _check_layout, _sha256, identity, model_config_identity, read_manifest, resolve,
+                                  tied_names, trainer_identity, unique_tensors)
 
-FORMAT = "bp-mech-training-state/1"
-FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "config.json")
-LATEST = "latest"  # the file in a saved state root that names the newest complete saved state
-IDENTITY = ("workload", "model_config", "train_config", "data")  # sections that must equal the run's
-FIELDS = {  # every field of state.json, and what it holds
-    "format": "the layout version, " + FORMAT,
-    "workload": "workload id, model id and commit, source, tokenizer, dtype, seed",
-    "model_config": "the architecture fields of the model config",
-    "train_config": "the training phase's config (LR schedule, clipping, scaler, data seed)",
-    "data": "the training text's sha256 and token count, batch and sequence length",
-    "record": "the experiment, run label and candidate the saved state was made for",
-    "clock": "the update clock: applied and skipped updates",
-    "scaler": "the GradScaler's state (scale, growth tracker)",
-    "data_position": "batches drawn and tokens seen",
-    "files": "size and sha256 of the weights (safetensors), optimizer state, RNG states, model config",
-}
-
-
-class TrainingStateError(ValueError):
-    """A saved state that cannot be resumed from; the one-line message names the path and the field."""
+__all__ = ["FORMAT", "FILES", "LATEST", "IDENTITY", "FIELDS", "TrainingStateError", "rng_states", "set_rng_states",
+           "clock_state", "set_clock_state", "capture_state", "restore_state", "MODEL_CONFIG_KEYS",
+           "model_config_identity", "identity", "trainer_identity", "tied_names", "unique_tensors",
+           "save_training_state", "resolve", "read_manifest", "load_training_state"]
 
 
 # --- in memory --------------------------------------------------------------------------
 
 def rng_states(device) -> dict:
-    """torch's CPU (and, on CUDA, every device's) generator, Python's and NumPy's, as tensors and lists."""
+    """The global RNG states: torch's CPU (and, on CUDA, every device's) generator, Python's and NumPy's.
+
+    Args:
+        device: the trainer's device; when its type is ``cuda``, every CUDA device's state is added.
+
+    Returns:
+        ``{"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": [name, keys, pos, has_gauss,
+        cached_gaussian]}`` (and ``"cuda"``: one state per device), as tensors and lists, which
+        ``torch.load(weights_only=True)`` reads back from ``rng.pt``.
+
+    Example:
+        >>> sorted(rng_states("cpu"))
+        ['numpy', 'python', 'torch']
+    """
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     out = dict(torch=torch.get_rng_state(), python=random.getstate(),
                numpy=[name, keys.tolist(), pos, has_gauss, gauss])
@@ -68,6 +66,21 @@ def rng_states(device) -> dict:
 
 
 def set_rng_states(states: dict) -> None:
+    """Set the global RNGs to an ``rng_states`` dict: the draws that followed it are drawn again.
+
+    Args:
+        states: what ``rng_states`` returned (or rng.pt holds); not changed. ``cuda`` is used only with CUDA.
+
+    Returns:
+        None.
+
+    Example:
+        >>> states = rng_states("cpu")
+        >>> draws = (torch.rand(2).tolist(), random.random(), np.random.rand())
+        >>> set_rng_states(states)
+        >>> (torch.rand(2).tolist(), random.random(), np.random.rand()) == draws
+        True
+    """
     torch.set_rng_state(states["torch"].clone())
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -78,17 +91,64 @@ def set_rng_states(states: dict) -> None:
 
 
 def clock_state(clock) -> dict:
-    """The update clock's state (``scheduler.UpdateClock`` has no ``state_dict``): applied and skipped updates."""
+    """The update clock's state (``scheduler.UpdateClock`` has no ``state_dict``): applied and skipped updates.
+
+    Args:
+        clock: a ``scheduler.UpdateClock``; its learning rate follows from ``updates``.
+
+    Returns:
+        ``{"updates": int, "skipped": int}``.
+
+    Example:
+        >>> from bp_mech.scheduler import UpdateClock, WSDConfig
+        >>> clock = UpdateClock(WSDConfig())
+        >>> _ = clock.step(True), clock.step(False)  # one applied update, one skipped
+        >>> clock_state(clock)
+        {'updates': 1, 'skipped': 1}
+    """
     return dict(updates=clock.updates, skipped=clock.skipped)
 
 
 def set_clock_state(clock, state: dict) -> None:
+    """Set the update clock's counts from a ``clock_state`` dict; the LR in the optimizer is not rewritten.
+
+    Args:
+        clock: the ``scheduler.UpdateClock`` to set, in place.
+        state: ``{"updates": int, "skipped": int}``, as ``clock_state`` returns it.
+
+    Returns:
+        None.
+
+    Example:
+        >>> from bp_mech.scheduler import UpdateClock, WSDConfig
+        >>> clock = UpdateClock(WSDConfig())
+        >>> set_clock_state(clock, {"updates": 5, "skipped": 2})
+        >>> clock.updates, clock.skipped, clock.calls
+        (5, 2, 7)
+    """
     clock.updates, clock.skipped = state["updates"], state["skipped"]
 
 
 def capture_state(trainer) -> dict:
-    """Everything the trainer's next update depends on, as copies: training on afterwards changes
-    nothing in the returned dict (``state_dict()`` alone returns the live tensors)."""
+    """Everything the trainer's next update depends on, as copies.
+
+    Training on afterwards changes nothing in the returned dict (``state_dict()`` returns the live tensors).
+
+    Args:
+        trainer: a ``continual_pretrain.Trainer``.
+
+    Returns:
+        A deep copy of ``{"model", "optimizer", "scaler"}`` (their ``state_dict()``), ``"clock"``
+        (``clock_state``), ``"data"`` (the ``TextStream``'s ``state_dict()``) and ``"rng"`` (``rng_states``).
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> state = capture_state(t); _ = train(t, 2)
+        >>> state["clock"], t.clock.updates
+        ({'updates': 0, 'skipped': 0}, 2)
+    """
     return copy.deepcopy(dict(
         model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
         scaler=trainer.scaler.state_dict(), clock=clock_state(trainer.clock),
@@ -96,10 +156,29 @@ def capture_state(trainer) -> dict:
 
 
 def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
-    """Put a ``capture_state`` dict back into a trainer built the same way. It copies first (AdamW's
-    ``load_state_dict`` keeps the tensors it is given, and training on would change them in ``state``),
-    unless the caller hands over a dict nobody else holds (``copy_state=False``). The optimizer's param
-    groups carry the LR the clock set last."""
+    """Put a ``capture_state`` dict back into a trainer built the same way.
+
+    It copies first (AdamW's ``load_state_dict`` keeps the tensors it is given, and training on would change
+    them in ``state``), unless the caller hands over a dict nobody else holds (``copy_state=False``). The
+    optimizer's param groups carry the LR the clock set last. The global RNGs are set too.
+
+    Args:
+        trainer: a ``continual_pretrain.Trainer`` with the same model, optimizer and data stream layout.
+        state: a ``capture_state`` dict.
+        copy_state: False: use ``state``'s tensors as they are (the caller hands ``state`` over).
+
+    Returns:
+        None.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> state = capture_state(t); first = [row["loss"] for row in train(t, 2)]
+        >>> restore_state(t, state)
+        >>> [row["loss"] for row in train(t, 2)] == first
+        True
+    """
     if copy_state:
         state = copy.deepcopy(state)
     trainer.model.load_state_dict(state["model"])
@@ -110,55 +189,32 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
     set_rng_states(state["rng"])
 
 
-# --- identity -----------------------------------------------------------------------------
-
-MODEL_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                     "tie_word_embeddings")
-
-
-def model_config_identity(config) -> dict:
-    return {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS}
-
-
-def identity(workload: dict, train_config, ids: torch.Tensor, batch: int, seq: int, model_config=None) -> dict:
-    """The sections of ``IDENTITY``: what a saved state must share with the run that resumes it.
-    ``workload`` is the record's workload group; ``model_config`` a config object (None: not compared)."""
-    return dict(workload=workload, train_config=dataclasses.asdict(train_config),
-                data=dict(text_sha256=text_sha256(ids), text_tokens=len(ids), batch=batch, seq=seq),
-                model_config=None if model_config is None else model_config_identity(model_config))
-
-
-def trainer_identity(trainer, workload: dict) -> dict:
-    return identity(workload, trainer.cfg, trainer.data.ids, trainer.data.batch, trainer.data.seq, trainer.model.config)
-
-
-def tied_names(state: dict) -> dict[str, str]:
-    """Every name of a state dict -> the first name of the same tensor (``lm_head.weight`` ->
-    ``model.embed_tokens.weight`` under tied embeddings)."""
-    first: dict[tuple, str] = {}
-    return {name: first.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), name)
-            for name, t in state.items()}
-
-
-def unique_tensors(state: dict) -> dict:
-    """A state dict without the second name of a tied tensor, as safetensors (and ``save_pretrained``) store it."""
-    return {name: state[name] for name, kept in tied_names(state).items() if name == kept}
-
-
 # --- on disk -------------------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
-    """Write the trainer's state to ``root/step-NNNNNN`` (a free name) atomically and point
-    ``root/latest`` at it. ``workload``: the record's workload group; ``record``: the record's identity."""
+    """Write the trainer's state to ``root/step-NNNNNN`` (a free name) atomically and point ``root/latest`` at it.
+
+    NNNNNN is the clock's applied updates (a name taken gets ``-1``, ``-2``, ...). ``FILES`` and ``state.json``
+    are written into ``root/.tmp-<name>-*``, renamed into place when complete; an error removes it (and propagates).
+
+    Args:
+        trainer: the ``continual_pretrain.Trainer`` to save.
+        root: the directory of the saved states; created if missing.
+        workload: the record's workload group (``bench.workload.workload_fields``).
+        record: the record's identity (``semantic_id``, run label, candidate), kept as the manifest's ``record``.
+
+    Returns:
+        The new saved state directory, ``root/step-NNNNNN`` (or ``root/step-NNNNNN-k``).
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     path = save_training_state(t, root, {"workload_id": "tiny-b1s8"}, {"semantic_id": "X"})
+        ...     print(path.name, sorted(p.name for p in path.iterdir()), (Path(root) / LATEST).read_text().strip())
+        step-000000 ['config.json', 'model.safetensors', 'optimizer.pt', 'rng.pt', 'state.json'] step-000000
+    """
     from safetensors.torch import save_file
 
     root = Path(root)
@@ -191,103 +247,34 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
     return root / name
 
 
-def resolve(path) -> Path:
-    """A saved state directory, or a root whose ``latest`` names one."""
-    path = Path(path)
-    if (path / "state.json").exists() or not (path / LATEST).exists():
-        return path
-    return path / (path / LATEST).read_text().strip()
-
-
-def read_manifest(path, identity: dict | None = None, semantic_id: str | None = None) -> tuple[Path, dict]:
-    """Validate a saved state without touching a model: the manifest field by field, the identity
-    sections given in ``identity`` (None values skipped), the record's experiment, every file's size
-    and sha256. Returns (directory, manifest); raises TrainingStateError."""
-    path = resolve(path)
-    where = f"saved state {path}"
-    if not (path / "state.json").is_file():
-        raise TrainingStateError(f"{where}: no state.json (not a saved state directory, or a save that never finished)")
-    try:
-        m = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TrainingStateError(f"{where}: state.json is not valid JSON (truncated or corrupt?): {e}") from None
-    if not isinstance(m, dict):
-        raise TrainingStateError(f"{where}: state.json must hold an object")
-    for field in FIELDS:
-        if field not in m:
-            raise TrainingStateError(f"{where}: field '{field}' is missing ({FIELDS[field]})")
-    if m["format"] != FORMAT:
-        raise TrainingStateError(f"{where}: field 'format' is {m['format']!r}, expected {FORMAT!r}")
-    for section, want in (identity or {}).items():
-        if want is None:
-            continue
-        have = m[section]
-        for key in dict.fromkeys([*want, *(have if isinstance(have, dict) else {})]):
-            if not isinstance(have, dict) or have.get(key) != want.get(key):
-                got = have.get(key) if isinstance(have, dict) else have
-                raise TrainingStateError(f"{where}: field '{section}.{key}' is {got!r} in the saved state but "
-                                      f"{want.get(key)!r} in this run (a saved state of another {section.replace('_', ' ')})")
-    if semantic_id is not None and (m["record"] or {}).get("semantic_id") != semantic_id:
-        raise TrainingStateError(f"{where}: field 'record.semantic_id' is {(m['record'] or {}).get('semantic_id')!r}, "
-                              f"this run is {semantic_id!r}")
-    clock = m["clock"]
-    if not (isinstance(clock, dict) and all(isinstance(clock.get(k), int) and clock[k] >= 0 for k in ("updates", "skipped"))):
-        raise TrainingStateError(f"{where}: field 'clock' must hold non-negative integers 'updates' and 'skipped', got {clock!r}")
-    if not isinstance(m["data_position"], dict) or not isinstance(m["data_position"].get("position"), int):
-        raise TrainingStateError(f"{where}: field 'data_position.position' must be an integer")
-    for f in FILES:
-        info, p = m["files"].get(f) if isinstance(m["files"], dict) else None, path / f
-        if not isinstance(info, dict) or "bytes" not in info or "sha256" not in info:
-            raise TrainingStateError(f"{where}: field 'files.{f}' is missing")
-        if not p.is_file():
-            raise TrainingStateError(f"{where}: {f} is missing")
-        if p.stat().st_size != info["bytes"]:
-            raise TrainingStateError(f"{where}: {f} is {p.stat().st_size} bytes, the manifest says {info['bytes']} "
-                                  "(truncated or replaced)")
-        if _sha256(p) != info["sha256"]:
-            raise TrainingStateError(f"{where}: {f} does not match its sha256 in the manifest (corrupt)")
-    return path, m
-
-
-def _check_layout(where: str, trainer, weights_path: Path, opt_state) -> None:
-    """Weights and optimizer state against the live model, before anything is loaded."""
-    from safetensors import safe_open
-
-    want = unique_tensors(trainer.model.state_dict())
-    try:
-        with safe_open(weights_path, "pt") as f:
-            have = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-        raise TrainingStateError(f"{where}: model.safetensors cannot be read: {e}") from None
-    for k in sorted(set(want) ^ set(have)):
-        raise TrainingStateError(f"{where}: weight {k!r} is {'missing from' if k in want else 'unknown to'} this model")
-    for k, t in want.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if have[k][0] != tuple(t.shape) or _ST_DTYPES.get(have[k][1]) != dtype:
-            raise TrainingStateError(f"{where}: weight {k!r} is {have[k][1]} {list(have[k][0])} in the saved state, "
-                                  f"{dtype} {list(t.shape)} in this model")
-    groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
-    live = trainer.optimizer.param_groups
-    if not isinstance(groups, list) or [len(g["params"]) for g in groups] != [len(g["params"]) for g in live]:
-        raise TrainingStateError(f"{where}: optimizer state of another parameter layout: parameters per group "
-                              f"{[len(g['params']) for g in groups or []]}, this optimizer has "
-                              f"{[len(g['params']) for g in live]}")
-    params = [p for g in live for p in g["params"]]
-    ids = [i for g in groups for i in g["params"]]
-    for i, p in zip(ids, params):
-        for key, t in opt_state["state"].get(i, {}).items():
-            if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
-                raise TrainingStateError(f"{where}: optimizer state of another parameter layout: parameter {i} is "
-                                      f"{list(p.shape)} here, its {key} {list(t.shape)} in the saved state")
-
-
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
 def load_training_state(trainer, path, workload: dict, semantic_id: str | None = None) -> dict:
-    """Validate the saved state at ``path`` against ``trainer`` (``read_manifest`` with the trainer's
-    identity, then the weights' and the optimizer state's layout) and restore it. Nothing is loaded
-    unless everything checks. Returns the manifest."""
+    """Validate the saved state at ``path`` against ``trainer`` and restore it.
+
+    ``read_manifest`` with the trainer's identity, then the weights' and the optimizer state's layout,
+    the RNG states and the scaler, then ``restore_state``. Nothing is loaded unless everything checks.
+
+    Args:
+        trainer: a ``continual_pretrain.Trainer`` built as the saved one was (its weights may differ).
+        path: a saved state directory, or a root whose ``latest`` names one.
+        workload: the run's workload group, compared with the manifest's.
+        semantic_id: the experiment the saved state must have been made for; None: not compared.
+
+    Returns:
+        The manifest (``state.json`` as a dict, ``FIELDS``).
+
+    Raises:
+        TrainingStateError: as ``read_manifest``; an unreadable ``optimizer.pt`` or ``rng.pt``; weights or
+            optimizer state of another layout; missing RNG states; another scaler. The trainer is unchanged.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     _ = save_training_state(t, root, {}, {"semantic_id": "X"}); _ = train(t, 2)
+        ...     print(load_training_state(t, root, {}, "X")["clock"], t.clock.updates)
+        {'updates': 0, 'skipped': 0} 0
+    """
     from safetensors.torch import load_file
 
     path, m = read_manifest(path, trainer_identity(trainer, workload), semantic_id)

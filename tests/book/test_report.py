@@ -9,15 +9,15 @@ import html
 
 import pytest
 
+from bp_mech import RESULTS_DIR
 from bp_mech.records import provenance, references, registry, results
 from bp_mech.book import report
-from bp_mech.experiments import accumulation, checkpointing, offload
 
 SID = "TRAIN-CHECKPOINT"
 
 
 def _gpu_record(candidate: str, code_hash: str) -> results.Record:
-    _, cpu = next((p, r) for p, r in results.load_records(report.RESULTS_DIR, SID) if r.candidate == candidate)
+    _, cpu = next((p, r) for p, r in results.load_records(RESULTS_DIR, SID) if r.candidate == candidate)
     return dataclasses.replace(
         cpu, run_label="gpu-default", workload_id="qwen05-b2s512", input_shape=[2, 512], evidence_level="gpu-measured",
         memory_source="cuda-allocator", model_id="Qwen/Qwen2.5-0.5B", model_source="pretrained",

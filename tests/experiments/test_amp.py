@@ -12,6 +12,7 @@ from bp_mech.bench.timing import MAX_RATIO_SPREAD
 from bp_mech.experiments import amp as experiment
 from bp_mech.experiments import harness
 from bp_mech.experiments.amp import decide
+from bp_mech.experiments.amp_overflow import overflow_failure
 from bp_mech.records import registry, results
 
 
@@ -198,7 +199,7 @@ def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
 
     w = parse_workload("tiny-b1s16")
     cfg = experiment.AmpConfig(timed=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))
-    o = experiment.overflow_sample(build_model(w), "fp16-overflow", cfg, "cpu", make_batches(w, 4))
+    o = experiment.overflow_sample(build_model(w), cfg, "cpu", make_batches(w, 4))
     assert made[-1]._step_supports_amp_scaling
     assert o["params_unchanged_on_skip"] and o["clock_held_on_skip"] and o["scaler_matches_reference"]
     assert o["skipped"] == 2 and o["updates"] == 4 and o["backoff_calls"] == [1, 2]
@@ -241,14 +242,14 @@ def _trace(applied, scale, loss):
 
 def test_overflow_failure_says_why():
     ok = _trace([True, False, True, True], [4.0, 2.0, 2.0, 4.0], [5.0, 5.0, 4.9, 4.8])
-    assert experiment.overflow_failure(ok, (1,)) is None
+    assert overflow_failure(ok, (1,)) is None
     stuck = _trace([True, False, False, False], [4.0, 2.0, 1.0, 0.5], [5.0, 5.0, 5.0, 5.0])
-    why = experiment.overflow_failure(stuck, (1,))
+    why = overflow_failure(stuck, (1,))
     assert "never recovered" in why and "after the last injected overflow (call 1)" in why
     assert "fell to 0.5, below SCALE_FLOOR 1" in why
     at_end = _trace([True, True, False], [4.0, 4.0, 2.0], [5.0, 4.9, 4.8])  # nothing after the last overflow
-    assert "never recovered" in experiment.overflow_failure(at_end, (2,))
+    assert "never recovered" in overflow_failure(at_end, (2,))
     low = _trace([True, True], [0.25, 0.25], [5.0, 4.9])  # recovered, but the scale collapsed
-    assert experiment.overflow_failure(low, ()) == "the loss scale fell to 0.25, below SCALE_FLOOR 1"
+    assert overflow_failure(low, ()) == "the loss scale fell to 0.25, below SCALE_FLOOR 1"
     nan = _trace([True, True], [4.0, 4.0], [5.0, math.nan])
-    assert experiment.overflow_failure(nan, ()) == "the loss ended non-finite"
+    assert overflow_failure(nan, ()) == "the loss ended non-finite"

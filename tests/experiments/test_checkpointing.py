@@ -6,10 +6,6 @@ import math
 
 import torch
 
-# transformers' generation module (imported with AutoModelForCausalLM) evaluates torch.cuda.Stream in
-# its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
-from transformers import AutoModelForCausalLM  # noqa: F401
-
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.oom import Failed
 from bp_mech.bench.rates import ASSUMED_BUILD_S

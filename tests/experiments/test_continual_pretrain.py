@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import transformers.models.auto.modeling_auto  # noqa: F401  (reads torch.cuda.Stream at import: before cpu_only)
 
 from bp_mech import continual_pretrain as cpt
 from bp_mech.records import registry, results
@@ -71,7 +70,7 @@ def test_decision_rule(first, last, want):
 
 def test_plan():
     plan = registry.dry_run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run", "qwen05-b2s512"))
-    gpu, cpu = plan["modes"]["real_gpu"], plan["modes"]["cpu"]
+    gpu = plan["modes"]["real_gpu"]
     assert 20 <= gpu["estimated_seconds"] <= 45 and gpu["timed_rounds"] >= 20  # a short GPU run
     assert gpu["state_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["save_at"] > 0
     assert "random-init architecture" in plan["base"] and plan["state_fields"] == list(training_state.FIELDS)

@@ -5,10 +5,6 @@ seed's decision; the conformance check passes."""
 import pytest
 import torch
 
-# transformers' generation module (imported with AutoModelForCausalLM) evaluates torch.cuda.Stream in
-# its annotations: imported here, before the cpu_only fixture replaces torch.cuda.Stream
-from transformers import AutoModelForCausalLM  # noqa: F401
-
 from bp_mech import offload
 from bp_mech.bench.step import train_step
 from bp_mech.bench.strategy import Applied
@@ -16,13 +12,6 @@ from bp_mech.experiments import decision
 from bp_mech.experiments import offload as experiment
 from bp_mech.records import references, registry
 from bp_mech.records.results import load_record, save_record
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    w = parse_workload("tiny-b2s32")
-    return build_model(w), make_batches(w, 2)
 
 
 def test_count_saved_counts_storages_once_and_less_under_checkpointing(tiny):

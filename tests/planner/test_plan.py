@@ -6,7 +6,6 @@ the decision rule; the command's output and its one-line errors (exit 2)."""
 import json
 
 import pytest
-import torch
 
 from bp_mech import cli
 from bp_mech.bench import lifecycle

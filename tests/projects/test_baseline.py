@@ -145,7 +145,7 @@ def test_records_validate_and_say_how_many_processes(one_process, two_processes,
             baseline.candidate_record(ctx, "2-processes", CFG, two_processes, ref)]
     for rec in recs:
         results.validate(rec.to_dict())
-        assert rec.decision == "accept" and rec.all_finite and rec.metrics["updates_by_run"]["baseline"] == CFG.updates
+        assert rec.decision == "accept" and rec.all_finite and rec.metrics["updates_by_run"]["training"] == CFG.updates
         m = rec.metrics
         timed = slice(CFG.warmup_excluded, None)
         res = ref if rec.candidate == "plain" else two_processes

@@ -7,14 +7,11 @@ import random
 import pytest
 import torch
 
-# transformers' generation module evaluates torch.cuda.Stream in its annotations: imported before cpu_only
-from transformers import AutoModelForCausalLM  # noqa: F401
-
 from bp_mech.bench import strategy
 from bp_mech.bench.compare import EXACT_TOL, LOW_TOL, REORDER_TOL, tolerance
 from bp_mech.bench.oom import Failed
 from bp_mech.experiments import harness
-from bp_mech.planner.plan import headroom
+from bp_mech.planner.plan import headroom, needed_bytes
 from bp_mech.projects import memory_strategy as ms
 from bp_mech.records import registry
 from bp_mech.projects import pareto
@@ -50,9 +47,9 @@ def test_choose_for_budget_rule():
     assert pareto.choose_for_budget(pts, 9 * gib, 0.25, gib // 4) == "ckpt"  # 7 x 1.25 + 0.25 = 9 GiB: equality fits
     assert pareto.choose_for_budget(pts, 9 * gib, 0.25, gib // 2) == "lean"
     assert pareto.choose_for_budget(pts, 4 * gib, 0.0, 0) is None
-    assert pareto.needed_bytes(4 * gib, 0.1, gib // 2) == pytest.approx(4.9 * gib)
+    assert needed_bytes(4 * gib, 0.1, gib // 2) == pytest.approx(4.9 * gib)
     with pytest.raises(ValueError):
-        pareto.needed_bytes(gib, -0.1, 0)
+        needed_bytes(gib, -0.1, 0)
 
 
 # --- the exercise checks: pass on the answers, reject the classic mistakes ---------------------------
@@ -257,7 +254,7 @@ def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(cpu_only,
     results = ms.measure(model, make_batches(w, 2), "cpu", names, smoke=True)
     assert isinstance(results["offload"], Failed) and results["offload"].failure.startswith("out of memory")
     ctx = registry.make_context("TRAIN-MEMORY-STRATEGY", "cpu", w)
-    recs = {r.candidate: r for r in ms.make_records(ctx, results)}
+    recs = {r.candidate: r for r in ms.budget_records(ctx, results)}
     assert recs["offload"].failure and recs["offload"].decision is None and recs["offload"].peak_allocated is None
     assert recs["checkpoint-all"].metrics["bitwise_equal"]
     assert "offload" not in recs["plain"].metrics["budget"]["pareto"]

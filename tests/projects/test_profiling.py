@@ -9,7 +9,7 @@ import torch
 
 from bp_mech.records import registry, results
 from bp_mech import ledger
-from bp_mech.bench.step import train_step
+from bp_mech.bench.step import PHASES, train_step
 from bp_mech.ledger import CLASSES, STAGES, Ledger
 from bp_mech.projects import diagnosis, profiling, step_profile
 from bp_mech.bench.workload import ARCHITECTURES, build_model, make_adamw, make_batches, parse_workload
@@ -82,8 +82,8 @@ def test_profile_step_writes_a_trace_and_the_timeline(tmp_path):
     p = step_profile.profile_step(w, "cpu", step_profile.ProfileConfig(timed=2, top_n=5), tmp_path / "t.json")
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert {step_profile.MARK + ph for ph in step_profile.PHASES} <= names
-    assert [ph for ph, _, _ in p.phases] == list(step_profile.PHASES)
+    assert {step_profile.MARK + ph for ph in PHASES} <= names
+    assert [ph for ph, _, _ in p.phases] == list(PHASES)
     assert all(len(v) == len(p.times_us) for v in p.bytes_by_category.values())
     assert p.times_us == sorted(p.times_us)
     ops = [o["self_us"] for o in p.operators]
@@ -167,7 +167,7 @@ def test_profiled_step_synchronizes_each_phase_on_cuda(fake_cuda):
     model = build_model(w)
     opt = make_adamw(model.parameters(), 1e-4, "cpu")
     train_step(model, opt, make_batches(w, 1)[0], observers=[step_profile.record_phases("cuda")])  # model on the CPU
-    assert fake_cuda == ["synchronize"] * len(step_profile.PHASES)
+    assert fake_cuda == ["synchronize"] * len(PHASES)
 
 
 def test_peak_of_reads_the_allocator_on_cuda():

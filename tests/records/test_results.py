@@ -94,7 +94,8 @@ def test_record_filename_is_one_file_per_candidate_and_run():
 
 
 def test_every_cached_record_in_the_book_validates_and_merges():
-    from bp_mech.book.report import RESULTS_DIR, cached
+    from bp_mech import RESULTS_DIR
+    from bp_mech.records.cache import cached
     from bp_mech.records.registry import EXPERIMENTS
 
     items = load_records(RESULTS_DIR)  # raises RecordError naming the first invalid file

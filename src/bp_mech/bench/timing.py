@@ -175,12 +175,29 @@ def time_interleaved(steps: dict[str, Callable[[int], object]], rounds: int, war
 MAX_RATIO_SPREAD = 1.5
 
 
-def timing_noise(t: Timing, base: Timing, more_work: bool) -> str | None:
-    """Why the ratio ``t / base`` (of the deciding clock) is noise, or None when it can be used for a decision."""
+def timing_noise(t: Timing, base: Timing, more_work: bool, against: str = "plain") -> str | None:
+    """Why the ratio ``t / base`` (of the deciding clock) is noise, or None when it can be used for a decision.
+
+    Args:
+        t: the candidate's timing (anything with ``median_s`` and ``p95_s``).
+        base: the timing it is compared with.
+        more_work: whether the candidate does strictly more counted work than ``base``.
+        against: the name of what ``base`` timed, for the message.
+
+    Returns:
+        None, or the reasons joined by "; ".
+
+    Example:
+        >>> from types import SimpleNamespace as T
+        >>> timing_noise(T(median_s=0.9, p95_s=1.0), T(median_s=1.0, p95_s=1.0), more_work=True)
+        'does strictly more work than plain yet measured 0.90x its median'
+        >>> timing_noise(T(median_s=1.2, p95_s=1.3), T(median_s=1.0, p95_s=1.1), more_work=True) is None
+        True
+    """
     median_ratio, p95_ratio = t.median_s / base.median_s, t.p95_s / base.p95_s
     why = []
     if more_work and median_ratio < 1.0:
-        why.append(f"does strictly more work than the baseline yet measured {median_ratio:.2f}x its median")
+        why.append(f"does strictly more work than {against} yet measured {median_ratio:.2f}x its median")
     spread = max(median_ratio, p95_ratio) / min(median_ratio, p95_ratio)
     if spread > MAX_RATIO_SPREAD:
         why.append(f"median ratio {median_ratio:.2f} and P95 ratio {p95_ratio:.2f} differ by {spread:.2f}x "

@@ -248,3 +248,18 @@ class PeakMemory:
         else:
             self.tracker.__exit__(*exc)
             self.peak = Peak(self.tracker.peak, None, self.memory_source)
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Bytes in the unit the size needs (GiB, MiB, KiB, B); "–" for None.
+
+    Example:
+        >>> fmt_bytes(3 * 2**30), fmt_bytes(1536 * 2**10), fmt_bytes(100), fmt_bytes(None)
+        ('3.00 GiB', '1.50 MiB', '100 B', '–')
+    """
+    if n is None:
+        return "–"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"

@@ -38,6 +38,7 @@ def plot_resume(main_steps: list[dict], resumed_steps: list[dict], at: int, titl
     ax.legend(fontsize=8)
     return fig
 
+
 def plot_loss_curves(records, title: str = "Training loss per update"):
     """The loss curve of every record (x = update), the holdout loss before and after as markers."""
     fig, ax = figure(6.4, 3.6)

@@ -8,9 +8,9 @@ untouched stub) passes through unchanged. A NaN never passes a tolerance.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from bp_mech.bench.compare import relative_error
 
 
 def call(fn: str, f, *args, at: str, **kwargs):
@@ -47,20 +47,6 @@ def describe(x) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def rel_error(got, want) -> float:
-    """max |got - want| / max |want| in float64 (absolute when want is all 0); NaN when the difference holds
-    one (a NaN never passes ``err <= tol``)."""
-    got = torch.as_tensor(got).detach().double()
-    want = torch.as_tensor(want).detach().double()
-    if want.numel() == 0:
-        return 0.0
-    diff = (got - want).abs()
-    if torch.isnan(diff).any():
-        return math.nan
-    scale = want.abs().max().item()
-    return diff.max().item() / (scale if scale > 0 else 1.0)
-
-
 def assert_close(fn: str, what: str, got, want: torch.Tensor, *, tol: float, ref: str, at: str,
                  dtype: torch.dtype | None = None) -> None:
     """``got`` is a tensor of ``want``'s shape (and of ``dtype``, when given) within ``tol`` relative error."""
@@ -72,7 +58,7 @@ def assert_close(fn: str, what: str, got, want: torch.Tensor, *, tol: float, ref
         raise AssertionError(f"{fn}: {what} has shape {tuple(got.shape)}, {ref} gives {tuple(want.shape)} at {at}")
     if dtype is not None and got.dtype != dtype:
         raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected {dtype} at {at}")
-    err = rel_error(got, want)
+    err = relative_error(got, want)
     assert err <= tol, f"{fn}: {what} differs from {ref}, max rel error {err:.1e} > {tol:g} at {at}"
 
 

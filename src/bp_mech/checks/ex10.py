@@ -99,7 +99,7 @@ def check_rope_backward(m):
     for seed, (x_shape, table_shape) in enumerate([((2, 3, 7, 8), (7, 8)), ((7, 8), (7, 8)), ((3, 5, 4), (5, 4)),
                                                    ((2, 3, 6, 8), (2, 1, 6, 8))]):  # the last: Qwen2's (B, 1, T, d)
         g = torch.Generator().manual_seed(60 + seed)
-        T, d = x_shape[-2], x_shape[-1]
+        d = x_shape[-1]
         pos = torch.randint(0, 4096, table_shape[:-1], generator=g).double()
         ang = pos[..., None] * 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()

@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from bp_mech.checks.common import rel_error
+from bp_mech.bench.compare import relative_error
 
 TOL = 1e-10  # float64: the simulated data-parallel gradient and the global mean's agree to rounding
 V, C, T = 23, 8, 9  # vocab, width, sequence length
@@ -114,7 +114,7 @@ def check_loss_divisor(m):
             rank_loss = sum(_sum_loss(model, s) for s in shards[r]) / divs[r]
             for acc, d in zip(got, torch.autograd.grad(rank_loss, list(model.parameters()))):
                 acc += d / P
-        err = max(rel_error(a, w) for a, w in zip(got, want))
+        err = max(relative_error(a, w) for a, w in zip(got, want))
         assert err <= TOL, (f"loss_divisor: the ranks' averaged gradient differs from float64 autograd of the global "
                             f"token mean, max rel error {err:.1e} > {TOL:g} at P={P}, k={k} (rank counts "
                             f"{[int(sum(c)) for c in counts]}); divide by the all-reduced count over P")

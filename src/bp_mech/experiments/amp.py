@@ -23,12 +23,13 @@ import torch
 
 from bp_mech import amp
 from bp_mech.bench.compare import all_finite
-from bp_mech.bench.oom import Failed, attempt, release_memory
+from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.strategy import Applied, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.bench.workload import build_model, make_adamw, make_batches
 from bp_mech.experiments import harness
+from bp_mech.experiments.amp_overflow import overflow_record, overflow_sample
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.records.environment import bf16_supported
 from bp_mech.records.results import json_safe
@@ -53,10 +54,6 @@ LOSS_REL_TOL = 0.02
 MIN_PEAK_SAVING = 0.05
 MAX_TIME_COST = 0.10
 MAX_SKIPPED_FRACTION = 0.25
-# The overflow sample fails when the scaler never recovers (no applied update after the last
-# injected overflow, or the scale falls below SCALE_FLOOR: scaling then shrinks the loss instead of
-# lifting small gradients) or when its loss ends non-finite.
-SCALE_FLOOR = 1.0
 CONFORMANCE_TOL = 1e-6  # float32: unscale + clip against GradScaler.unscale_ + clip_grad_norm_, relative
 
 
@@ -89,13 +86,6 @@ def config_for(device, smoke: bool = False) -> AmpConfig:
 def available(candidate: str, device: str) -> bool:
     """BF16 only where the device and PyTorch report support; the others always."""
     return LOW[candidate] is not torch.bfloat16 or bf16_supported(torch.device(device).type)
-
-
-def trainer(model, candidate: str, cfg: AmpConfig, device: str, growth_interval: int | None = None) -> amp.AmpTrainer:
-    """The overflow sample's trainer (the chapter's loop): its autocast dtype; cfg's LR clock, clip
-    threshold and initial scale."""
-    return amp.AmpTrainer(model, LOW[candidate], device, cfg.schedule, cfg.max_norm, cfg.init_scale,
-                          cfg.growth_interval if growth_interval is None else growth_interval)
 
 
 @dataclass
@@ -152,51 +142,6 @@ def measure(base, names, cfg: AmpConfig, device: str, batches: list[dict], progr
                            progress=progress)
 
 
-def overflow_sample(base, candidate: str, cfg: AmpConfig, device: str, batches: list[dict]) -> dict:
-    """FP16 + GradScaler with overflows injected at ``cfg.overflow_calls``; no timing."""
-    model = copy.deepcopy(base).to(device)
-    (model(**batches[0]).loss * (cfg.overflow_factor * cfg.init_scale)).backward()  # the same injection in fp32
-    fp32_ok = all_finite(p.grad for p in model.parameters())
-    model.zero_grad(set_to_none=True)
-    tr = trainer(model, candidate, cfg, device, cfg.overflow_growth_interval)
-    ref = amp.DynamicLossScaler(cfg.init_scale, growth_interval=cfg.overflow_growth_interval)
-    predicted, unchanged, held = [], [], []
-    for c in range(cfg.overflow_n):
-        before = [p.detach().clone() for p in model.parameters()]
-        updates, lr = tr.clock.updates, tr.clock.lr
-        applied = tr.step(batches[c % (len(batches) - 1)], cfg.overflow_factor if c in cfg.overflow_calls else 1.0)
-        ref.update(found_inf=not tr.trace["finite"][-1])
-        predicted.append(ref.scale)
-        if not applied:
-            unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
-            held.append(tr.clock.updates == updates and tr.clock.lr == lr)
-        del before
-    s = tr.trace["scale"]
-    prev = [cfg.init_scale] + s[:-1]
-    out = dict(trace=tr.trace, predicted_scale=predicted, scaler_matches_reference=predicted == s,
-               params_unchanged_on_skip=all(unchanged), clock_held_on_skip=all(held),
-               fp32_finite_under_same_injection=fp32_ok, updates=tr.clock.updates, skipped=tr.clock.skipped,
-               backoff_calls=[c for c in range(len(s)) if s[c] < prev[c]],
-               growth_calls=[c for c in range(len(s)) if s[c] > prev[c]],
-               failure=overflow_failure(tr.trace, cfg.overflow_calls))
-    del model, tr
-    release_memory(device)
-    return out
-
-
-def overflow_failure(trace: dict, injected) -> str | None:
-    """Why an overflow sample failed, or None: the scaler never recovered (no update applied after the
-    last injected overflow, or the scale fell below SCALE_FLOOR), or the loss ended non-finite."""
-    last, why = max(injected, default=-1), []
-    if not any(trace["applied"][last + 1:]):
-        why.append(f"the scaler never recovered: no update applied after the last injected overflow (call {last})")
-    if min(trace["scale"]) < SCALE_FLOOR:
-        why.append(f"the loss scale fell to {min(trace['scale']):g}, below SCALE_FLOOR {SCALE_FLOOR:g}")
-    if not math.isfinite(trace["loss"][-1]):
-        why.append("the loss ended non-finite")
-    return "; ".join(why) or None
-
-
 def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_saving: float, time_ratio: float,
            noise: str | None = None):
     """(decision, next_step) by the rule stated above the constants."""
@@ -210,26 +155,6 @@ def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_sav
     if time_ratio <= 1 + MAX_TIME_COST:
         return "accept", None
     return "tune", "numerically fine and saves memory, but too slow on this device: measure on the target GPU"
-
-
-def counts(trace: dict) -> dict:
-    """Record fields from a trace: applied and skipped optimizer calls."""
-    applied = trace["applied"]
-    return dict(updates=sum(applied), skipped_updates=len(applied) - sum(applied))
-
-
-def overflow_record(ctx, name: str, r: dict, cfg: AmpConfig):
-    t = r["trace"]
-    ok = r["scaler_matches_reference"] and r["params_unchanged_on_skip"] and r["clock_held_on_skip"]
-    return ctx.record(
-        name, dtype=DTYPE_LABEL[LOW[name]], **counts(t), all_finite=all(t["finite"]),
-        failure=r["failure"], next_step=None if ok else "scaler semantics differ from the reference",
-        metrics=json_safe(dict(
-            {k: v for k, v in r.items() if k not in ("trace", "failure")}, semantics_ok=ok,
-            injected_calls=list(cfg.overflow_calls), overflow_factor=cfg.overflow_factor,
-            growth_interval=cfg.overflow_growth_interval, scale_floor=SCALE_FLOOR, loss_scale_trace=t["scale"],
-            finite_per_step=t["finite"], applied_per_step=t["applied"], lr_per_call=t["lr"],
-            skipped_calls=[c for c, a in enumerate(t["applied"]) if not a])))
 
 
 def timed_record(ctx, name: str, m: harness.Measured, plain: harness.Measured | None, cfg: AmpConfig):
@@ -272,7 +197,7 @@ def run(ctx) -> list:
     plain = plain if isinstance(plain, harness.Measured) else None
     recs = []
     for name in names:
-        r = attempt(overflow_sample, base, name, cfg, device, batches) if name == "fp16-overflow" else timed[name]
+        r = attempt(overflow_sample, base, cfg, device, batches) if name == "fp16-overflow" else timed[name]
         failure = r.failure if isinstance(r, Failed) else None  # an out-of-memory is that arm's failure
         if failure:
             recs.append(ctx.record(name, strategy=name if name in TIMED else None, dtype=DTYPE_LABEL[LOW[name]],

@@ -17,8 +17,9 @@ from dataclasses import asdict
 
 import torch
 
-from bp_mech import attention_backward
-from bp_mech.attention_backward import STRATEGIES, AttnConfig, attention_fn
+from bp_mech import attention_backward, attention_framework, attention_strategies
+from bp_mech.attention_framework import attention_fn
+from bp_mech.attention_strategies import STRATEGIES, AttnConfig
 from bp_mech.experiments.dry_run import per_mode, schedule
 from bp_mech.bench.compare import relative_error
 from bp_mech.bench.compare import all_finite
@@ -95,7 +96,7 @@ def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 4
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     with torch.no_grad():
-        y, dx, g = attention_backward.qwen2_attention_backward(x, attn, cos, sin, dy, strategy, block)
+        y, dx, g = attention_framework.qwen2_attention_backward(x, attn, cos, sin, dy, strategy, block)
     ref = dict(attn.named_parameters())
     return max([relative_error(y, y_ref), relative_error(dx, x.grad)]
                + [relative_error(g[n], ref[n].grad) for n in g])
@@ -107,7 +108,7 @@ def sweep_saved_bytes(cfg: AttnConfig, Ts=SWEEP_T, names=CANDIDATES, device="cpu
     for T in Ts:
         inputs, _ = make_inputs(cfg, T, torch.float32, 0, device)
         for n in names:
-            out[n][T] = attention_backward.saved_bytes(attention_fn(n, cfg.block), inputs)
+            out[n][T] = attention_strategies.saved_bytes(attention_fn(n, cfg.block), inputs)
     return out
 
 
@@ -161,7 +162,7 @@ def dry_run(ctx) -> dict:
     return dict(attention=asdict(cfg), sweep_T=list(SWEEP_T), timed_T=T,
                 timing="the backward alone, candidates interleaved round by round (1 intra-op thread on the CPU), "
                        "the forward untimed before it", rounds=timing, tolerances=_tolerances(),
-                saved_bytes_formula_float32={s: attention_backward.saved_bytes_formula(cfg, T, s) for s in STRATEGIES})
+                saved_bytes_formula_float32={s: attention_strategies.saved_bytes_formula(cfg, T, s) for s in STRATEGIES})
 
 
 def run(ctx) -> list:
@@ -195,7 +196,7 @@ def run(ctx) -> list:
                 saved_bytes={str(k): v for k, v in swept[n].items()}, saved_bytes_at_T=swept[n][T],
                 saved_ratio_vs_recompute={str(k): v / swept["recompute"][k] for k, v in swept[n].items()},
                 saved_growth_exponent=slope,
-                saved_bytes_formula={str(k): attention_backward.saved_bytes_formula(cfg, k, n) for k in swept[n]}
+                saved_bytes_formula={str(k): attention_strategies.saved_bytes_formula(cfg, k, n) for k in swept[n]}
                 if n in STRATEGIES else None,
                 backward_time_ratio_vs_autograd=t.median_s / ta.median_s,
                 backward_p95_ratio_vs_autograd=t.p95_s / ta.p95_s, timed_T=T, timed_steps=rounds,

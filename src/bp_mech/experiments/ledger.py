@@ -11,8 +11,8 @@ Per strategy, one ledger (lifecycle stage x object class, ``bp_mech.ledger``) fr
 The decision (``decide``): is the formula good enough for each strategy, against the measured
 and against the estimated ledger? ``conformance`` checks the tracker against PyTorch's
 ``MemTracker``. The strategies are the book's own (``bench.strategy``: checkpointing of Part 02 · 19, the
-offload of Part 02 · 42, ``workload.make_adamw``'s AdamW), and so are their names: ``gpu_references``
-puts the GPU records of those chapters beside the formula of the strategy each record names (its
+offload of Part 02 · 42; the AdamW of ``bench.step.make_optimizer``), and so are their names:
+``gpu_references`` puts the GPU records of those chapters beside the formula of the strategy each record names (its
 ``strategy`` field), or says why the formula has none (``ledger.unmodelled``).
 """
 
@@ -149,7 +149,7 @@ def dry_run(ctx) -> dict:
                 class_tolerance=CLASS_TOL, large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
                 mechanisms=dict(checkpoint="checkpointing.configure(model, 'checkpoint-all')",
                                 offload="offload.ActivationOffload(min_bytes=offload.min_bytes(device))",
-                                adamw="workload.make_adamw (fused on CUDA, foreach on the CPU)"),
+                                adamw="bench.step.make_optimizer (StepOptions.for_device: fused on CUDA, foreach on the CPU)"),
                 steps_per_strategy="1 warm-up update (retried while the GradScaler skips it) + 1 measured update",
                 formula_peak_bytes_cpu=peaks["cpu"], formula_peak_bytes_cuda=peaks["cuda"],
                 records_per_strategy=["<strategy>", "<strategy>-estimated", "<strategy>-formula"])
@@ -205,18 +205,18 @@ def gpu_references(results_dir=None) -> list[dict]:
     counts)."""
     from bp_mech import RESULTS_DIR
     from bp_mech.bench.workload import ARCHITECTURES, parse_workload
-    from bp_mech.book import report
+    from bp_mech.records.cache import cached
 
     results_dir = RESULTS_DIR if results_dir is None else results_dir
     rows = []
     for sid in GPU_EXPERIMENTS:
-        cached = report.cached(sid, results_dir)
-        for label, recs in cached.gpu().items():
+        cache = cached(sid, results_dir)
+        for label, recs in cache.gpu().items():
             for r in (r for r in recs if r.evidence_level == "gpu-measured"):
                 name = f"{sid} record {r.filename} (run label {label}, candidate {r.candidate!r})"
                 s = parse(r.strategy) if r.strategy else None
                 row = dict(experiment=sid, run_label=label, candidate=r.candidate, strategy=r.strategy,
-                           workload=r.workload_id, stale=label in cached.stale, ledger=None,
+                           workload=r.workload_id, stale=label in cache.stale, ledger=None,
                            peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, formula_peak=None,
                            formula_error=None, formula_peak_stage=None, formula_optimizer_states=None, note=None)
                 why = "not one of the book's strategies" if s is None else ledger.unmodelled(s)

@@ -94,13 +94,13 @@ def cached_ratios(device_name: str | None = None, results_dir=None) -> tuple[dic
     ``errors``: caches that could not be read (said in the plan, not used). ``results_dir``: default
     book/results."""
     from bp_mech import RESULTS_DIR
-    from bp_mech.book import report
+    from bp_mech.records.cache import cached
 
     out: dict[str, CachedRatio] = {}
     errors = []
     for sid in STRATEGY_EXPERIMENTS:
         try:
-            groups = report.cached(sid, results_dir or RESULTS_DIR).gpu()
+            groups = cached(sid, results_dir or RESULTS_DIR).gpu()
         except ValueError as e:  # a corrupt or unmergeable cache
             errors.append(f"{sid}: {e}")
             continue

@@ -42,11 +42,18 @@ def headroom(device) -> tuple[float, int]:
     return ALLOCATOR_SLACK, CONTEXT_BYTES if torch.device(device).type == "cuda" else 0
 
 
-def needs(peak: float, device="cuda") -> int:
-    """The budget a step of allocated peak ``peak`` needs on ``device``: ``pareto.needed_bytes`` with
-    ``headroom(device)``."""
-    from bp_mech.projects.pareto import needed_bytes
+def needed_bytes(peak: float, slack: float, context: float) -> float:
+    """What a step of allocated peak ``peak`` needs on the device: ``peak * (1 + slack) + context``. The
+    caching allocator reserves more than it allocates (block rounding, fragmentation: ``slack`` of the
+    peak), and the CUDA context and library workspaces sit outside its counters (``context`` bytes)."""
+    if slack < 0 or context < 0:
+        raise ValueError(f"slack and context are >= 0, got slack={slack} context={context}")
+    return peak * (1 + slack) + context
 
+
+def needs(peak: float, device="cuda") -> int:
+    """The budget a step of allocated peak ``peak`` needs on ``device``: ``needed_bytes`` with
+    ``headroom(device)``."""
     return int(needed_bytes(peak, *headroom(device)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from bp_mech.bench.tracking import fmt_bytes
 from bp_mech.ledger import STAGES
 from bp_mech.planner.inputs import GiB, PlanError, load_config, parse_size
 from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
@@ -17,12 +18,6 @@ def _unit(values) -> tuple[int, str]:
     return next(((k, u) for u, k in (("GiB", GiB), ("MiB", 2**20)) if top >= k), (2**10, "KiB"))
 
 
-def _gib(n) -> str:  # one value with its unit (report.fmt_bytes)
-    from bp_mech.book.report import fmt_bytes
-
-    return fmt_bytes(n)
-
-
 def format_text(p: Plan) -> str:
     """The plan as a table (GiB, MiB or KiB per lifecycle stage, the peak, what fits) and the recommendation."""
     m = p.model
@@ -32,9 +27,9 @@ def format_text(p: Plan) -> str:
         return f"{n / k:.2f}"
 
     lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
-             f"batch {p.batch} x seq {p.seq}, budget {_gib(p.budget)} — estimated (fake tensors, "
+             f"batch {p.batch} x seq {p.seq}, budget {fmt_bytes(p.budget)} — estimated (fake tensors, "
              f"{p.options.adamw} AdamW){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
-             f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {_gib(CONTEXT_BYTES)} "
+             f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {fmt_bytes(CONTEXT_BYTES)} "
              "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
              f"step (upper bound); {unit} per stage:", ""]
     head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
@@ -49,8 +44,8 @@ def format_text(p: Plan) -> str:
     best = next((r for r in p.rows if r.strategy == p.recommended), None)
     if best is not None:
         c = best.cost
-        line = (f"\nrecommended: {best.strategy} — peak {_gib(best.peak)} at {best.peak_stage}, needs "
-                f"{_gib(best.needs)} of {_gib(p.budget)}; time {c.extra:+.0%} of a plain step (counted: "
+        line = (f"\nrecommended: {best.strategy} — peak {fmt_bytes(best.peak)} at {best.peak_stage}, needs "
+                f"{fmt_bytes(best.needs)} of {fmt_bytes(p.budget)}; time {c.extra:+.0%} of a plain step (counted: "
                 f"{c.recomputes} recomputed sublayers, {c.recompute_flops / 1e12:.2f} TFLOP, "
                 f"{(c.d2h_bytes + c.h2d_bytes) / 1e9:.2f} GB over the host link)")
         if "micro" in best.strategy:
@@ -60,7 +55,7 @@ def format_text(p: Plan) -> str:
             line += f"; measured x{ms.time_ratio:.2f} on {ms.device} at {ms.workload} ({ms.record})"
         lines.append(line)
         big = best.peak / 200  # lines of at least 0.5 % of the peak
-        lines.append("  at its peak: " + ", ".join(f"{name} {_gib(v)}" for name, v in best.peak_ledger.items()
+        lines.append("  at its peak: " + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in best.peak_ledger.items()
                                                   if v >= big))
     lines.append(f"({len(p.rows)} strategies traced in {p.elapsed_s:.1f} s)")
     return "\n".join(lines)
@@ -73,9 +68,9 @@ def no_fit_message(p: Plan) -> str:
     elif f.seq:
         alt = f"; about --seq {f.seq} would fit with it"
     else:
-        alt = (f"; even at batch {f.small_shape[0]} x seq {f.small_shape[1]} it needs {_gib(f.small_needs)}, "
-               f"and parameters, gradients and AdamW moments alone hold {_gib(f.model_state)}")
-    return (f"no strategy fits {_gib(p.budget)}: the leanest, {f.strategy}, needs {_gib(f.needs)} "
+        alt = (f"; even at batch {f.small_shape[0]} x seq {f.small_shape[1]} it needs {fmt_bytes(f.small_needs)}, "
+               f"and parameters, gradients and AdamW moments alone hold {fmt_bytes(f.model_state)}")
+    return (f"no strategy fits {fmt_bytes(p.budget)}: the leanest, {f.strategy}, needs {fmt_bytes(f.needs)} "
             f"(with headroom){alt}")
 
 

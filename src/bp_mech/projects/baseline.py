@@ -193,7 +193,7 @@ def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | Non
     decision, next_step = decide(finite, res["holdout_before"], res["holdout_after"], eq, P)
     base = None if P == 1 or not ref or ref.get("failure") else step_timing(ref, cfg, ctx.device)
     naive = res["naive"]
-    by_run = dict(baseline=run_["updates"], naive=naive and naive["updates"])
+    by_run = dict(training=run_["updates"], naive=naive and naive["updates"])  # naive: the per-rank-mean mistake
     return ctx.record(
         name, strategy=PLAIN.name, input_shape=[cfg.global_batch // P, T],
         effective_batch=cfg.accumulation * cfg.global_batch, updates=sum(v for v in by_run.values() if v),

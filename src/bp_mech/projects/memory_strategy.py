@@ -84,7 +84,8 @@ def measure(model, batches, device, names=None, progress=None, smoke: bool = Fal
 def estimate(ctx) -> dict:
     """``bp-mech plan``'s estimate of every candidate at ``ctx.workload``: one steady-state step under fake
     tensors at full size, with the AdamW and offload threshold of ``ctx.device`` (the plan's own budget
-    check is not used: ``make_records`` applies this project's budget). ``{name: {peak, peak_stage}}``."""
+    check is not used: ``budget_records`` applies this project's budget). ``{name: {peak, peak_stage,
+    elapsed_s}}`` (elapsed_s: the time of the whole plan)."""
     w = ctx.workload
     p = plan(qwen2_config(w.arch), w.batch, w.seq, 2**62, candidates=[parse(n) for n in candidates(ctx)],
              options=StepOptions().for_device(ctx.device))
@@ -96,7 +97,7 @@ def candidate(m: harness.Measured) -> Candidate:
     return Candidate(m.peak.allocated, m.timing.median_s, m.timing.p95_s, decision.work(m), bool(m.equal))
 
 
-def make_records(ctx, results: dict, budget: float | None = None, estimated: dict | None = None) -> list:
+def budget_records(ctx, results: dict, budget: float | None = None, estimated: dict | None = None) -> list:
     """One record per candidate (``decision.strategy_records``: quality, capacity, time, the decision against
     plain) and, in ``metrics``, the budget's decision (``pareto.budget_decision``; ``budget`` defaults to
     ``budget_for``) and the plan's estimate beside the measured peak (``estimate``)."""
@@ -153,4 +154,4 @@ def run(ctx, budget: float | None = None) -> list:
     model = build_model(ctx.workload, ctx.device)
     batches = make_batches(ctx.workload, 4, device=ctx.device)
     results = measure(model, batches, ctx.device, names=candidates(ctx), progress=ctx.progress, smoke=ctx.smoke)
-    return make_records(ctx, results, budget, estimated)
+    return budget_records(ctx, results, budget, estimated)

@@ -18,7 +18,6 @@ from bp_mech.bench.step import PHASES  # the profiled step, in order
 MARK = "bp_mech::"  # prefix of the phase ranges (record_function) in the trace
 
 
-
 def _median(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 

@@ -1,11 +1,13 @@
 """Part 02 · 76, the decision: which memory strategy to run, from measured (peak, step time) points.
 
 * ``pareto_front``: the candidates no other one beats in both peak and step time (both minimized);
-* ``choose_for_budget``: the fastest candidate whose peak fits a budget with headroom (``needed_bytes``:
-  the rule of ``bp-mech plan``, allocator slack on the peak plus the CUDA context);
+* ``choose_for_budget``: the fastest candidate whose peak fits a budget with headroom
+  (``bp_mech.planner.plan.needed_bytes``: the rule of ``bp-mech plan``, allocator slack on the peak
+  plus the CUDA context);
 * ``budget_decision``: both over the candidates that pass the quality check; a time ratio that is
-  noise (``measure.timing_noise``) decides nothing;
-* ``plot_frontier``: the memory–time plane with the Pareto set, the largest peak that fits and the pick.
+  noise (``bench.timing.timing_noise``) decides nothing.
+
+The memory–time plot of the Pareto set is ``bp_mech.book.project_plots.plot_frontier``.
 
 Pure functions of the numbers: the exercises of chapter 76 ask for the first two, and
 ``bp_mech.projects.memory_strategy`` applies them to its measured candidates.
@@ -18,6 +20,8 @@ import math
 from dataclasses import dataclass
 
 from bp_mech.bench.timing import timing_noise
+from bp_mech.bench.tracking import fmt_bytes
+from bp_mech.planner.plan import needed_bytes
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -36,15 +40,6 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
             front.append(name)
             best = p
     return front
-
-
-def needed_bytes(peak: float, slack: float, context: float) -> float:
-    """What a step of allocated peak ``peak`` needs on the device: ``peak * (1 + slack) + context``. The
-    caching allocator reserves more than it allocates (block rounding, fragmentation: ``slack`` of the
-    peak), and the CUDA context and library workspaces sit outside its counters (``context`` bytes)."""
-    if slack < 0 or context < 0:
-        raise ValueError(f"slack and context are >= 0, got slack={slack} context={context}")
-    return peak * (1 + slack) + context
 
 
 def choose_for_budget(points: dict[str, tuple[float, float]], budget: float, slack: float,
@@ -96,7 +91,16 @@ class BudgetDecision:
     leanest_needs_bytes: float | None = None  # and the budget it needs
 
     def to_dict(self) -> dict:
+        """The fields as a dict (what a record's ``metrics["budget"]`` holds)."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BudgetDecision":
+        """The decision a record holds (``to_dict``'s output); unknown or missing required keys raise."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if unknown := set(d) - names:
+            raise ValueError(f"BudgetDecision: unknown fields {sorted(unknown)}")
+        return cls(**d)
 
 
 def budget_decision(cands: dict[str, Candidate], budget: float | None, slack: float, context: float) -> BudgetDecision:
@@ -118,7 +122,7 @@ def budget_decision(cands: dict[str, Candidate], budget: float | None, slack: fl
         return dataclasses.replace(out, leanest=leanest,
                                    leanest_needs_bytes=needed_bytes(points[leanest][0], slack, context))
     runner = next((n for n in fitting if n != pick), None)  # the next fastest: "fitting" is in pick order
-    noise = runner and timing_noise(cands[pick], cands[runner], cands[pick].more_work(cands[runner]))
+    noise = runner and timing_noise(cands[pick], cands[runner], cands[pick].more_work(cands[runner]), against=runner)
     return dataclasses.replace(out, pick=None if noise else pick, fastest_fitting=pick, runner_up=runner,
                                noise=noise or None)
 
@@ -131,7 +135,6 @@ def pick_text(d: BudgetDecision) -> str:
         return (f"none: {d.fastest_fitting} or {d.runner_up}, the time does not separate them (the first "
                 f"against the second: {d.noise})")
     if d.leanest:
-        from bp_mech.book.report import fmt_bytes
 
         return f"none: nothing fits; the leanest, {d.leanest}, needs {fmt_bytes(d.leanest_needs_bytes)} with the headroom"
     return "none: no candidate passed the quality check" if d.budget_bytes is not None else "none: no budget"

@@ -4,11 +4,11 @@
 
 1. ``step_profile.profile_step``: the baseline full training step under ``torch.profiler`` (Chrome
    trace, the memory timeline by the profiler's categories, the operators by self time);
-2. ``ledger_measure.Session``: Part 02 · 43's ledger of the same step (tracked storages; on CUDA the
+2. ``bench.lifecycle.Session(...).ledger(PLAIN)``: Part 02 · 43's ledger of the same step (tracked storages; on CUDA the
    allocator beside them), and ``diagnosis.cross_check`` of the two views at each stage;
 3. ``diagnosis.dominant_state`` and ``diagnosis.rank``: the peak, the line that dominates it, and
    the remedies ranked by predicted saving, each attributed to the line it removes;
-4. every remedy applied (its ``strategy.Strategy``, measured on the same session) and measured:
+4. every remedy applied (its ``bench.strategy.Strategy``, ``Session.ledger(strategy)`` on the same session) and measured:
    ``outcome`` puts its predicted saving against the measured one; on CUDA the measured peaks are the
    allocator's.
 
@@ -26,7 +26,7 @@ import torch
 
 from bp_mech.bench import lifecycle
 from bp_mech.bench.oom import Failed, attempt, release_memory
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.step import PHASES, StepOptions
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.ledger import Ledger
 from bp_mech.projects import diagnosis, step_profile
@@ -152,7 +152,7 @@ def summary(d: Diagnosis) -> dict:
         known_lines=d.known, residual=d.residual,
         backward_moment=diagnosis.backward_moment(d.rows["backward_peak"], d.known),
         operators=p.operators, self_total_us=p.self_total_us, phase_us=p.phase_us, step_us_profiled=p.step_us,
-        profiled_steps=len(p.phases) // len(step_profile.PHASES), profiler_extra=p.extra,
+        profiled_steps=len(p.phases) // len(PHASES), profiler_extra=p.extra,
         ranked=[a.to_dict(changes=False) for a in d.ranked]))
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from bp_mech.bench.step import PHASES  # noqa: F401  (re-exported: the profiled step's phases, in order)
 from bp_mech.projects.operators import MARK, operator_table, without_kineto_markers
 # the profiler's categories (torch.profiler._memory_profiler.Category, lower case) + what it cannot attribute
 CATEGORIES = ("parameter", "optimizer_state", "gradient", "activation", "autograd_detail", "temporary", "input",

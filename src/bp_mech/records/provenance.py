@@ -43,7 +43,7 @@ def module_source(name: str) -> str:
 def _is_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # "bp_mech.bench.oom.oom_as_failure": a name imported from a module
+    except (ImportError, ValueError):  # "bp_mech.bench.oom.attempt": a name imported from a module
         return False
 
 

@@ -74,7 +74,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
        "finiteness, grad norm, clip coefficient, parameter delta, peak, step median/P95", True),
     Experiment("TRAIN-CONTINUAL-PRETRAIN", "Part 02 · 56", "56", "bp_mech.experiments.continual_pretrain",
        "book/part02/56-continual-pretrain.md", "0-update baseline → fixed-step full-sequence domain training",
-       "domain / holdout token loss, finiteness, checkpoint fields, peak, step median/P95", True),
+       "domain / holdout token loss, finiteness, saved-state fields, peak, step median/P95", True),
     Experiment("TRAIN-MEMORY-STRATEGY", "Part 02 · 76", "76", "bp_mech.projects.memory_strategy",
        "book/projects/76-memory-strategy.md", "single and combined strategies (checkpoint, offload, AMP)",
        "quality–capacity–time decision", True),
