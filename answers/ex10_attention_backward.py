@@ -15,6 +15,7 @@ from bp_mech.attention_backward import (  # noqa: F401
 
 
 def attention_head_backward(q, k, v, dO):
-    """One causal head: recompute P, then dV = P^T dO, dS = softmax_backward(P, dO v^T) * scale, ..."""
+    """One causal head: recompute P, then dV = P^T dO,
+    dS = softmax_backward(P, dO v^T) * scale, ..."""
     _, P, _ = attention_forward(q, k, v)  # (T, T)
     return attention_backward(q, k, v, P, dO)

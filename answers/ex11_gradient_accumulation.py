@@ -8,5 +8,5 @@ from bp_mech.accumulation import accumulated_backward, count_targets, split, tok
 
 
 def micro_batch_loss(logits, labels, n_total):
-    """S_j / N: the micro-batch's summed token loss over the whole batch's target count."""
+    """S_j / N: the micro-batch's summed token loss over the batch's target count."""
     return token_loss_sum(logits, labels) / n_total

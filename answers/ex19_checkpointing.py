@@ -12,7 +12,8 @@ from torch import nn
 from bp_mech.checkpointing import CheckpointedBlock  # noqa: F401
 
 
-def count_forward_calls(modules: list[nn.Module], step: Callable[[], object]) -> list[int]:
+def count_forward_calls(modules: list[nn.Module],
+                        step: Callable[[], object]) -> list[int]:
     counts = [0] * len(modules)
 
     def make_hook(i):

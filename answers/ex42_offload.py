@@ -13,11 +13,12 @@ class CountingOffload(torch.autograd.graph.saved_tensors_hooks):
         self.d2h_bytes = 0
         self.h2d_bytes = 0
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.params}
-        self._host = {}  # storage data_ptr -> (weak ref to the device storage, its version, host bytes)
+        # storage data_ptr -> (weak ref to the device storage, its version, host bytes)
+        self._host = {}
         super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
-        self._host = {}  # a new forward: host copies of the last one belong to its graph only
+        self._host = {}  # a new forward: the last one's host copies belong to its graph
         return super().__enter__()
 
     def pack(self, t: torch.Tensor):
@@ -25,7 +26,8 @@ class CountingOffload(torch.autograd.graph.saved_tensors_hooks):
         if st.data_ptr() in self._param_ptrs or st.nbytes() < self.min_bytes:
             return t  # parameters and tiny tensors stay
         ref, version, host = self._host.get(st.data_ptr(), (None, None, None))
-        if ref is None or ref.expired() or version != t._version:  # a new storage (or a rewritten one)
+        # a new storage (or a rewritten one)
+        if ref is None or ref.expired() or version != t._version:
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
             host = raw.to("cpu", copy=True)
             self.d2h_bytes += st.nbytes()
@@ -38,4 +40,5 @@ class CountingOffload(torch.autograd.graph.saved_tensors_hooks):
         host, dtype, offset, size, stride, device = packed
         dev = host.to(device, copy=True)
         self.h2d_bytes += host.numel()
-        return torch.empty(0, dtype=dtype, device=device).set_(dev.untyped_storage(), offset, size, stride)
+        view = torch.empty(0, dtype=dtype, device=device)
+        return view.set_(dev.untyped_storage(), offset, size, stride)

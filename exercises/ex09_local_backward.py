@@ -45,8 +45,11 @@ def silu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("ex09: silu_backward")
 
 
-def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6):
-    """Backward of RMSNorm, ``y = w * x / sqrt(mean(x**2, -1) + eps)`` (Zhang & Sennrich, 2019).
+def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                     eps: float = 1e-6):
+    """Backward of RMSNorm, ``y = w * x / sqrt(mean(x**2, -1) + eps)``.
+
+    RMSNorm: Zhang & Sennrich, 2019.
 
     Math: let r = (mean(x^2) + eps)^(-1/2) per row, xhat = x * r and g = dy * w. Then
         dx = r * (g - xhat * mean(g * xhat))      (both terms matter: r depends on x)
@@ -64,8 +67,11 @@ def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: fl
     raise NotImplementedError("ex09: rmsnorm_backward")
 
 
-def swiglu_mlp_backward(x: torch.Tensor, Wg: torch.Tensor, Wu: torch.Tensor, Wd: torch.Tensor, dy: torch.Tensor):
-    """Backward of the Qwen2 MLP, ``y = (silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T`` (no biases).
+def swiglu_mlp_backward(x: torch.Tensor, Wg: torch.Tensor, Wu: torch.Tensor,
+                        Wd: torch.Tensor, dy: torch.Tensor):
+    """Backward of the Qwen2 MLP, ``y = (silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T``.
+
+    The MLP has no biases.
 
     Math: with g = x Wg^T, u = x Wu^T, a = silu(g), h = a * u:
         dh = dy Wd,  dWd = dy^T h,  dg = (dh * u) * silu'(g),  du = dh * a,
@@ -84,20 +90,21 @@ def swiglu_mlp_backward(x: torch.Tensor, Wg: torch.Tensor, Wu: torch.Tensor, Wd:
     raise NotImplementedError("ex09: swiglu_mlp_backward")
 
 
-def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor,
+                           ignore_index: int = -100) -> torch.Tensor:
     """Gradient of the mean token cross-entropy with respect to the logits.
 
     The loss is the mean of ``logsumexp(z_i) - z_i[t_i]`` over the rows whose target is
     not ``ignore_index`` (the convention of ``torch.nn.functional.cross_entropy``).
 
-    Math: d loss / d z_i = (softmax(z_i) - onehot(t_i)) / n_valid for a valid row, 0 for an
-    ignored one; n_valid counts the valid rows only.
+    Math: d loss / d z_i = (softmax(z_i) - onehot(t_i)) / n_valid for a valid row,
+    0 for an ignored one; n_valid counts the valid rows only.
 
     Args:
         logits: shape (N, V).
         targets: shape (N,), integer class ids or ``ignore_index``.
-        ignore_index: the target value to skip: any integer (-100, -1, a pad id that is also a
-            class id, or one past the vocabulary).
+        ignore_index: the target value to skip: any integer (-100, -1, a pad id that
+            is also a class id, or one past the vocabulary).
 
     Returns:
         dlogits, shape (N, V).

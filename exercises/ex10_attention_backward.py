@@ -1,17 +1,17 @@
 """Exercises for Part 02 · 10 — the attention backward, by hand.
 
 Implement each function below with tensor operations only (no ``torch.autograd``, no
-``.backward()``, no ``scaled_dot_product_attention``). Shapes use T for the sequence length
-and d for the head width; "..." means any leading dimensions (batch, heads).
+``.backward()``, no ``scaled_dot_product_attention``). Shapes use T for the sequence
+length and d for the head width; "..." means any leading dimensions (batch, heads).
 
 The attention is causal: query position i sees key positions j <= i (itself included).
 Scores are scaled by ``scale = 1 / sqrt(d)``.
 
-Check your solutions with ``bp-mech check 10`` (or
-``pytest tests/test_exercises.py -m ch10 --impl exercises``). The checks compare against
-float64 autograd through PyTorch's and transformers' own functions on fresh random inputs
-(relative tolerance 1e-10), with no, one and two leading dimensions where "..." allows them, and
-measure the memory of your blockwise backward.
+Check your solutions with ``bp-mech check 10`` (or ``pytest tests/test_exercises.py -m
+ch10 --impl exercises``). The checks compare against float64 autograd through PyTorch's
+and transformers' own functions on fresh random inputs (relative tolerance 1e-10), with
+no, one and two leading dimensions where "..." allows them, and measure the memory of
+your blockwise backward.
 """
 
 import torch
@@ -34,7 +34,8 @@ def softmax_backward(P: torch.Tensor, dP: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("ex10: softmax_backward")
 
 
-def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor):
+def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            dO: torch.Tensor):
     """Backward of one causal attention head, recomputing P from q and k.
 
     Forward (what you must recompute):
@@ -59,10 +60,12 @@ def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 
 def gqa_reduce(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Backward of the grouped-query expansion of K or V (``repeat_kv`` in transformers).
+    """Backward of the grouped-query expansion of K or V.
 
-    In the forward, H query heads share Hkv = ``kv_heads`` KV heads: KV head g is copied to
-    the n = H / Hkv consecutive query heads g*n, g*n + 1, ..., g*n + n - 1, i.e.
+    The expansion is ``repeat_kv`` in transformers.
+
+    In the forward, H query heads share Hkv = ``kv_heads`` KV heads: KV head g is copied
+    to the n = H / Hkv consecutive query heads g*n, g*n + 1, ..., g*n + n - 1, i.e.
     x_full[:, h] = x[:, h // n]. A copy's backward adds the gradients of all its copies:
         dx[:, g] = sum over r in 0..n-1 of dx_full[:, g*n + r]
 
@@ -76,8 +79,9 @@ def gqa_reduce(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     raise NotImplementedError("ex10: gqa_reduce")
 
 
-def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                       dO: torch.Tensor, block: int):
+def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor, dO: torch.Tensor,
+                       block: int):
     """The recompute (FlashAttention) backward of causal attention, one tile at a time.
 
     The forward saved only O and the row log-sum-exp L[i] = logsumexp_j S[i, j] (masked
@@ -85,18 +89,20 @@ def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         P[i, j] = exp(scale * q_i . k_j - L[i])   for j <= i, 0 for j > i
     and the softmax backward's row sum needs no P at all:
         D[i] = rowsum(dP * P)[i] = rowsum(dO * O)[i]          (shape (..., T))
-    For each query tile I and key tile J (rows/columns [start, start + block), the last tile
-    may be shorter), skipping tiles entirely above the diagonal:
+    For each query tile I and key tile J (rows/columns [start, start + block), the last
+    tile may be shorter), skipping tiles entirely above the diagonal:
         P_IJ = exp(scale * q_I k_J^T - L_I), masked causally
         dV_J += P_IJ^T dO_I
         dS_IJ = P_IJ * (dO_I v_J^T - D_I)
         dQ_I += scale * dS_IJ k_J,   dK_J += scale * dS_IJ^T q_I
-    Never build a (T, T) matrix, not even one head at a time: the check measures the memory your
-    function allocates and fails when it reaches the size of ONE head's full (T, T) score matrix
-    (T * T elements, whatever the leading dimensions). T need not be a multiple of block.
+    Never build a (T, T) matrix, not even one head at a time: the check measures the
+    memory your function allocates and fails when it reaches the size of ONE head's full
+    (T, T) score matrix (T * T elements, whatever the leading dimensions). T need not be
+    a multiple of block.
 
     Args:
-        q, k, v: shape (..., T, d) each (same leading dims: K/V already expanded to all heads).
+        q, k, v: shape (..., T, d) each (same leading dims: K/V already expanded to all
+            heads).
         o: the forward's output, shape (..., T, d).
         lse: the forward's row log-sum-exp of the scaled, masked scores, shape (..., T).
         dO: upstream gradient with respect to o, shape (..., T, d).
@@ -108,11 +114,15 @@ def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     raise NotImplementedError("ex10: blockwise_backward")
 
 
-def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Backward of the rotary position embedding as Qwen2 applies it (``apply_rotary_pos_emb``).
+def rope_backward(dy: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Backward of the rotary position embedding as Qwen2 applies it.
 
-    Forward: y = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) for the
-    halves x1, x2 of the last dimension. rotate_half is a linear map R with R^T = -R, so
+    Qwen2 applies it with ``apply_rotary_pos_emb``.
+
+    Forward: y = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) for
+    the halves x1, x2 of the last dimension. rotate_half is a linear map R with
+    R^T = -R, so
         dx = dy * cos + R^T(dy * sin) = dy * cos - rotate_half(dy * sin)
 
     Args:

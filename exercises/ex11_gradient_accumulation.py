@@ -27,7 +27,8 @@ def split(batch: dict, k: int) -> list:
     Math: micro-batch j holds rows j*E/k ... (j+1)*E/k - 1 of every tensor in the batch.
 
     Args:
-        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing dimensions).
+        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing
+            dimensions).
         k: number of micro-batches, >= 1.
 
     Returns:
@@ -42,8 +43,8 @@ def split(batch: dict, k: int) -> list:
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Number of next-token targets that count in the loss.
 
-    Math: n = #{(b, t) : t >= 1 and labels[b, t] != -100}. The first position of a row is
-    never a target (nothing predicts it); padded positions (-100) are not targets.
+    Math: n = #{(b, t) : t >= 1 and labels[b, t] != -100}. The first position of a row
+    is never a target (nothing predicts it); padded positions (-100) are not targets.
 
     Args:
         labels: shape (B, T), long, -100 where a position is not a target.
@@ -54,24 +55,26 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("ex11: count_targets")
 
 
-def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, n_total) -> torch.Tensor:
+def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor,
+                     n_total) -> torch.Tensor:
     """One micro-batch's share of the token-weighted loss of the effective batch.
 
-    Math: with S_j = sum over the micro-batch's targets of -log softmax(logits[b, t-1])[labels[b, t]],
-    the share is S_j / N, where N = ``n_total`` counts the targets of the *whole effective
-    batch*. Summed over the micro-batches, the shares give the full-batch mean loss.
+    Math: with S_j = sum over the micro-batch's targets of
+    -log softmax(logits[b, t-1])[labels[b, t]], the share is S_j / N, where
+    N = ``n_total`` counts the targets of the *whole effective batch*. Summed over the
+    micro-batches, the shares give the full-batch mean loss.
 
     Args:
-        logits: shape (B, T, V), the micro-batch's logits (position t-1 predicts label t); float64,
-            float32, bfloat16 or float16.
+        logits: shape (B, T, V), the micro-batch's logits (position t-1 predicts label
+            t); float64, float32, bfloat16 or float16.
         labels: shape (B, T), long, -100 where a position is not a target.
         n_total: N, the target count of the whole effective batch (int or 0-dim tensor).
 
     Returns:
-        A 0-dim tensor, differentiable with respect to the logits: in the logits' dtype for
-        float64 and float32, in float32 for bfloat16 and float16 logits (compute the loss in
-        float32, as transformers' ``ForCausalLMLoss`` does: a 16-bit sum over many tokens loses
-        digits). A micro-batch without targets contributes 0, not NaN.
+        A 0-dim tensor, differentiable with respect to the logits: in the logits' dtype
+        for float64 and float32, in float32 for bfloat16 and float16 logits (compute the
+        loss in float32, as transformers' ``ForCausalLMLoss`` does: a 16-bit sum over
+        many tokens loses digits). A micro-batch without targets contributes 0, not NaN.
     """
     raise NotImplementedError("ex11: micro_batch_loss")
 
@@ -79,11 +82,12 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, n_total) -> tor
 def accumulated_backward(model, batch: dict, k: int) -> torch.Tensor:
     """Token-weighted gradient accumulation over k micro-batches (no optimizer step).
 
-    For each micro-batch j (from ``split``): logits = model(input_ids=...).logits, loss_j =
-    micro_batch_loss(logits, labels_j, N) with N = count_targets(batch["labels"]), then
-    loss_j.backward(). Do not zero the gradients between micro-batches: they must add up.
-    Afterwards every parameter's ``.grad`` equals the gradient of the full-batch mean loss (a
-    parameter with ``requires_grad=False`` gets none).
+    For each micro-batch j (from ``split``): logits = model(input_ids=...).logits,
+    loss_j = micro_batch_loss(logits, labels_j, N) with
+    N = count_targets(batch["labels"]), then loss_j.backward(). Do not zero the
+    gradients between micro-batches: they must add up. Afterwards every parameter's
+    ``.grad`` equals the gradient of the full-batch mean loss (a parameter with
+    ``requires_grad=False`` gets none).
 
     Args:
         model: a callable module; ``model(input_ids=x).logits`` has shape (B, T, V).
@@ -91,6 +95,7 @@ def accumulated_backward(model, batch: dict, k: int) -> torch.Tensor:
         k: number of micro-batches.
 
     Returns:
-        The accumulated loss sum_j loss_j (detached, 0-dim), which equals the full-batch mean loss.
+        The accumulated loss sum_j loss_j (detached, 0-dim), which equals the full-batch
+        mean loss.
     """
     raise NotImplementedError("ex11: accumulated_backward")

@@ -20,10 +20,11 @@ import torch
 
 
 def shard_rows(batch: dict, rank: int, world_size: int) -> dict:
-    """Rank ``rank``'s rows of a batch, as Accelerate gives them with ``split_batches=True``.
+    """Rank ``rank``'s rows of a batch, as Accelerate gives them with
+    ``split_batches=True``.
 
-    Math: with b = E / P, rank r gets the contiguous rows r*b ... (r+1)*b - 1 of every tensor, so P
-    ranks x b rows hold exactly the rows of one process x P*b, in order.
+    Math: with b = E / P, rank r gets the contiguous rows r*b ... (r+1)*b - 1 of every
+    tensor, so P ranks x b rows hold exactly the rows of one process x P*b, in order.
 
     Args:
         batch: dict of tensors, each of shape (E, ...).
@@ -40,19 +41,23 @@ def shard_rows(batch: dict, rank: int, world_size: int) -> dict:
 
 
 def loss_divisor(local_counts, world_size: int, all_reduce) -> torch.Tensor:
-    """The number a rank divides its summed token losses by, so that DDP's mean is the global mean.
+    """The number a rank divides its summed token losses by, so that DDP's mean is the
+    global mean.
 
-    Math: n_r = sum_j local_counts[j] (this rank's target tokens in the update's micro-batches),
-    N = sum over ranks of n_r, obtained with ``all_reduce`` (every rank calls it with its own n_r and
-    gets N back). Each rank back-propagates S_{r,j} / D; DDP then averages over the P ranks, so D
-    must be N / P: (1/P) sum_r sum_j grad S_{r,j} / (N / P) = grad (sum_{r,j} S_{r,j} / N).
-    A rank's own count n_r (a per-rank mean) is right only when every rank holds N / P tokens.
+    Math: n_r = sum_j local_counts[j] (this rank's target tokens in the update's
+    micro-batches), N = sum over ranks of n_r, obtained with ``all_reduce`` (every
+    rank calls it with its own n_r and gets N back). Each rank back-propagates
+    S_{r,j} / D; DDP then averages over the P ranks, so D must be N / P:
+    (1/P) sum_r sum_j grad S_{r,j} / (N / P) = grad (sum_{r,j} S_{r,j} / N).
+    A rank's own count n_r (a per-rank mean) is right only when every rank holds N / P
+    tokens.
 
     Args:
-        local_counts: this rank's target count of each micro-batch of the update (0-dim integer tensors).
+        local_counts: this rank's target count of each micro-batch of the update (0-dim
+            integer tensors).
         world_size: P, the number of processes.
-        all_reduce: callable, tensor -> the sum of that tensor over all ranks (a new tensor).
-            Call it once, with this rank's total count.
+        all_reduce: callable, tensor -> the sum of that tensor over all ranks (a new
+            tensor). Call it once, with this rank's total count.
 
     Returns:
         D = N / P, a 0-dim floating-point tensor.

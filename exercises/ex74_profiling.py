@@ -20,14 +20,16 @@ A ledger here is a dict ``{point: {class: bytes}}``: points are the lifecycle st
 def predicted_saving(stages: dict, change: dict) -> int:
     """The bytes a remedy saves at the peak of a training step.
 
-    The peak is the largest stage total, ``max_s sum_c stages[s][c]``. A remedy changes some lines:
-    ``change[s][c]`` bytes (negative: removed, positive: added, e.g. a recomputed layer); a stage or a
-    class ``change`` omits is unchanged. The saving is the peak before minus the peak after, and the
-    peak after is again a maximum over *every* stage: it may sit at another stage than before.
+    The peak is the largest stage total, ``max_s sum_c stages[s][c]``. A remedy changes
+    some lines: ``change[s][c]`` bytes (negative: removed, positive: added, e.g. a
+    recomputed layer); a stage or a class ``change`` omits is unchanged. The saving is
+    the peak before minus the peak after, and the peak after is again a maximum over
+    *every* stage: it may sit at another stage than before.
 
     Args:
         stages: ``{stage: {class: bytes}}``, the plain step's ledger.
-        change: ``{stage: {class: bytes}}``, the remedy's changes (a subset of the stages and classes).
+        change: ``{stage: {class: bytes}}``, the remedy's changes (a subset of the
+            stages and classes).
 
     Returns:
         The saving in bytes, an int (negative if the remedy makes the peak larger).
@@ -35,61 +37,71 @@ def predicted_saving(stages: dict, change: dict) -> int:
     raise NotImplementedError("ex74: predicted_saving")
 
 
-def chunked_loss_changes(rows: dict, tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
-    """The changes a chunked loss over the vocabulary (``bp_mech.chunked_loss``) makes to the logits
-    line of a plain step's ledger ``rows`` (float32; ``rows`` also has ``forward_peak``).
+def chunked_loss_changes(rows: dict, tokens: int, vocab: int, hidden: int,
+                         chunk: int) -> dict:
+    """The changes a chunked loss over the vocabulary (``bp_mech.chunked_loss``) makes
+    to the logits line of a plain step's ledger ``rows`` (float32; ``rows`` also has
+    ``forward_peak``).
 
-    Notation: n = ``tokens`` (B T), V = ``vocab``, C = ``hidden``, c = min(``chunk``, n), and k = 2
-    when the loss takes more than one chunk (a chunk's logits are computed while the previous
-    chunk's are still referenced by the loop's variable), k = 1 when one chunk covers all n tokens.
-    What the chunked loss holds in the logits & loss line:
+    Notation: n = ``tokens`` (B T), V = ``vocab``, C = ``hidden``, c = min(``chunk``,
+    n), and k = 2 when the loss takes more than one chunk (a chunk's logits are computed
+    while the previous chunk's are still referenced by the loop's variable), k = 1 when
+    one chunk covers all n tokens. What the chunked loss holds in the logits & loss
+    line:
 
-    * at every point: 12 n bytes (the per-token log-sum-exp, fp32, and the target, int64);
+    * at every point: 12 n bytes (the per-token log-sum-exp, fp32, and the target,
+      int64);
     * at ``forward_peak``, besides: k chunks' logits, k * 4 c V;
-    * at ``backward_peak``, besides: the gradient of the hidden states, 4 n C, and the larger of
-      k * 4 c V (chunks' logits, as in the forward) and 4 c V + 4 V C (one chunk's dz and its
-      product dz^T h). The weight's gradient dW (4 V C) is allocated at the start of the loss's
-      backward, before anything else: it joins the *gradients* line at ``backward_peak``, where
-      the plain step has no gradient yet — but only where the logits line shrinks there.
+    * at ``backward_peak``, besides: the gradient of the hidden states, 4 n C, and the
+      larger of k * 4 c V (chunks' logits, as in the forward) and 4 c V + 4 V C (one
+      chunk's dz and its product dz^T h). The weight's gradient dW (4 V C) is allocated
+      at the start of the loss's backward, before anything else: it joins the
+      *gradients* line at ``backward_peak``, where the plain step has no gradient yet —
+      but only where the logits line shrinks there.
 
     The line never grows: where the plain line is already smaller, the change is 0.
 
     Args:
-        rows: ``{point: {class: bytes}}``, the plain step's ledger (``logits_loss`` at each point).
+        rows: ``{point: {class: bytes}}``, the plain step's ledger (``logits_loss`` at
+            each point).
         tokens: n, tokens per forward (B T).
         vocab: V.
         hidden: C, the hidden size.
         chunk: tokens per chunk.
 
     Returns:
-        ``{point: {"logits_loss": bytes <= 0}}`` for every point of ``rows``, and at ``backward_peak``
-        also ``"gradients": 4 V C`` where its logits line shrinks.
+        ``{point: {"logits_loss": bytes <= 0}}`` for every point of ``rows``, and at
+        ``backward_peak`` also ``"gradients": 4 V C`` where its logits line shrinks.
     """
     raise NotImplementedError("ex74: chunked_loss_changes")
 
 
 def live_by_category(events, categories: dict) -> tuple:
-    """Replay a memory timeline (``torch.profiler``'s memory profiler): the live bytes per category.
+    """Replay a memory timeline (``torch.profiler``'s memory profiler): the live bytes
+    per category.
 
-    Each event is ``(time, action, key, version, nbytes)`` in time order. A storage is known by
-    ``key``; each in-place write gives it a new ``version``, and each version has its own category
-    (``categories[(key, version)]``, ``"unknown"`` where the dict lacks it): a parameter's storage is
-    a parameter in every version, but a buffer written by backward may become a gradient. Actions:
+    Each event is ``(time, action, key, version, nbytes)`` in time order. A storage is
+    known by ``key``; each in-place write gives it a new ``version``, and each version
+    has its own category (``categories[(key, version)]``, ``"unknown"`` where the dict
+    lacks it): a parameter's storage is a parameter in every version, but a buffer
+    written by backward may become a gradient. Actions:
 
-    * ``"preexisting"`` (alive before the window, time -1) and ``"create"``: ``nbytes`` join the
-      category of ``(key, version)``;
-    * ``"increment_version"``: the storage's ``nbytes`` leave ``(key, version)``'s category and join
-      ``(key, version + 1)``'s;
+    * ``"preexisting"`` (alive before the window, time -1) and ``"create"``: ``nbytes``
+      join the category of ``(key, version)``;
+    * ``"increment_version"``: the storage's ``nbytes`` leave ``(key, version)``'s
+      category and join ``(key, version + 1)``'s;
     * ``"destroy"``: ``nbytes`` leave ``(key, version)``'s category.
 
-    Several events may share one time: report one state per distinct time, the state after all of them.
+    Several events may share one time: report one state per distinct time, the state
+    after all of them.
 
     Args:
         events: a list of ``(time, action, key, version, nbytes)`` tuples, time-ordered.
         categories: ``{(key, version): category name}``.
 
     Returns:
-        ``(times, states)``: the distinct times in order, and for each the live bytes as
-        ``{category: bytes}`` (a category never seen may be missing; one seen may hold 0).
+        ``(times, states)``: the distinct times in order, and for each the live bytes
+        as ``{category: bytes}`` (a category never seen may be missing; one seen may
+        hold 0).
     """
     raise NotImplementedError("ex74: live_by_category")

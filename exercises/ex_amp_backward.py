@@ -12,32 +12,34 @@ import torch
 
 
 class DynamicLossScaler:
-    """The update rule of ``torch.amp.GradScaler`` (dynamic loss scaling), in plain Python.
+    """The update rule of ``torch.amp.GradScaler`` (dynamic loss scaling), in Python.
 
     The loss is multiplied by ``scale`` (S) before ``backward()``. After each step the
     scaler learns whether any gradient was inf/NaN (``found_inf``) and:
 
-        found_inf:  skip optimizer.step();  S <- S * backoff_factor;  tracker <- 0
+        found_inf:  skip the update;  S <- S * backoff_factor;  tracker <- 0
         otherwise:  tracker <- tracker + 1
-                    if tracker == growth_interval:  S <- S * growth_factor;  tracker <- 0
+                    if tracker == growth_interval:
+                        S <- S * growth_factor;  tracker <- 0
 
-    GradScaler keeps S in a float32 tensor: every new S is rounded to float32, and a grown S
-    that is inf *in float32* is not taken (the tracker still resets). Float32's largest value is
-    about 3.4e38, so with growth_factor 2 the scale stops at 2^127, although 2^128 is a finite
-    Python float.
+    GradScaler keeps S in a float32 tensor: every new S is rounded to float32, and a
+    grown S that is inf *in float32* is not taken (the tracker still resets). Float32's
+    largest value is about 3.4e38, so with growth_factor 2 the scale stops at 2^127,
+    although 2^128 is a finite Python float.
 
     Attributes:
         scale: the current loss scale S (float).
         growth_tracker: finite steps since the last overflow or growth (int).
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
         """Same arguments and defaults as ``torch.amp.GradScaler``.
 
         Args:
             init_scale: the first S.
-            growth_factor: multiplier of S after ``growth_interval`` consecutive finite steps.
+            growth_factor: multiplier of S after ``growth_interval`` consecutive finite
+                steps.
             backoff_factor: multiplier of S on an overflow step (< 1).
             growth_interval: consecutive finite steps before a growth.
         """
@@ -50,12 +52,13 @@ class DynamicLossScaler:
             found_inf: whether this step's (unscaled) gradients held an inf or a NaN.
 
         Returns:
-            True when ``optimizer.step()`` must be skipped for this step.
+            True when this step must apply no update (the skipped step).
         """
         raise NotImplementedError("ex_amp: DynamicLossScaler.update")
 
 
-def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
+def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float,
+                      eps: float = 1e-6):
     """Unscale gradients in place, then clip them by their *unscaled* global norm.
 
     Under a loss scale S the gradients in ``.grad`` are S times the true ones. The clip
@@ -66,9 +69,9 @@ def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, 
         clip_coef  = min(1, max_norm / (total_norm + eps))
         g_i <- g_i * clip_coef                         (only when total_norm is finite)
 
-    This is what ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, max_norm)``
-    does. When a gradient is inf/NaN, ``found_inf`` is True and nothing is clipped (the step
-    will be skipped).
+    This is what ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params,
+    max_norm)`` does. When a gradient is inf/NaN, ``found_inf`` is True and nothing is
+    clipped (the step will be skipped).
 
     Args:
         grads: the gradient tensors (any shapes), modified in place.
@@ -77,8 +80,8 @@ def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, 
         eps: added to the norm in the denominator (as clip_grad_norm_).
 
     Returns:
-        (total_norm, clip_coef, found_inf): the unscaled norm (float, before clipping), the
-        coefficient applied (float in (0, 1]; 1.0 when found_inf), and whether any gradient
-        was inf/NaN (bool).
+        (total_norm, clip_coef, found_inf): the unscaled norm (float, before clipping),
+        the coefficient applied (float in (0, 1]; 1.0 when found_inf), and whether any
+        gradient was inf/NaN (bool).
     """
     raise NotImplementedError("ex_amp: unscale_and_clip_")

@@ -1,14 +1,21 @@
 """What the browser test reads on a page (tests/test_browser.py): the pages of the table of contents,
-why the browser cannot run here, and the scripts run in each page (wait for MathJax and images, audit
-formulas, figures, glued values, widths; open an exercise answer) with their Python helpers."""
+why the browser cannot run here, the loopback server and the browser, and the scripts run in each
+page (wait for MathJax and images, audit formulas, figures, glued values, widths, and the text with
+tests/browser_text.py; open an exercise answer) with their Python helpers."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import importlib.util
 import json
+import threading
 import time
 import urllib.parse
 from pathlib import Path
+
+from browser_text import MAX_CODE_LINE, TEXT_AUDIT
 
 from bp_mech import ROOT
 
@@ -21,12 +28,21 @@ SUMMARY: dict = {"pages": 0, "formulas": 0, "figures": 0, "glued": 0, "tables": 
 
 
 def toc_pages() -> list[str]:
-    """Every page of the table of contents (docnames), from the sources: the landing page, the
-    front matter, the chapters of Part 02 and the projects."""
-    book = ROOT / "book"
-    front = ["book/index", "book/quickstart", "book/registry"]
-    chapters = sorted(p for d in ("part02", "projects") for p in (book / d).glob("*.md"))
-    return front + [str(p.relative_to(ROOT).with_suffix("")) for p in chapters]
+    """Every page of the table of contents (docnames, in its order), read from ``_toc.yml``: the
+    landing page, the front matter, the chapters of Part 02, the projects, the appendix."""
+    import yaml
+
+    def walk(entries):
+        for entry in entries or ():
+            if "file" in entry:
+                yield str(Path(entry["file"]).with_suffix(""))
+            elif "glob" in entry:  # jupyter-book's glob: file-name order
+                yield from sorted(str(p.relative_to(ROOT).with_suffix("")) for p in ROOT.glob(entry["glob"])
+                                  if p.suffix in (".md", ".ipynb"))
+            yield from walk(entry.get("sections"))
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    return [toc["root"]] + [page for part in toc.get("parts", ()) for page in walk(part.get("chapters"))]
 
 
 PAGES = toc_pages()
@@ -41,6 +57,55 @@ def browser_missing() -> str | None:
     if importlib.util.find_spec("selenium") is None:
         return "selenium is missing: pip install -r requirements/book.txt"
     return None
+
+
+# --- the book on a loopback port, and the browser -------------------------------------------------
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serve(directory: Path):
+    """``directory`` served on 127.0.0.1 (a free port); yields its base URL."""
+    handler = functools.partial(QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def chrome(profile: Path):
+    """Headless Chromium at WINDOW, every request outside loopback refused, its logs kept."""
+    import pytest
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                 # every request outside loopback goes to a proxy that is not there: refused
+                 # (loopback itself bypasses proxies); the performance log shows any attempt
+                 "--proxy-server=http://127.0.0.1:9"):
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SE_OFFLINE", "true")  # Selenium Manager must not look for (or download) a browser or driver
+        d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    d.set_page_load_timeout(60)
+    d.set_script_timeout(60)
+    try:
+        yield d
+    finally:
+        d.quit()
 
 
 # --- what a page shows ---------------------------------------------------------------------------
@@ -70,7 +135,6 @@ const out = {};
 const math = [...col.querySelectorAll('.math')];
 out.formulas = math.length;
 out.untypeset = math.filter(m => !m.querySelector('mjx-container')).map(m => m.textContent.slice(0, 80));
-out.math_errors = [...col.querySelectorAll('mjx-merror')].map(e => e.getAttribute('data-mjx-error') || e.textContent);
 
 // raw TeX left in the text a reader sees (code blocks and scripts excepted)
 const walker = document.createTreeWalker(col, NodeFilter.SHOW_TEXT);
@@ -113,6 +177,9 @@ for (const el of wide) {
   if (!ok) out.too_wide.push(`${el.tagName.toLowerCase()}.${el.className} right edge ${Math.round(extent(el).right)} > column ${Math.round(colBox.right)}: ${el.textContent.trim().slice(0, 60)}`);
 }
 out.page_scrolls_sideways = document.documentElement.scrollWidth > window.innerWidth + 1;
+
+const evidence = col.querySelector('p.experiment-header .evidence');  // the header line's (book/_ext/bp_book.py)
+out.header_evidence = evidence ? evidence.textContent.trim() : null;
 
 const nb = document.querySelector('a.btn-download-notebook-button, .btn-download-notebook-button');
 out.notebook_link = nb ? (nb.href || nb.getAttribute('href') || (nb.closest('a') || {}).href || '') : '';
@@ -169,6 +236,7 @@ def open_page(driver, url: str) -> dict:
     assert not problem, f"{url}: {problem}"
     time.sleep(0.2)  # late console messages
     audit = driver.execute_script(AUDIT)
+    audit.update(driver.execute_script(TEXT_AUDIT, MAX_CODE_LINE))
     audit["url"] = driver.current_url
     audit["outside"] = outside_requests(driver.get_log("performance"))
     audit["console"] = console_errors(driver.get_log("browser"), url.split("/book/")[0])

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers.generation  # noqa: F401  (it reads torch.cuda.Stream at import: before cpu_only replaces it)
+import transformers.generation  # noqa: F401  (they read torch.cuda.Stream at import: before cpu_only
+from transformers import AutoModelForCausalLM  # noqa: F401  replaces it; the model classes load lazily)
 
 from bp_mech import ROOT
 

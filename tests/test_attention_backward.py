@@ -119,6 +119,20 @@ def test_eager_qwen2_attention_with_explicit_mask():
         torch.testing.assert_close(g[n], p.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["tiny", "qwen05"])
+def test_qwen2_attention_has_biases_on_qkv_only(arch):
+    """Qwen2: q/k/v_proj carry a bias, o_proj none (chapter 10's prose), on the real module."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    from bp_mech.bench.workload import qwen2_config
+
+    attn = Qwen2Attention(qwen2_config(arch), layer_idx=0)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert getattr(attn, name).bias is not None, name
+    assert attn.o_proj.bias is None
+    assert "o_proj.bias" not in dict(attn.named_parameters())
+
+
 # --- the exercise checks catch the classic mistakes ------------------------------------
 
 ANSWERS = types.SimpleNamespace(

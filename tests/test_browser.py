@@ -6,11 +6,15 @@ It opens the landing page and every page of the table of contents and asserts: e
 typeset by the MathJax that ships with the build (no raw ``\\(`` or ``$$`` left), every figure
 loaded, every glued value present and non-empty, no error or stderr output cell, no table, code
 block, figure or display formula wider than the content column unless inside a scroll container,
-no console error from the book's own assets, no request that left the loopback address. Then: the
-exercise answers open, the search page finds each chapter from a word of its title, the landing
-page maps every chapter, and one chapter downloaded as ``.ipynb`` from its page runs again with
-nbclient in this (TRAIN-CPU) environment. A full-page screenshot of each page goes to the test's
-temporary folder.
+no console error from the book's own assets, no request that left the loopback address, and each
+chapter's header line tells the evidence ``registry.status`` computes. The text whole
+(tests/browser_text.py): no formula MathJax failed on or that holds a control character or a stray
+``ext{``, no paragraph that breaks off, no unrendered Markdown table, no shown code line over
+``MAX_CODE_LINE`` characters (the pages that fail a check today are listed in ``KNOWN``, strict
+xfails). Then: the exercise answers open, the search page finds each chapter from a word of its
+title, the landing page maps every chapter, and one chapter downloaded as ``.ipynb`` from its page
+runs again with nbclient in this (TRAIN-CPU) environment. A full-page screenshot of each page goes
+to the test's temporary folder. tests/test_browser_audit.py tests the audit itself.
 
 The book is the strict build tests/test_book.py leaves (tests/book_build.py), built here when it
 is missing or older than the sources. Without Chromium the test skips, saying why; under CI
@@ -19,12 +23,9 @@ is missing or older than the sources. Without Chromium the test skips, saying wh
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
 import re
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -32,10 +33,13 @@ from pathlib import Path
 
 import book_build
 import pytest
-from browser_pages import (CHAPTERS, CHROMEDRIVER, CHROMIUM, OPEN_ANSWER, PAGES, SUMMARY, TAKEAWAY, WINDOW,
-                           browser_missing, load, open_page, screenshot)
+from browser_pages import (CHAPTERS, OPEN_ANSWER, PAGES, SUMMARY, TAKEAWAY, WINDOW, browser_missing, chrome, load,
+                           open_page, screenshot, serve)
 
-from bp_mech import ROOT
+from bp_mech import RESULTS_DIR, ROOT
+from bp_mech.records import registry
+
+TEXT_CHECKS = ("broken_math", "unterminated", "raw_markdown", "long_code_lines")  # tests/browser_text.py
 
 pytestmark = pytest.mark.browser
 
@@ -64,46 +68,17 @@ def html_dir() -> Path:
     return build.html
 
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def site(html_dir):
     """The book served on 127.0.0.1 (a free port); yields its base URL."""
-    handler = functools.partial(QuietHandler, directory=str(html_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/"
-    server.shutdown()
-    server.server_close()
+    with serve(html_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def driver(site, tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--window-size={WINDOW[0]},{WINDOW[1]}",
-                 # every request outside loopback goes to a proxy that is not there: refused
-                 # (loopback itself bypasses proxies); the performance log shows any attempt
-                 "--proxy-server=http://127.0.0.1:9"):
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SE_OFFLINE", "true")  # Selenium Manager must not look for (or download) a browser or driver
-        d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    d.set_page_load_timeout(60)
-    d.set_script_timeout(60)
-    yield d
-    d.quit()
+    with chrome(tmp_path_factory.mktemp("chromium-profile")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +107,20 @@ def summary(request, shots):
 
 # --- the tests -------------------------------------------------------------------------------------
 
+AUDITS: dict[str, dict] = {}  # page -> what open_page read there (each page is opened once)
+
+
+def audited(driver, site, html_dir, page: str) -> dict:
+    if page not in AUDITS:
+        assert (html_dir / f"{page}.html").is_file(), f"{page}.html was not built: is it in _toc.yml?"
+        AUDITS[page] = open_page(driver, site + f"{page}.html")
+    return AUDITS[page]
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_page_reads_right(page, html_dir, site, driver, shots):
-    assert (html_dir / f"{page}.html").is_file(), f"{page}.html was not built: is it in _toc.yml?"
-    a = open_page(driver, site + f"{page}.html")
+    AUDITS.pop(page, None)  # read afresh: the answer is opened below
+    a = audited(driver, site, html_dir, page)
     screenshot(driver, shots / f"{page.replace('/', '__')}.png")
     SUMMARY["pages"] += 1
     for key, n in (("formulas", "formulas"), ("figures", "figures"), ("glued", "glued"),
@@ -152,7 +137,9 @@ def test_page_reads_right(page, html_dir, site, driver, shots):
     assert not a["too_wide"], f"{page}: wider than the content column, no scroll container: {a['too_wide'][:3]}"
     assert not a["page_scrolls_sideways"], f"{page}: the page itself scrolls sideways at {WINDOW[0]} px"
     assert not a["console"], f"{page}: console errors: {a['console'][:5]}"
-    if page in CHAPTERS:
+    if page in CHAPTERS:  # the header line tells what the registry computes from the records
+        e = next(e for e in registry.EXPERIMENTS.values() if e.doc == f"{page}.md")
+        assert a["header_evidence"] == registry.status(e, ROOT, RESULTS_DIR), f"{page}: header {a['header_evidence']!r}"
         assert a["notebook_link"].endswith(f"_sources/{page}.ipynb"), f"{page}: no .ipynb download: {a['notebook_link']!r}"
         # the exercise answer is folded away until the reader opens it, and then shows its code
         answer = driver.execute_async_script(OPEN_ANSWER)
@@ -162,11 +149,36 @@ def test_page_reads_right(page, html_dir, site, driver, shots):
         SUMMARY["answers opened"] += 1
 
 
+# (check, page) pairs known to fail: each is a strict xfail, so it fails the moment its page is fixed,
+# and must then leave this list. None is known today.
+KNOWN: dict[str, set[str]] = {
+    "broken_math": set(),
+    "unterminated": set(),
+    "raw_markdown": set(),
+    "long_code_lines": set(),
+}
+
+
+def text_cases():
+    for page in PAGES:
+        for check in TEXT_CHECKS:
+            known = page in KNOWN[check]
+            marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
+                                       reason=f"{check}: a known defect of this page")]
+            yield pytest.param(page, check, marks=marks if known else [], id=f"{page}:{check}")
+
+
+@pytest.mark.parametrize("page, check", list(text_cases()))
+def test_page_text_is_whole(page, check, html_dir, site, driver):
+    """No broken formula (a control character, a stray ``ext{``), no paragraph that breaks off, no
+    Markdown table left unrendered, no code line wider than the column (tests/browser_text.py)."""
+    found = audited(driver, site, html_dir, page)[check]
+    assert not found, f"{page}: {len(found)} {check}:\n" + "\n".join(found[:10])
+
+
 def test_landing_page_maps_every_chapter(site, driver):
     """The landing page (the site's root redirects to it) lists every chapter of the registry in
     the course's order, with a computed status and whether it needs a GPU, and the set-up commands."""
-    from bp_mech.records import registry
-
     driver.get(site)
     rows = None
     for _ in range(100):  # the root redirects to the landing page

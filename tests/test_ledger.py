@@ -7,6 +7,7 @@ import re
 import types
 
 import pytest
+import torch
 
 from bp_mech import ledger
 from bp_mech.bench import lifecycle
@@ -224,3 +225,58 @@ def test_checks_catch_the_classic_mistakes(check, mutant):
     function = check.__name__.removeprefix("check_")
     with pytest.raises(AssertionError, match=f"^{function}: "):
         check(_solutions(**mutant))
+
+
+def test_the_gpu_adamw_keeps_its_step_counters_on_the_device():
+    """Part 02 · 43: the book's AdamW on CUDA (fused) keeps ``state["step"]`` on the parameters'
+    device; ``foreach`` keeps a host scalar. Run on fake CUDA parameters, so no GPU is needed: the
+    package's optimizer construction and PyTorch's placement rule (``_init_group``) run for real;
+    what the fused CUDA kernel then does with the counter does not run here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bp_mech.bench.step import make_optimizer
+
+    assert StepOptions().for_device("cuda").adamw == "fused"
+    for impl, where in ((None, "cuda"), ("foreach", "cpu")):  # None: the book's choice for CUDA
+        with FakeTensorMode():
+            p = torch.nn.Parameter(torch.zeros(8, device="cuda"))
+            opt = make_optimizer([p], StepOptions(), "cuda", adamw=impl)
+            p.grad = torch.zeros_like(p)
+            opt.step()
+            state = opt.state[p]
+        assert state["step"].device.type == where, impl
+        assert state["exp_avg"].device.type == "cuda" and state["step"].dtype == torch.float32
+
+
+def test_the_logits_are_the_largest_tensor_but_not_the_largest_line():
+    """Part 02 · 43 at qwen05-b2s512: 4nV is larger than any parameter or saved storage, but at
+    the log-softmax backward its line (3 x 4nV) is below the optimizer states, the saved
+    activations and the parameters."""
+    w, a = parse_workload("qwen05-b2s512"), ARCHITECTURES["qwen05"]
+    f = ledger.theoretical(a, w.batch, w.seq, None, "cuda")
+    assert f.moment == "the log-softmax backward" and f.peak_stage == "backward_peak"
+    at = f.stages["backward_peak"]
+    for line in ("optimizer_states", "saved_activations", "parameters"):
+        assert at["logits_loss"] < at[line], line
+    logp = 4 * w.batch * w.seq * a["vocab_size"]
+    assert 3 * logp <= at["logits_loss"] < 3 * logp + 2**20
+    assert logp > 4 * a["vocab_size"] * a["hidden_size"]  # the tied embedding, the largest parameter
+    assert logp > max(ledger.layer_saved_storages(a, w.batch, w.seq))
+
+
+def test_activation_strategies_stop_paying_at_the_model_state():
+    """Part 02 · 43's account at qwen05-b2s512: checkpointing's and offload's peak is the end of
+    the backward, where parameters, gradients and moments are (nearly) all of it, so their
+    peak is the same, whatever else they remove (``experiment.peak_shares``)."""
+    w, a = parse_workload("qwen05-b2s512"), ARCHITECTURES["qwen05"]
+    plain = ledger.theoretical(a, w.batch, w.seq, None, "cuda")
+    state = ("parameters", "gradients", "optimizer_states")
+    _, share = experiment.peak_shares(plain)
+    assert abs(sum(share.values()) - 1) < 1e-12 and share["saved_activations"] > 0.2
+    for s in ("checkpoint-all", "offload"):
+        led = ledger.theoretical(a, w.batch, w.seq, parse(s), "cuda")
+        stage, share = experiment.peak_shares(led)
+        assert led.moment == "the end of the backward (tied embedding)", s
+        assert sum(share[c] for c in state) > 0.999 and led.peak < plain.peak
+    assert ledger.theoretical(a, w.batch, w.seq, parse("checkpoint-all"), "cuda").peak == \
+        ledger.theoretical(a, w.batch, w.seq, parse("offload"), "cuda").peak

@@ -3,10 +3,12 @@ and with finite differences (through the experiment's ``compare_op``), and the e
 catch the classic mistakes. The run, its records and the conformance row:
 tests/experiments/test_local_backward.py."""
 
+import math
 import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bp_mech import local_backward
 from bp_mech.experiments import local_backward as experiment
@@ -23,6 +25,45 @@ def test_every_op_matches_autograd_and_finite_differences(op):
     assert max(c["fd_errors"].values()) <= experiment.TOL_FD
     # float32 is rounding, not exactness: small but clearly above float64's errors
     assert 1e-9 < max(c["fp32_hand"].values()) < 1e-4
+
+
+def dropped_term_error(width, rows=2048, seed=0):
+    """||r (dy w) - autograd|| / ||autograd|| for RMSNorm's input gradient (float64; x, dy
+    standard normal, gain w = 1 + 0.1 N(0, 1)). Per row the dropped term r xhat mean(g xhat)
+    has squared norm r^2 (sum_i g_i xhat_i)^2 / C, a chi-square(1) variable times
+    r^2 mean(g^2), against r^2 C mean(g^2) for the whole gradient: the error is
+    1/sqrt(C - 1), and over N rows its relative spread is 1/sqrt(2N)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(rows, width, dtype=torch.float64, generator=gen) for _ in "xy")
+    w = 1 + 0.1 * torch.randn(width, dtype=torch.float64, generator=gen)
+    x.requires_grad_(True)
+    (ref,) = torch.autograd.grad(F.rms_norm(x, (width,), w, 1e-6), x, dy)
+    with torch.no_grad():
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return float((r * (dy * w) - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("width", [64, 256, 1024])
+def test_dropping_rmsnorm_second_term_errs_by_one_over_sqrt_width(width):
+    """The classic bug is small, which is why it survives (chapter 09's prose): against
+    autograd the gradient without the term through r is off by 1/sqrt(C - 1) (see
+    ``dropped_term_error``); 5 relative spreads 1/sqrt(2N) bound a miss."""
+    rows = 2048
+    spread = (2 * rows) ** -0.5
+    for seed in range(3):
+        e = dropped_term_error(width, rows, seed)
+        assert abs(e * math.sqrt(width - 1) - 1) < 5 * spread
+
+
+def test_dropped_term_error_falls_as_one_over_sqrt_width():
+    """Log-log slope of the error against C: -1/2 (-C/(2(C-1)) exactly; within 0.03 here)."""
+    widths = [32, 128, 512, 2048]
+    errs = [dropped_term_error(c, rows=2048, seed=1) for c in widths]
+    lx = [math.log(c) for c in widths]
+    ly = [math.log(e) for e in errs]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    assert abs(slope + 0.5) < 0.03
 
 
 def test_block_backward_is_the_composition_of_local_backwards():

@@ -5,6 +5,7 @@ conformance row: tests/experiments/test_scheduler.py."""
 import dataclasses
 import math
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,45 @@ def test_scaler_step_detects_a_skip_with_public_api():
     scaler.set_backoff_factor(1.0)  # GradScaler's constructor refuses this; the setter does not
     with pytest.raises(ValueError):
         scaler_step(scaler, opt)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_a_skipped_step_calls_fused_adamw_which_skips_inside(fused):
+    """Chapter 12: on inf/NaN the GradScaler calls a fused AdamW's step (with found_inf; the
+    kernel leaves parameters, moments and step count alone) and does not call a foreach one.
+    Real torch objects on the CPU, where torch has the fused AdamW too."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=fused, foreach=not fused)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(p.square().sum()).backward()
+    assert scaler_step(scaler, opt) is True and len(calls) == 1
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    before = p.detach().clone()
+    opt.zero_grad()
+    scaler.scale(p.sum() * float("inf")).backward()
+    assert scaler_step(scaler, opt) is False
+    assert len(calls) == (2 if fused else 1)  # fused: step() ran, and skipped inside
+    assert torch.equal(p.detach(), before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())  # step, moments
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_lr_scheduler_warns_on_a_skipped_first_step_only_without_fused(fused):
+    """Chapter 12: LRScheduler's "before optimizer.step()" warning needs step() not called."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=fused, foreach=not fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(p.sum() * float("inf")).backward()
+    assert scaler_step(scaler, opt) is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+    warned = any("before `optimizer.step()`" in str(w.message) for w in caught)
+    assert warned is not fused
 
 
 # --- the exercise checks catch the classic mistakes ------------------------------------

@@ -9,16 +9,25 @@
 * **Notebooks to take away.** MyST-NB writes each executed chapter to
   ``_build/jupyter_execute/<page>.ipynb``; it is copied to ``_build/html/_sources/<page>.ipynb``
   and the theme's download button (the ``.ipynb`` entry) links to it.
+* **True headers.** A chapter's header line is the directive ``{experiment-header} <ID>`` (the
+  ID, the fixed comparison and the main metrics from ``bp_mech.records.registry``, and the evidence
+  ``registry.status`` computes from the cached records); the role ``{evidence}`ID``` is that evidence
+  alone. Pages that use either are read again on every build (cheap: the notebook cache still
+  spares the execution), so the evidence follows the records, not the page's text.
 * **A clean console.** Each script once on a page (see ``drop_duplicate_scripts``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
+from docutils import nodes
+from sphinx import addnodes
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
+from sphinx.util.docutils import SphinxDirective, SphinxRole
 from sphinx.util.fileutil import copy_asset
 
 MATHJAX_ENTRY = "mathjax/tex-chtml.js"  # MathJax 3 component: TeX input (with AMS) -> CommonHTML output
@@ -59,9 +68,80 @@ def forces_execution(path: Path) -> bool:
     return (front.get("mystnb") or {}).get("execution_mode") == "force"
 
 
+COMPUTED = re.compile(r"\{(experiment-header|evidence)\}")  # the directive and the role below
+
+
+def uses_registry(path: Path) -> bool:
+    """Does this page's header (or text) compute from the registry (``{experiment-header}``, ``{evidence}``)?"""
+    return path.suffix == ".md" and bool(COMPUTED.search(path.read_text(encoding="utf-8")))
+
+
 def always_read(app: Sphinx, env, added, changed, removed) -> list[str]:
-    """Sphinx re-reads only pages whose text changed; these compute from other files."""
-    return [doc for doc in env.found_docs if forces_execution(Path(env.doc2path(doc)))]
+    """Sphinx re-reads only pages whose text changed; these compute from other files (the records,
+    the code). Re-reading a page whose code cells did not change takes its outputs from the
+    notebook cache: nothing runs again."""
+    return [doc for doc in env.found_docs
+            if forces_execution(Path(env.doc2path(doc))) or uses_registry(Path(env.doc2path(doc)))]
+
+
+# --- the header line, from the registry -------------------------------------------------------
+
+def experiment_fields(app: Sphinx, semantic_id: str) -> tuple:
+    """(registry.Experiment, its status) with the records of ``bp_book_results_dir`` (default
+    ``bp_mech.RESULTS_DIR``). Raises ``RegistryError`` for an unknown ID."""
+    from bp_mech import RESULTS_DIR, ROOT
+    from bp_mech.records import registry
+
+    e = registry.get(semantic_id)
+    results_dir = Path(app.config.bp_book_results_dir or RESULTS_DIR)
+    return e, registry.status(e, ROOT, results_dir)
+
+
+def evidence_node(status: str) -> nodes.inline:
+    return nodes.inline(status, status, classes=["evidence"])
+
+
+class ExperimentHeader(SphinxDirective):
+    """``{experiment-header} TRAIN-CHECKPOINT``: the chapter's header line, **ID** · fixed
+    comparison (``project:`` on a project page) · main metrics · evidence, all from the registry."""
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        try:
+            e, status = experiment_fields(self.env.app, self.arguments[0])
+        except ValueError as err:  # registry.RegistryError
+            raise self.error(f"experiment-header: {err}") from None
+        what = "project" if e.doc.startswith("book/projects/") else "fixed comparison"
+        para = nodes.paragraph(classes=["experiment-header"])
+        para += nodes.strong(e.semantic_id, e.semantic_id)
+        para += nodes.Text(f" · {what}: {e.comparison} · main metrics: {e.metrics} · ")
+        label = nodes.inline("evidence", "evidence")
+        target = self.config.bp_book_evidence_doc
+        if target and target in self.env.found_docs:  # where the status is computed and explained
+            ref = addnodes.pending_xref("", refdomain="std", reftype="doc", reftarget="/" + target,
+                                        refexplicit=True, refwarn=True, refdoc=self.env.docname)
+            ref += label
+            label = ref
+        para += label
+        para += nodes.Text(": ")
+        para += evidence_node(status)
+        para += nodes.Text(".")
+        self.set_source_info(para)
+        return [para]
+
+
+class Evidence(SphinxRole):
+    """``{evidence}`TRAIN-CHECKPOINT```: the experiment's evidence, as ``registry.status`` computes it."""
+
+    def run(self) -> tuple[list[nodes.Node], list[nodes.system_message]]:
+        try:
+            _, status = experiment_fields(self.env.app, self.text.strip())
+        except ValueError as err:
+            msg = self.inliner.reporter.error(f"evidence: {err}", line=self.lineno)
+            return [self.inliner.problematic(self.rawtext, self.rawtext, msg)], [msg]
+        return [evidence_node(status)], []
 
 
 def executed_notebook(app: Sphinx, pagename: str) -> Path | None:
@@ -123,6 +203,10 @@ def drop_duplicate_scripts(app: Sphinx, pagename: str, templatename: str, contex
 
 
 def setup(app: Sphinx) -> dict:
+    app.add_config_value("bp_book_results_dir", None, "env")  # the records the evidence reads (None: bp_mech.RESULTS_DIR)
+    app.add_config_value("bp_book_evidence_doc", "book/registry", "env")  # "evidence" links there, when built
+    app.add_directive("experiment-header", ExperimentHeader)
+    app.add_role("evidence", Evidence())
     app.connect("config-inited", use_local_mathjax)
     app.connect("html-page-context", drop_duplicate_scripts)
     app.connect("build-finished", copy_mathjax)

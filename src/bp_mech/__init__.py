@@ -3,12 +3,14 @@
 The package follows the book. Read it in this order:
 
 1. **The mechanisms** (``bp_mech.<mechanism>``): what a chapter teaches, and what the exercise
-   answers re-export. Part 02 · 09 ``local_backward``; 10 ``attention_backward`` (with
+   answers re-export. Part 02 · 09 ``local_backward`` (with ``local_backward_gelu``); 10
+   ``attention_backward`` (with ``attention_rope``, ``attention_config``,
    ``attention_strategies``, ``attention_framework``); 11 ``accumulation`` and ``chunked_loss``;
-   12 ``scheduler``; AMP ``amp`` and ``loss_scaling``; 19 ``checkpointing``; 42 ``offload`` and
-   ``host_memory``; 43 ``ledger`` and ``state_bytes``; 55 ``update_dynamics``; 56
-   ``continual_pretrain`` (with ``continual_data``, ``continual_eval``) and ``training_state`` (with
-   ``state_format``). Each backward sits beside its forward; each memory strategy is a context
+   12 ``scheduler``; AMP ``amp`` and ``loss_scaling``; 19 ``checkpointing`` (with
+   ``checkpointing_native``); 42 ``offload`` and ``host_memory``; 43 ``ledger`` (with
+   ``ledger_table``) and ``state_bytes``; 55 ``update_dynamics``; 56 ``continual_pretrain``
+   (with ``continual_data``, ``continual_eval``) and ``training_state`` (with ``state_format``,
+   ``rng_state``). Each backward sits beside its forward; each memory strategy is a context
    manager with an off switch.
 2. **The bench** (``bp_mech.bench``): the workload, the one training step (``bench.step.train_step``)
    with its phase observers, strategies by name (``bench.strategy``), timing, memory tracking,

@@ -31,40 +31,43 @@ from bp_mech.bench.workload import PAD_ID, Workload, make_adamw, make_batches
 
 # --- data ------------------------------------------------------------------------------
 
-def padded_batches(w: Workload, n: int, micro_max: int, max_pad: float) -> list[dict[str, torch.Tensor]]:
+def padded_batches(w: Workload, n: int, micro_max: int,
+                   max_pad: float) -> list[dict[str, torch.Tensor]]:
     """``n`` effective batches of E = w.batch * micro_max rows, right-padded at random.
 
-    Row r keeps its first T - p_r tokens (p_r < max_pad * T); the rest become PAD_ID inputs
-    with label -100, so micro-batches hold different numbers of target tokens. Right padding
-    under a causal mask never changes a real token's logits, so no attention mask is needed.
-    The padding is drawn from a generator seeded with ``w.seed + 11``: the same call gives the
-    same batches.
+    Row r keeps its first T - p_r tokens (p_r < max_pad * T); the rest become PAD_ID
+    inputs with label -100, so micro-batches hold different numbers of target tokens.
+    Right padding under a causal mask never changes a real token's logits, so no
+    attention mask is needed. The padding is drawn from a generator seeded with
+    ``w.seed + 11``: the same call gives the same batches.
 
     Args:
         w: the workload; ``w.batch`` is the smallest micro-batch, ``w.seq`` is T.
         n: number of effective batches.
         micro_max: the largest number of micro-batches the batches will be split into
             (E = w.batch * micro_max rows, so every k dividing micro_max splits evenly).
-        max_pad: the largest padded fraction of a row, in [0, 1); at most T - 2 tokens are padded,
-            so every row keeps at least one target.
+        max_pad: the largest padded fraction of a row, in [0, 1); at most T - 2 tokens
+            are padded, so every row keeps at least one target.
 
     Returns:
-        A list of ``n`` dicts with ``input_ids`` and ``labels``, each a long tensor of shape (E, T).
+        A list of ``n`` dicts with ``input_ids`` and ``labels``, each a long tensor of
+        shape (E, T).
 
     Example:
         >>> from bp_mech.bench.workload import parse_workload
-        >>> b = padded_batches(parse_workload("tiny-b1s8"), 1, micro_max=2, max_pad=0.5)[0]
+        >>> w = parse_workload("tiny-b1s8")
+        >>> b = padded_batches(w, 1, micro_max=2, max_pad=0.5)[0]
         >>> b["input_ids"].shape, b["labels"].shape
         (torch.Size([2, 8]), torch.Size([2, 8]))
-        >>> bool(((b["labels"] == -100) == (b["input_ids"] == PAD_ID)).all())  # padding = ignored labels
+        >>> bool(((b["labels"] == -100) == (b["input_ids"] == PAD_ID)).all())
         True
     """
     E, T = w.batch * micro_max, w.seq
     g = torch.Generator().manual_seed(w.seed + 11)
     out = []
     for b in make_batches(w.replace(batch=E), n):
-        pads = (torch.rand(E, generator=g) * max_pad * T).long().clamp(max=T - 2)  # (E,)
-        pad = torch.arange(T)[None, :] >= (T - pads)[:, None]  # (E, T) True on the padded tail
+        pads = (torch.rand(E, generator=g) * max_pad * T).long().clamp(max=T - 2)
+        pad = torch.arange(T)[None, :] >= (T - pads)[:, None]  # (E, T): padded tail
         out.append({"input_ids": b["input_ids"].masked_fill(pad, PAD_ID),
                     "labels": b["labels"].masked_fill(pad, IGNORE)})
     return out
@@ -74,12 +77,13 @@ def split(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor
     """k micro-batches along the batch dimension, in order.
 
     Args:
-        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing dimensions).
+        batch: dict of tensors, each of shape (E, ...) (any keys, any trailing
+            dimensions).
         k: number of micro-batches, >= 1.
 
     Returns:
-        A list of k dicts with the same keys; micro-batch j holds rows j E/k to (j + 1) E/k - 1,
-        each tensor of shape (E/k, ...) (views, not copies).
+        A list of k dicts with the same keys; micro-batch j holds rows j E/k to (j + 1)
+        E/k - 1, each tensor of shape (E/k, ...) (views, not copies).
 
     Raises:
         ValueError: if k < 1 or E is not divisible by k.
@@ -94,8 +98,10 @@ def split(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor
     """
     E = batch["input_ids"].shape[0]
     if k < 1 or E % k:
-        raise ValueError(f"cannot split a batch of {E} sequences into {k} equal micro-batches")
-    return [{key: v[j * (E // k):(j + 1) * (E // k)] for key, v in batch.items()} for j in range(k)]
+        raise ValueError(
+            f"cannot split a batch of {E} sequences into {k} equal micro-batches")
+    return [{key: v[j * (E // k):(j + 1) * (E // k)] for key, v in batch.items()}
+            for j in range(k)]
 
 
 # --- the loss and the accumulated update (from scratch) --------------------------------
@@ -110,59 +116,68 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
         A 0-dim integer tensor, the number of targets (0 when there is none).
 
     Example:
-        >>> int(count_targets(torch.tensor([[5, 6, 7], [8, 9, -100]])))  # label 0 of a row is no target
+        >>> labels = torch.tensor([[5, 6, 7], [8, 9, -100]])  # a row's first: no target
+        >>> int(count_targets(labels))
         3
     """
     return (labels[..., 1:] != IGNORE).sum()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies, S = sum_t -log softmax(logits[b, t])[labels[b, t + 1]].
+    """Sum of next-token cross-entropies,
+    S = sum_t -log softmax(logits[b, t])[labels[b, t + 1]].
 
-    Shifts the labels (pad one -100 on the right) instead of slicing the logits, so the
-    (B, T, V) logits are never copied — the same trick as Transformers' ForCausalLMLoss.
+    Shifts the labels (pad one -100 on the right) instead of slicing the logits, so
+    the (B, T, V) logits are never copied, as Transformers' ForCausalLMLoss does.
 
     Args:
         logits: shape (B, T, V); float64, float32, bfloat16 or float16.
         labels: shape (B, T), long, -100 where a position is not a target.
 
     Returns:
-        A 0-dim tensor, differentiable with respect to the logits, in at least float32 (16-bit logits
-        are upcast, float64 stays float64); 0 when there is no target.
+        A 0-dim tensor, differentiable with respect to the logits, in at least float32
+        (16-bit logits are upcast, float64 stays float64); 0 when there is no target.
 
     Example:
         >>> logits = torch.zeros(1, 3, 4)  # uniform: each target costs log 4
-        >>> round(token_loss_sum(logits, torch.tensor([[1, 2, 3]])).item(), 4)  # 2 targets: 2 log 4
+        >>> labels = torch.tensor([[1, 2, 3]])  # 2 targets: 2 log 4
+        >>> round(token_loss_sum(logits, labels).item(), 4)
         2.7726
-        >>> token_loss_sum(logits.bfloat16(), torch.tensor([[1, 2, 3]])).dtype
+        >>> token_loss_sum(logits.bfloat16(), labels).dtype
         torch.float32
     """
     shifted = shifted_targets(labels)  # (B, T)
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # float64 stays
-    return F.cross_entropy(z.reshape(-1, z.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), shifted.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
 
 
-def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int, norm: str = "token") -> torch.Tensor:
-    """Forward/backward over k micro-batches; ``.grad`` then holds the update's gradient.
+def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int,
+                         norm: str = "token") -> torch.Tensor:
+    """Forward/backward over k micro-batches; ``.grad`` holds the update's gradient.
 
     norm="token": loss_j = S_j / N (N = targets of the whole batch); sum_j loss_j is the
-    full-batch mean. norm="naive": loss_j = (S_j / n_j) / k, the mean of micro-batch means.
-    The gradients add into ``.grad`` (zero it before, as before any update).
+    full-batch mean. norm="naive": loss_j = (S_j / n_j) / k, the mean of micro-batch
+    means. The gradients add into ``.grad`` (zero it before, as before any update).
 
     Args:
-        model: a causal LM; ``model(input_ids=...)`` returns an object with ``.logits`` (B, T, V).
-        batch: ``input_ids`` and ``labels``, long tensors of shape (E, T); E divisible by k.
+        model: a causal LM; ``model(input_ids=...)`` returns an object with ``.logits``
+            (B, T, V).
+        batch: ``input_ids`` and ``labels``, long tensors of shape (E, T); E divisible
+            by k.
         k: number of micro-batches.
         norm: "token" or "naive"; anything else raises ValueError.
 
     Returns:
-        The accumulated loss (a detached 0-dim tensor), the value a training log would show.
+        The accumulated loss (a detached 0-dim tensor), the value a training log would
+        show.
 
     Example:
         >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
-        >>> w = parse_workload("tiny-b4s8"); model = build_model(w); batch = make_batches(w, 1)[0]
-        >>> full = accumulated_backward(model, batch, k=1)
-        >>> torch.allclose(accumulated_backward(model, batch, k=2), full)  # token-weighted: the same loss
+        >>> w = parse_workload("tiny-b4s8"); model = build_model(w)
+        >>> batch = make_batches(w, 1)[0]
+        >>> full = accumulated_backward(model, batch, k=1)  # token-weighted: k=2 same
+        >>> torch.allclose(accumulated_backward(model, batch, k=2), full)
         True
     """
     if norm not in ("token", "naive"):
@@ -233,29 +248,35 @@ def snapshot(tensors) -> list[torch.Tensor]:
 
 # --- with the framework ----------------------------------------------------------------
 
-def accelerate_updates(model, init: dict, batches, k: int, lr: float) -> list[torch.Tensor]:
+def accelerate_updates(model, init: dict, batches, k: int,
+                       lr: float) -> list[torch.Tensor]:
     """The same updates through Accelerate's ``accumulate`` and Transformers' own loss.
 
-    ``model(..., labels=, num_items_in_batch=N)`` returns S_j / N (Transformers' token-weighted
-    loss); ``accelerator.backward`` divides by gradient_accumulation_steps, so it gets k S_j / N.
-    The prepared optimizer steps (and zeroes) only on every k-th micro-batch. Runs on the CPU
-    (``Accelerator(cpu=True)``) with ``make_adamw``'s AdamW.
+    ``model(..., labels=, num_items_in_batch=N)`` returns S_j / N (Transformers'
+    token-weighted loss); ``accelerator.backward`` divides by
+    gradient_accumulation_steps, so it gets k S_j / N. The prepared optimizer steps (and
+    zeroes) only on every k-th micro-batch. Runs on the CPU (``Accelerator(cpu=True)``)
+    with ``make_adamw``'s AdamW.
 
     Args:
-        model: a Transformers causal LM (its forward takes ``labels`` and ``num_items_in_batch``).
-        init: a state dict loaded into ``model`` first, so that runs start from the same weights.
-        batches: effective batches (``input_ids`` and ``labels`` of shape (E, T)), one update each.
+        model: a Transformers causal LM (its forward takes ``labels`` and
+            ``num_items_in_batch``).
+        init: a state dict loaded into ``model`` first, so that runs start from the same
+            weights.
+        batches: effective batches (``input_ids`` and ``labels`` of shape (E, T)), one
+            update each.
         k: micro-batches per update (gradient_accumulation_steps); E divisible by k.
         lr: AdamW's learning rate.
 
     Returns:
-        The first update's gradient, one tensor per parameter in ``model.parameters()`` order; the
-        model holds the parameters after the last update.
+        The first update's gradient, one tensor per parameter in ``model.parameters()``
+        order; the model holds the parameters after the last update.
 
     Example:
         >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b2s8"); model = build_model(w)
-        >>> g = accelerate_updates(model, model.state_dict(), make_batches(w, 1), k=2, lr=1e-3)
+        >>> batches = make_batches(w, 1)
+        >>> g = accelerate_updates(model, model.state_dict(), batches, k=2, lr=1e-3)
         >>> [x.shape for x in g] == [p.shape for p in model.parameters()]
         True
     """
@@ -269,7 +290,8 @@ def accelerate_updates(model, init: dict, batches, k: int, lr: float) -> list[to
         n = count_targets(b["labels"])  # targets of the whole effective batch
         for mb in split(b, k):
             with acc.accumulate(m):
-                out = m(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=n)
+                out = m(input_ids=mb["input_ids"], labels=mb["labels"],
+                        num_items_in_batch=n)
                 acc.backward(out.loss * k)
                 if acc.sync_gradients and first_grad is None:
                     first_grad = snapshot(p.grad for p in model.parameters())

@@ -42,8 +42,9 @@ def _clip_coef(norm: float, max_norm: float, eps: float = 1e-6) -> float:
     return float(clip_coefficient(torch.tensor(norm, dtype=torch.float64), max_norm, eps))
 
 
-def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
-    """In place: g <- g / S, then clip by the *unscaled* total norm (as clip_grad_norm_).
+def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float,
+                      eps: float = 1e-6):
+    """In place: g <- g / S, then clip by the *unscaled* total norm, as clip_grad_norm_.
 
     Nothing is clipped when a gradient is inf/NaN: that step is skipped anyway.
 
@@ -54,14 +55,16 @@ def unscale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float, 
         eps: added to the norm in the clip coefficient, as ``clip_grad_norm_``.
 
     Returns:
-        ``(total_norm, clip_coef, found_inf)`` with total_norm = ||(g_1/S, ..., g_n/S)||_2 (a float),
-        clip_coef = min(1, max_norm / (total_norm + eps)) (1.0 when found_inf) and found_inf True
-        when the norm is inf/NaN.
+        ``(total_norm, clip_coef, found_inf)`` with
+        total_norm = ||(g_1/S, ..., g_n/S)||_2 (a float),
+        clip_coef = min(1, max_norm / (total_norm + eps)) (1.0 when found_inf) and
+        found_inf True when the norm is inf/NaN.
 
     Example:
-        >>> g = [torch.tensor([300.0, 400.0])]  # S = 100: the true gradient (3, 4) has norm 5
+        >>> g = [torch.tensor([300.0, 400.0])]  # S = 100: the true (3, 4) has norm 5
         >>> total, coef, found_inf = unscale_and_clip_(g, scale=100.0, max_norm=1.0)
-        >>> round(total, 4), round(coef, 4), found_inf, [round(x, 4) for x in g[0].tolist()]
+        >>> unscaled = [round(x, 4) for x in g[0].tolist()]
+        >>> round(total, 4), round(coef, 4), found_inf, unscaled
         (5.0, 0.2, False, [0.6, 0.8])
     """
     for g in grads:
@@ -169,15 +172,18 @@ class AmpTrainer:
 
         Args:
             batch: the model's inputs (``input_ids`` and ``labels``).
-            inject: a factor on the loss before scaling (``float("inf")`` forces an overflow).
+            inject: a factor on the loss before scaling (``float("inf")`` forces an
+                overflow).
 
         Returns:
-            True when the optimizer step ran, False when the GradScaler skipped it (the clock
-            then does not advance). Appends one entry to each list of ``trace``.
+            True when the optimizer step ran, False when the GradScaler skipped it (the
+            clock then does not advance). Appends one entry to each list of ``trace``.
 
         Example:
-            >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
-            >>> w = parse_workload("tiny-b1s8"); t = AmpTrainer(build_model(w), None, "cpu", WSDConfig())
+            >>> from bp_mech.bench.workload import (build_model, make_batches,
+            ...                                     parse_workload)
+            >>> w = parse_workload("tiny-b1s8")
+            >>> t = AmpTrainer(build_model(w), None, "cpu", WSDConfig())
             >>> t.step(make_batches(w, 1)[0]), t.trace["scale"], t.trace["finite"]
             (True, [None], [True])
         """
@@ -185,12 +191,14 @@ class AmpTrainer:
         with autocast(self.device_type, self.low):
             loss = self.model(**batch).loss  # float32: transformers upcasts the logits
         self.scaler.scale(loss if inject == 1.0 else loss * inject).backward()
-        self.scaler.unscale_(self.opt)  # BEFORE clipping: max_norm is in true-gradient units
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm))
+        self.scaler.unscale_(self.opt)  # BEFORE clipping: max_norm is in true units
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                    self.max_norm))
         lr = self.clock.lr
         applied = scaler_step(self.scaler, self.opt)
         self.clock.step(applied)
-        finite, t = math.isfinite(norm), self.trace  # the fp32 norm is finite iff every gradient is
+        # the fp32 norm is finite iff every gradient is
+        finite, t = math.isfinite(norm), self.trace
         t["loss"].append(loss.item())
         t["scale"].append(self.scaler.get_scale() if self.scaler.is_enabled() else None)
         t["finite"].append(finite)
@@ -207,17 +215,19 @@ CLIP_DEMO_MAX_NORM = 2.25
 CLIP_DEMO_UPDATES = 10
 
 
-def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.0**16, lr: float = 1e-3,
-                   adam_eps: float = 1e-8, device: str = "cpu") -> list[dict]:
-    """The clipping bug, measured: clip after ``unscale_`` (correct) against clip before it (the bug).
+def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.0**16,
+                   lr: float = 1e-3, adam_eps: float = 1e-8,
+                   device: str = "cpu") -> list[dict]:
+    """The clipping bug, measured: clip after ``unscale_`` (correct) against before it.
 
-    Two AdamW runs (constant ``lr``, ``eps=adam_eps``) from the same weights on the same batches,
-    FP16 autocast and a GradScaler held at ``scale``: (a) unscale, then clip at ``max_norm``
-    (correct); (b) clip the still-scaled gradients, and let ``scaler.step`` unscale them afterwards
-    (the bug).
+    Two AdamW runs (constant ``lr``, ``eps=adam_eps``) from the same weights on the same
+    batches, FP16 autocast and a GradScaler held at ``scale``: (a) unscale, then clip at
+    ``max_norm`` (correct); (b) clip the still-scaled gradients, and let ``scaler.step``
+    unscale them afterwards (the bug).
 
     Args:
-        base: the model both runs copy (``copy.deepcopy``; ``base`` itself is not trained).
+        base: the model both runs copy (``copy.deepcopy``; ``base`` itself is not
+            trained).
         batches: one batch per update (``input_ids`` and ``labels``).
         max_norm: the clip threshold.
         scale: the loss scale, held fixed (the scaler never grows).
@@ -227,22 +237,26 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
 
     Returns:
         One dict per update, with key suffix _a / _b per run: ``loss``, ``norm`` (as
-        ``clip_grad_norm_`` saw it: b's is ``scale`` times the true one), ``clipped``, ``clip_coef``
-        (min(1, max_norm / (norm + 1e-6))), ``applied``, ``grad_median`` (the median |gradient|
-        element AdamW received), and ``update_rel_diff`` = ||Δp_b - Δp_a|| / ||Δp_a||.
+        ``clip_grad_norm_`` saw it: b's is ``scale`` times the true one), ``clipped``,
+        ``clip_coef`` (min(1, max_norm / (norm + 1e-6))), ``applied``, ``grad_median``
+        (the median |gradient| element AdamW received), and
+        ``update_rel_diff`` = ||Δp_b - Δp_a|| / ||Δp_a||.
 
     Example:
         >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b1s8")
-        >>> row = clipping_order(build_model(w), make_batches(w, 1), max_norm=1.0, scale=2.0**10)[0]
-        >>> round(row["norm_b"] / row["norm_a"]), row["clipped_b"], row["update_rel_diff"] > 0
+        >>> model, batches = build_model(w), make_batches(w, 1)
+        >>> row = clipping_order(model, batches, max_norm=1.0, scale=2.0**10)[0]
+        >>> ratio = round(row["norm_b"] / row["norm_a"])
+        >>> ratio, row["clipped_b"], row["update_rel_diff"] > 0
         (1024, True, True)
     """
     runs = []
     for clip_scaled in (False, True):
         model = copy.deepcopy(base).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=adam_eps, foreach=True)
-        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale, growth_interval=2**30)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale,
+                                      growth_interval=2**30)
         runs.append((model, opt, scaler, clip_scaled))
     rows = []
     for b in batches:
@@ -257,12 +271,15 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
                 scaler.unscale_(opt)
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             coef, key = _clip_coef(norm, max_norm), "b" if clip_scaled else "a"
-            row.update({f"loss_{key}": loss.item(), f"norm_{key}": norm, f"clipped_{key}": coef < 1.0,
-                        f"clip_coef_{key}": coef, f"applied_{key}": scaler_step(scaler, opt),  # unscales (b) too
-                        f"grad_median_{key}": torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
-                        .median().item()})  # what AdamW saw, per element
+            row.update({f"loss_{key}": loss.item(), f"norm_{key}": norm,
+                        f"clipped_{key}": coef < 1.0, f"clip_coef_{key}": coef,
+                        f"applied_{key}": scaler_step(scaler, opt),  # unscales (b) too
+                        f"grad_median_{key}": torch.cat([p.grad.reshape(-1)
+                                                         for p in model.parameters()])
+                        .abs().median().item()})  # what AdamW saw, per element
             deltas.append([p.detach() - q for p, q in zip(model.parameters(), before)])
-        diff = global_grad_norm([x - y for x, y in zip(*deltas)], dtype=torch.float64).item()
+        diff = global_grad_norm([x - y for x, y in zip(*deltas)],
+                                dtype=torch.float64).item()
         size = global_grad_norm(deltas[0], dtype=torch.float64).item()
         rows.append(dict(row, update_rel_diff=diff / size if size > 0 else math.nan))
     return rows

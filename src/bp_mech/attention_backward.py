@@ -1,16 +1,18 @@
 """Part 02 · 10 — TRAIN-ATTENTION-BACKWARD: Qwen2 attention backward by hand, two ways.
 
-The attention of a Qwen2 layer: rotary position embedding (RoPE, Su et al. 2021) on Q and K,
-grouped-query attention (GQA, Ainslie et al. 2023: H query heads share Hkv KV heads), a
-causal mask and a softmax with scale 1/sqrt(d) (Vaswani et al. 2017). Its backward, with
-S = scale Q K^T (masked), P = softmax(S), O = P V and upstream dO:
+The attention of a Qwen2 layer: rotary position embedding (RoPE, Su et al. 2021) on Q
+and K, grouped-query attention (GQA, Ainslie et al. 2023: H query heads share Hkv KV
+heads), a causal mask and a softmax with scale 1/sqrt(d) (Vaswani et al. 2017). Its
+backward, with S = scale Q K^T (masked), P = softmax(S), O = P V and upstream dO:
 
     dV = P^T dO,   dP = dO V^T,   dS = P ⊙ (dP − rowsum(dP ⊙ P)),
     dQ = scale dS K,   dK = scale dS^T Q,
 
 then dK, dV summed over the query heads of each KV group and RoPE's backward on dQ, dK.
-Here: those pieces, the backward from saved P, and the tiled one that rebuilds P from the row
-log-sum-exp (FlashAttention, Dao et al. 2022); the strategies: ``attention_strategies``, ``attention_framework``.
+Here: those pieces, the backward from saved P, and the tiled one that rebuilds P from
+the row log-sum-exp (FlashAttention, Dao et al. 2022); the strategies:
+``attention_strategies``, ``attention_framework``. RoPE's forward and backward live in
+``bp_mech.attention_rope`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,83 +21,19 @@ import math
 
 import torch
 
-
-# --- the pieces: RoPE, mask, softmax, GQA ---------------------------------------------
-def rope_cos_sin(T: int, d: int, theta: float, dtype=torch.float32, device="cpu"):
-    """cos, sin (T, d) as in Qwen2RotaryEmbedding: angle t·theta^(−2i/d), each frequency twice.
-
-    Args:
-        T, d: positions t = 0 .. T−1; head width (even), frequency i fills columns i and i + d/2.
-        theta, dtype, device: the RoPE base (``rope_theta``); the tables' dtype, device (computed in float64).
-    Returns:
-        ``(cos, sin)``, each (T, d).
-    Example:
-        >>> cos, sin = rope_cos_sin(8, 4, 1e4)
-        >>> tuple(cos.shape), cos[0].tolist(), torch.allclose(cos**2 + sin**2, torch.ones(8, 4))
-        ((8, 4), [1.0, 1.0, 1.0, 1.0], True)
-    """
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv  # (T, d/2)
-    emb = torch.cat([ang, ang], -1)  # (T, d)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+from bp_mech.attention_rope import (rope_backward, rope_cos_sin, rope_forward,  # noqa: F401
+                                    rotate_half)  # re-exported: the pieces of one layer
 
 
-def rotate_half(x):
-    """R x = (−x2, x1) for x = (x1, x2) split in halves of the last dim.
-
-    Args:
-        x: any tensor (..., d), d even.
-    Returns:
-        R x (..., d).
-    Example:
-        >>> rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist()
-        [-3.0, -4.0, 1.0, 2.0]
-    """
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), -1)
-
-
-def rope_forward(x, cos, sin):
-    """y = x ⊙ cos + (R x) ⊙ sin. x (..., T, d); cos, sin broadcast to it.
-
-    Args:
-        x: queries or keys (..., T, d), e.g. (B, H, T, d).
-        cos, sin: tables of ``rope_cos_sin``, (T, d) or any shape that broadcasts to ``x``.
-    Returns:
-        y (..., T, d): each pair (x_i, x_{i+d/2}) rotated by its angle.
-    Example:
-        >>> x = torch.randn(2, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        >>> cos, sin = rope_cos_sin(8, 4, 1e4, torch.float64)
-        >>> torch.allclose(rope_forward(x, cos, sin).norm(dim=-1), x.norm(dim=-1))  # a rotation
-        True
-    """
-    return x * cos + rotate_half(x) * sin
-
-
-def rope_backward(dy, cos, sin):
-    """dx = dy ⊙ cos + R^T (dy ⊙ sin) = dy ⊙ cos − R (dy ⊙ sin), because R^T = −R.
-
-    Args:
-        dy: dL/dy (..., T, d) for y = ``rope_forward(x, cos, sin)``.
-        cos, sin: the forward's tables, broadcasting to ``dy``.
-    Returns:
-        dL/dx (..., T, d).
-    Example:
-        >>> x, dy = torch.randn(2, 2, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        >>> cos, sin = rope_cos_sin(8, 4, 1e4, torch.float64)
-        >>> y = rope_forward(x.requires_grad_(), cos, sin)
-        >>> torch.allclose(rope_backward(dy, cos, sin), torch.autograd.grad(y, x, dy)[0])
-        True
-    """
-    return dy * cos - rotate_half(dy * sin)
-
-
+# --- the pieces: mask, softmax, GQA (RoPE: bp_mech.attention_rope) ------------------------
 def causal_mask(n_q: int, n_k: int, q0: int = 0, k0: int = 0, device="cpu"):
     """(n_q, n_k) bool, True where key position k0+j <= query position q0+i (visible).
 
     Args:
-        n_q, n_k: number of query rows and key columns (a whole score matrix or one tile of it).
-        q0, k0, device: positions of the first query and key (a tile's offsets); the mask's device.
+        n_q, n_k: number of query rows and key columns (a whole score matrix or one tile
+            of it).
+        q0, k0, device: positions of the first query and key (a tile's offsets); the
+            mask's device.
     Returns:
         The mask (n_q, n_k), bool: True where the query may attend to the key.
     Example:
@@ -106,7 +44,7 @@ def causal_mask(n_q: int, n_k: int, q0: int = 0, k0: int = 0, device="cpu"):
 
 
 def softmax_backward(P, dP):
-    """dS = P ⊙ (dP − rowsum(dP ⊙ P)): the softmax Jacobian diag(p) − p p^T applied per row.
+    """dS = P ⊙ (dP − rowsum(dP ⊙ P)): the softmax Jacobian diag(p) − p p^T, per row.
 
     Args:
         P: probabilities (..., n), P = softmax(S) over the last dim.
@@ -114,7 +52,8 @@ def softmax_backward(P, dP):
     Returns:
         dS = dL/dS (..., n).
     Example:
-        >>> S, dP = torch.randn(2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> S, dP = torch.randn(2, 3, 5, dtype=torch.float64,
+        ...                     generator=torch.Generator().manual_seed(0))
         >>> P = torch.softmax(S.requires_grad_(), -1)
         >>> torch.allclose(softmax_backward(P, dP), torch.autograd.grad(P, S, dP)[0])
         True
@@ -138,7 +77,9 @@ def gqa_expand(x, heads: int):
 
 
 def gqa_reduce(dx, kv_heads: int):
-    """(B, H, T, d) -> (B, Hkv, T, d): the backward of gqa_expand sums each group of H/Hkv heads.
+    """(B, H, T, d) -> (B, Hkv, T, d): gqa_expand's backward sums each group of heads.
+
+    A group is H/Hkv consecutive query heads.
 
     Args:
         dx: gradient of the expanded keys or values (B, H, T, d).
@@ -146,7 +87,8 @@ def gqa_reduce(dx, kv_heads: int):
     Returns:
         (B, Hkv, T, d), the gradient of the KV heads.
     Example:
-        >>> gqa_reduce(torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1, 1), 2).flatten().tolist()
+        >>> dx = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1, 1)
+        >>> gqa_reduce(dx, 2).flatten().tolist()
         [3.0, 7.0]
     """
     return dx.unflatten(1, (kv_heads, -1)).sum(2)
@@ -154,18 +96,25 @@ def gqa_reduce(dx, kv_heads: int):
 
 # --- from saved P -----------------------------------------------------------------------
 def attention_forward(q, k, v, scale=None):
-    """Causal attention, q, k, v (..., T, d) -> (O (..., T, d), P (..., T, T), L (..., T)).
+    """Causal attention: q, k, v (..., T, d) -> (O, P, L).
+
+    O (..., T, d), P (..., T, T), L (..., T).
 
     Args:
-        q, k, v: queries, keys, values (..., T, d), one KV head per query head (GQA expanded).
+        q, k, v: queries, keys, values (..., T, d), one KV head per query head (GQA
+            expanded).
         scale: the score scale; None: 1/sqrt(d).
     Returns:
-        ``(O, P, L)``: the output (..., T, d), the probabilities P = softmax(S) (..., T, T), zero
-        above the diagonal, and L, the log-sum-exp of each masked score row (..., T).
+        ``(O, P, L)``: the output (..., T, d), the probabilities P = softmax(S) (..., T,
+        T), zero above the diagonal, and L, the log-sum-exp of each masked score row
+        (..., T).
     Example:
-        >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        >>> (O, P, L), sdpa = attention_forward(q, k, v), torch.nn.functional.scaled_dot_product_attention
-        >>> tuple(P.shape), tuple(L.shape), torch.allclose(O, sdpa(q, k, v, is_causal=True))
+        >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64,
+        ...                       generator=torch.Generator().manual_seed(0))
+        >>> O, P, L = attention_forward(q, k, v)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention
+        >>> tuple(P.shape), tuple(L.shape), torch.allclose(O, sdpa(q, k, v,
+        ...                                                        is_causal=True))
         ((2, 5, 5), (2, 5), True)
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -181,20 +130,24 @@ def attention_backward(q, k, v, P, dO, scale=None):
     """(dq, dk, dv) from the saved probabilities P (..., T, T).
 
     Args:
-        q, k, v, P: the forward's inputs (..., T, d) and probabilities P (..., T, T) (``attention_forward``).
+        q, k, v, P: the forward's inputs (..., T, d) and probabilities P (..., T, T)
+            (``attention_forward``).
         dO: dL/dO (..., T, d).
         scale: the forward's score scale; None: 1/sqrt(d).
     Returns:
         ``(dq, dk, dv)``, each (..., T, d).
     Example:
-        >>> q, k, v, dO = torch.randn(4, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> q, k, v, dO = torch.randn(4, 2, 5, 4, dtype=torch.float64,
+        ...                           generator=torch.Generator().manual_seed(0))
         >>> O, P, _ = attention_forward(*(t.requires_grad_() for t in (q, k, v)))
-        >>> all(map(torch.allclose, attention_backward(q, k, v, P, dO), torch.autograd.grad(O, (q, k, v), dO)))
+        >>> ref = torch.autograd.grad(O, (q, k, v), dO)
+        >>> all(map(torch.allclose, attention_backward(q, k, v, P, dO), ref))
         True
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dv = P.transpose(-2, -1) @ dO  # (..., T, d)
-    dS = softmax_backward(P, dO @ v.transpose(-2, -1)) * scale  # (..., T, T), masked entries stay 0
+    # (..., T, T), masked entries stay 0
+    dS = softmax_backward(P, dO @ v.transpose(-2, -1)) * scale
     return dS @ k, dS.transpose(-2, -1) @ q, dv
 
 
@@ -211,9 +164,11 @@ def blockwise_forward(q, k, v, block: int, scale=None):
         block: tile edge (the last tile may be shorter); no (T, T) matrix is formed.
         scale: the score scale; None: 1/sqrt(d).
     Returns:
-        ``(O, L)``: the output (..., T, d) and the row log-sum-exp (..., T), as ``attention_forward``.
+        ``(O, L)``: the output (..., T, d) and the row log-sum-exp (..., T), as
+        ``attention_forward``.
     Example:
-        >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64,
+        ...                       generator=torch.Generator().manual_seed(0))
         >>> (O, L), (O_ref, _, L_ref) = blockwise_forward(q, k, v, block=2), attention_forward(q, k, v)
         >>> torch.allclose(O, O_ref), torch.allclose(L, L_ref)
         (True, True)
@@ -228,7 +183,8 @@ def blockwise_forward(q, k, v, block: int, scale=None):
         acc = torch.zeros_like(qi)  # running (unnormalised) output        (..., b, d)
         for j0, j1 in _tiles(min(T, i1), block):  # key tiles past the query tile are fully masked
             s = (qi @ k[..., j0:j1, :].transpose(-2, -1)) * scale  # (..., b, b)
-            s = s.masked_fill(~causal_mask(i1 - i0, j1 - j0, i0, j0, q.device), float("-inf"))
+            s = s.masked_fill(~causal_mask(i1 - i0, j1 - j0, i0, j0, q.device),
+                              float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p, c = torch.exp(s - m_new[..., None]), torch.exp(m - m_new)
             l, acc, m = l * c + p.sum(-1), acc * c[..., None] + p @ v[..., j0:j1, :], m_new
@@ -238,19 +194,25 @@ def blockwise_forward(q, k, v, block: int, scale=None):
 
 
 def blockwise_backward(q, k, v, o, lse, dO, block: int, scale=None):
-    """(dq, dk, dv) with P recomputed per tile as exp(S − L); rowsum(dP ⊙ P) = rowsum(dO ⊙ O).
+    """(dq, dk, dv) with P recomputed per tile as exp(S − L).
+
+    It uses rowsum(dP ⊙ P) = rowsum(dO ⊙ O), so P is never needed whole.
 
     Args:
         q, k, v: the forward's inputs (..., T, d).
-        o, lse, dO: the forward's output (..., T, d), row log-sum-exp L (..., T); dL/dO (..., T, d).
-        block: tile edge; no tensor is larger than a (block × block) tile or a (T, d) gradient.
+        o, lse, dO: the forward's output (..., T, d), row log-sum-exp L (..., T); dL/dO
+            (..., T, d).
+        block: tile edge; no tensor is larger than a (block × block) tile or a (T, d)
+            gradient.
         scale: the forward's score scale; None: 1/sqrt(d).
     Returns:
         ``(dq, dk, dv)``, each (..., T, d): ``attention_backward``'s, without P.
     Example:
-        >>> q, k, v, dO = torch.randn(4, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> q, k, v, dO = torch.randn(4, 2, 5, 4, dtype=torch.float64,
+        ...                           generator=torch.Generator().manual_seed(0))
         >>> O, P, L = attention_forward(q, k, v)
-        >>> all(map(torch.allclose, blockwise_backward(q, k, v, O, L, dO, 2), attention_backward(q, k, v, P, dO)))
+        >>> tiled = blockwise_backward(q, k, v, O, L, dO, 2)
+        >>> all(map(torch.allclose, tiled, attention_backward(q, k, v, P, dO)))
         True
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -262,7 +224,8 @@ def blockwise_backward(q, k, v, o, lse, dO, block: int, scale=None):
         for j0, j1 in _tiles(min(T, i1), block):
             kj, vj = k[..., j0:j1, :], v[..., j0:j1, :]
             s = (qi @ kj.transpose(-2, -1)) * scale  # (..., b, b)
-            s = s.masked_fill(~causal_mask(i1 - i0, j1 - j0, i0, j0, q.device), float("-inf"))
+            s = s.masked_fill(~causal_mask(i1 - i0, j1 - j0, i0, j0, q.device),
+                              float("-inf"))
             p = torch.exp(s - lse[..., i0:i1, None])  # the tile of P, recomputed
             dv[..., j0:j1, :] += p.transpose(-2, -1) @ doi
             ds = p * (doi @ vj.transpose(-2, -1) - D[..., i0:i1, None]) * scale

@@ -1,77 +1,29 @@
 """Part 02 · 10 — the two hand-written attention strategies, and what each saves for the backward.
 
-Built from the mechanism in ``bp_mech.attention_backward`` (RoPE, GQA, causal softmax and their
-backward), the two strategies differ only in what the forward keeps for the backward:
+Built from the mechanism in ``bp_mech.attention_backward`` (RoPE, GQA, causal softmax
+and their backward), the two strategies differ only in what the forward keeps for the
+backward:
 
 * ``saved_probs``: P itself, B·H·T·T numbers;
-* ``recompute``: Q, K, V, O and the row log-sum-exp L (B·H·T); the backward rebuilds P one
-  tile at a time as exp(S − L) and uses rowsum(dP ⊙ P) = rowsum(dO ⊙ O) (FlashAttention,
-  Dao et al. 2022), so no T×T matrix ever exists.
+* ``recompute``: Q, K, V, O and the row log-sum-exp L (B·H·T); the backward rebuilds P
+  one tile at a time as exp(S − L) and uses rowsum(dP ⊙ P) = rowsum(dO ⊙ O)
+  (FlashAttention, Dao et al. 2022), so no T×T matrix ever exists.
 
-Both run inside one ``torch.autograd.Function`` whose forward calls ``ctx.save_for_backward``
-on exactly what the strategy keeps, so ``saved_bytes`` can count it with saved-tensor hooks;
-``saved_bytes_formula`` is the cross-check. The framework's versions they are checked against:
-``bp_mech.attention_framework``; the experiment that checks and measures them:
-``bp_mech.experiments.attention_backward``.
+Both run inside one ``torch.autograd.Function`` whose forward calls
+``ctx.save_for_backward`` on exactly what the strategy keeps, so ``saved_bytes`` can
+count it with saved-tensor hooks; ``saved_bytes_formula`` is the cross-check. The
+framework's versions they are checked against: ``bp_mech.attention_framework``; the
+experiment that checks and measures them: ``bp_mech.experiments.attention_backward``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward, blockwise_forward,
                                         gqa_expand, gqa_reduce, rope_backward, rope_forward)
+from bp_mech.attention_config import AttnConfig  # noqa: F401 (re-exported)
 from bp_mech.bench.counters import SavedBytesCounter
-
-
-@dataclass(frozen=True)
-class AttnConfig:
-    """The shape of the attention the strategies run: batch, heads, head width, RoPE base, tile.
-
-    Args:
-        batch: B, sequences.
-        heads: H, query heads.
-        kv_heads: Hkv, key/value heads; query head h reads KV head h // (H // Hkv).
-        head_dim: d, width of one head.
-        rope_theta: RoPE base.
-        block: tile edge of the recompute strategy.
-
-    Example:
-        >>> cfg = AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4)
-        >>> cfg.block, cfg.heads // cfg.kv_heads
-        (64, 2)
-    """
-
-    batch: int  # B, sequences
-    heads: int  # H, query heads
-    kv_heads: int  # Hkv, key/value heads; query head h reads KV head h // (H // Hkv)
-    head_dim: int  # d, width of one head
-    rope_theta: float  # RoPE base
-    block: int = 64  # tile edge of the recompute strategy
-
-    @classmethod
-    def from_arch(cls, arch: str, batch: int, block: int = 64) -> "AttnConfig":
-        """The attention of an architecture of ``bp_mech.bench.workload.ARCHITECTURES``.
-
-        Args:
-            arch: an architecture name, e.g. ``"tiny"`` or ``"qwen05"``.
-            batch: B, sequences.
-            block: tile edge of the recompute strategy.
-
-        Returns:
-            Its ``AttnConfig``: heads, KV heads, head width hidden_size / heads, RoPE base.
-
-        Example:
-            >>> AttnConfig.from_arch("qwen05", batch=1)
-            AttnConfig(batch=1, heads=14, kv_heads=2, head_dim=64, rope_theta=1000000.0, block=64)
-        """
-        from bp_mech.bench.workload import ARCHITECTURES
-
-        a = ARCHITECTURES[arch]
-        return cls(batch, a["num_attention_heads"], a["num_key_value_heads"],
-                   a["hidden_size"] // a["num_attention_heads"], a["rope_theta"], block)
 
 
 # --- the two strategies with RoPE and GQA: forward -> (O, saved), backward(saved) --------
@@ -83,12 +35,14 @@ def saved_probs_forward(q, k, v, cos, sin, block=None):
     Args:
         q: queries (B, H, T, d), before RoPE.
         k, v: keys, values (B, Hkv, T, d), keys before RoPE.
-        cos, sin: RoPE tables broadcasting to (B, H, T, d), e.g. (T, d) from ``rope_cos_sin``.
+        cos, sin: RoPE tables broadcasting to (B, H, T, d), e.g. (T, d) from
+            ``rope_cos_sin``.
         block: unused (both strategies take the same arguments).
 
     Returns:
-        ``(O, saved)``: the output (B, H, T, d) and ``saved = (q̃, k̃, v, P, cos, sin)``: the
-        RoPE'd q̃ (B, H, T, d) and k̃ (B, Hkv, T, d), v, the probabilities P (B, H, T, T), the tables.
+        ``(O, saved)``: the output (B, H, T, d) and ``saved = (q̃, k̃, v, P, cos,
+        sin)``: the RoPE'd q̃ (B, H, T, d) and k̃ (B, Hkv, T, d), v, the probabilities P
+        (B, H, T, T), the tables.
 
     Example:
         >>> q, k, v = (torch.ones(1, h, 5, 4) for h in (4, 2, 2))
@@ -110,12 +64,13 @@ def saved_probs_backward(saved, dO, block=None):
         block: unused.
 
     Returns:
-        ``(dq, dk, dv)``: (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d), the gradients of the
-        inputs before RoPE.
+        ``(dq, dk, dv)``: (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d), the gradients of
+        the inputs before RoPE.
 
     Example:
         >>> from bp_mech.attention_backward import rope_cos_sin
-        >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+        ...           requires_grad=True)
         >>> q, k, v, dO = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2, 4))
         >>> O, saved = saved_probs_forward(q, k, v, *rope_cos_sin(5, 4, 1e4, torch.float64))
         >>> all(map(torch.allclose, saved_probs_backward(saved, dO), torch.autograd.grad(O, (q, k, v), dO)))
@@ -133,12 +88,14 @@ def recompute_forward(q, k, v, cos, sin, block=64):
     Args:
         q: queries (B, H, T, d), before RoPE.
         k, v: keys, values (B, Hkv, T, d), keys before RoPE.
-        cos, sin: RoPE tables broadcasting to (B, H, T, d), e.g. (T, d) from ``rope_cos_sin``.
+        cos, sin: RoPE tables broadcasting to (B, H, T, d), e.g. (T, d) from
+            ``rope_cos_sin``.
         block: tile edge of the blockwise forward.
 
     Returns:
-        ``(O, saved)``: the output (B, H, T, d) and ``saved = (q̃, k̃, v, O, L, cos, sin)``: the
-        RoPE'd q̃ (B, H, T, d) and k̃ (B, Hkv, T, d), v, O, the row log-sum-exp L (B, H, T), the tables.
+        ``(O, saved)``: the output (B, H, T, d) and ``saved = (q̃, k̃, v, O, L, cos,
+        sin)``: the RoPE'd q̃ (B, H, T, d) and k̃ (B, Hkv, T, d), v, O, the row
+        log-sum-exp L (B, H, T), the tables.
 
     Example:
         >>> q, k, v = (torch.ones(1, h, 5, 4) for h in (4, 2, 2))
@@ -152,7 +109,9 @@ def recompute_forward(q, k, v, cos, sin, block=64):
 
 
 def recompute_backward(saved, dO, block=64):
-    """Strategy ``recompute``, backward: ``blockwise_backward`` (P rebuilt per tile), GQA sums, RoPE.
+    """Strategy ``recompute``, backward: ``blockwise_backward``, GQA sums, RoPE.
+
+    ``blockwise_backward`` rebuilds P one tile at a time.
 
     Args:
         saved: the tuple ``recompute_forward`` returned.
@@ -160,23 +119,28 @@ def recompute_backward(saved, dO, block=64):
         block: tile edge of the blockwise backward.
 
     Returns:
-        ``(dq, dk, dv)``: (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d), the gradients of the
-        inputs before RoPE.
+        ``(dq, dk, dv)``: (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d), the gradients of
+        the inputs before RoPE.
 
     Example:
         >>> from bp_mech.attention_backward import rope_cos_sin
         >>> g = torch.Generator().manual_seed(1)
-        >>> q, k, v, dO = (torch.randn(2, h, 7, 4, dtype=torch.float64, generator=g) for h in (4, 2, 2, 4))
+        >>> q, k, v, dO = (torch.randn(2, h, 7, 4, dtype=torch.float64, generator=g)
+        ...                for h in (4, 2, 2, 4))
         >>> cs = rope_cos_sin(7, 4, 1e4, torch.float64)
-        >>> tiled = recompute_backward(recompute_forward(q, k, v, *cs, block=3)[1], dO, block=3)  # 3 does not divide 7
-        >>> full = saved_probs_backward(saved_probs_forward(q, k, v, *cs)[1], dO)  # the same gradients, from P
+        >>> saved = recompute_forward(q, k, v, *cs, block=3)[1]  # 3 does not divide 7
+        >>> tiled = recompute_backward(saved, dO, block=3)
+        >>> # the same gradients, from P
+        >>> full = saved_probs_backward(saved_probs_forward(q, k, v, *cs)[1], dO)
         >>> all(torch.allclose(a, b) for a, b in zip(tiled, full))
         True
     """
     qr, kr, v, o, lse, cos, sin = saved
     H, Hkv = qr.shape[1], kr.shape[1]
-    dq, dk, dv = blockwise_backward(qr, gqa_expand(kr, H), gqa_expand(v, H), o, lse, dO, block)
-    return rope_backward(dq, cos, sin), rope_backward(gqa_reduce(dk, Hkv), cos, sin), gqa_reduce(dv, Hkv)
+    dq, dk, dv = blockwise_backward(qr, gqa_expand(kr, H), gqa_expand(v, H), o, lse, dO,
+                                    block)
+    return (rope_backward(dq, cos, sin), rope_backward(gqa_reduce(dk, Hkv), cos, sin),
+            gqa_reduce(dv, Hkv))
 
 
 STRATEGIES = {"saved_probs": (saved_probs_forward, saved_probs_backward),
@@ -184,23 +148,26 @@ STRATEGIES = {"saved_probs": (saved_probs_forward, saved_probs_backward),
 
 
 class HandAttention(torch.autograd.Function):
-    """A hand-written strategy under autograd; it saves exactly the strategy's ``saved`` tuple.
+    """A hand-written strategy under autograd; it saves exactly its ``saved`` tuple.
 
-    Called as ``HandAttention.apply(q, k, v, cos, sin, strategy, block)``, the arguments of
-    ``forward``; autograd calls ``backward`` with dL/dO.
+    Called as ``HandAttention.apply(q, k, v, cos, sin, strategy, block)``, the arguments
+    of ``forward``; autograd calls ``backward`` with dL/dO.
 
     Example:
         >>> from bp_mech.attention_backward import rope_cos_sin
-        >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+        ...           requires_grad=True)
         >>> q, k, v = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2))
         >>> cos, sin = rope_cos_sin(5, 4, 1e4, torch.float64)
-        >>> torch.autograd.gradcheck(lambda q, k, v: HandAttention.apply(q, k, v, cos, sin, "recompute", 2), (q, k, v))
+        >>> def f(q, k, v):
+        ...     return HandAttention.apply(q, k, v, cos, sin, "recompute", 2)
+        >>> torch.autograd.gradcheck(f, (q, k, v))
         True
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cos, sin, strategy: str, block: int):
-        """The strategy's forward; its ``saved`` tuple goes to ``ctx.save_for_backward``, nothing else.
+        """The strategy's forward; only its ``saved`` tuple is saved for backward.
 
         Args:
             ctx: the autograd context (``apply`` supplies it).
@@ -214,7 +181,8 @@ class HandAttention(torch.autograd.Function):
 
         Example:
             >>> q, k, v = (torch.ones(1, h, 5, 4) for h in (4, 2, 2))
-            >>> tuple(HandAttention.apply(q, k, v, torch.ones(5, 4), torch.zeros(5, 4), "saved_probs", 64).shape)
+            >>> cos, sin = torch.ones(5, 4), torch.zeros(5, 4)
+            >>> tuple(HandAttention.apply(q, k, v, cos, sin, "saved_probs", 64).shape)
             (1, 4, 5, 4)
         """
         fwd, ctx.bwd = STRATEGIES[strategy]
@@ -232,12 +200,14 @@ class HandAttention(torch.autograd.Function):
             dO: dL/dO (B, H, T, d).
 
         Returns:
-            ``(dq, dk, dv, None, None, None, None)``: the gradients of q (B, H, T, d), k and v
-            (B, Hkv, T, d); none for cos, sin, strategy, block.
+            ``(dq, dk, dv, None, None, None, None)``: the gradients of q (B, H, T, d), k
+            and v (B, Hkv, T, d); none for cos, sin, strategy, block.
 
         Example:
-            >>> q, k, v = (torch.ones(1, h, 5, 4, requires_grad=True) for h in (4, 2, 2))
-            >>> O = HandAttention.apply(q, k, v, torch.ones(5, 4), torch.zeros(5, 4), "recompute", 2)
+            >>> q, k, v = (torch.ones(1, h, 5, 4, requires_grad=True)
+            ...            for h in (4, 2, 2))
+            >>> cos, sin = torch.ones(5, 4), torch.zeros(5, 4)
+            >>> O = HandAttention.apply(q, k, v, cos, sin, "recompute", 2)
             >>> [tuple(g.shape) for g in torch.autograd.grad(O.sum(), (q, k, v))]
             [(1, 4, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)]
         """
@@ -247,12 +217,14 @@ class HandAttention(torch.autograd.Function):
 # --- what a strategy saves: counted and by formula --------------------------------------
 
 def saved_bytes(fn, inputs) -> int:
-    """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack hook sees
-    (``bp_mech.bench.counters.SavedBytesCounter``: views of one storage count once).
+    """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack
+    hook sees (``bp_mech.bench.counters.SavedBytesCounter``: views of one storage count
+    once).
 
     Args:
         fn: the attention, ``(q, k, v, *rest) -> O``, e.g. ``attention_fn(name)``.
-        inputs: ``(q, k, v, *rest)``; q, k, v are cloned into fresh leaves that require grad.
+        inputs: ``(q, k, v, *rest)``; q, k, v are cloned into fresh leaves that require
+            grad.
 
     Returns:
         The bytes of the distinct storages saved while ``fn`` runs.
@@ -260,8 +232,10 @@ def saved_bytes(fn, inputs) -> int:
     Example:
         >>> from bp_mech.attention_backward import rope_cos_sin
         >>> from bp_mech.attention_framework import attention_fn
-        >>> cfg, inputs = AttnConfig(1, 4, 2, 8, 1e4), [torch.ones(1, h, 16, 8) for h in (4, 2, 2)]
-        >>> counted = saved_bytes(attention_fn("saved_probs"), (*inputs, *rope_cos_sin(16, 8, 1e4)))
+        >>> cfg = AttnConfig(1, 4, 2, 8, 1e4)
+        >>> inputs = [torch.ones(1, h, 16, 8) for h in (4, 2, 2)]
+        >>> rope = rope_cos_sin(16, 8, 1e4)
+        >>> counted = saved_bytes(attention_fn("saved_probs"), (*inputs, *rope))
         >>> counted, counted == saved_bytes_formula(cfg, 16, "saved_probs")
         (9216, True)
     """
@@ -275,8 +249,8 @@ def saved_bytes(fn, inputs) -> int:
 def saved_bytes_formula(cfg: AttnConfig, T: int, strategy: str, itemsize: int = 4) -> int:
     """What each hand-written strategy saves, by formula (the cross-check of ``saved_bytes``).
 
-    Both: RoPE'd q (B H T d), RoPE'd k and v (B Hkv T d each), cos and sin (T d each); then P
-    (B H T T) for ``saved_probs``, O and L (B H T d + B H T) for ``recompute``.
+    Both: RoPE'd q (B H T d), RoPE'd k and v (B Hkv T d each), cos and sin (T d each);
+    then P (B H T T) for ``saved_probs``, O and L (B H T d + B H T) for ``recompute``.
 
     Args:
         cfg: the attention's shape (B, H, Hkv, d).

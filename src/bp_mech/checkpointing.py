@@ -1,19 +1,21 @@
 """Part 02 · 19 — TRAIN-CHECKPOINT: activation (gradient) checkpointing.
 
-Between forward and backward a training step keeps every tensor autograd saved for backward.
-Checkpointing keeps only a block's inputs and runs the block's forward a second time in
-backward to rebuild the rest (Griewank & Walther 2000; Chen et al. 2016, "Training Deep Nets
-with Sublinear Memory Cost"): the saved activations of a block shrink to its input, the step
-pays one extra forward of every checkpointed block.
+Between forward and backward a training step keeps every tensor autograd saved for
+backward. Checkpointing keeps only a block's inputs and runs the block's forward a
+second time in backward to rebuild the rest (Griewank & Walther 2000; Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"): the saved activations of a block
+shrink to its input, the step pays one extra forward of every checkpointed block.
 
-* From scratch: ``CheckpointFunction`` / ``CheckpointedBlock`` (the reentrant design: forward
-  under ``no_grad`` saving only the input, recompute and backpropagate inside ``backward``).
-* With the framework: Transformers' ``gradient_checkpointing_enable`` (every layer, or every
-  n-th layer), which calls ``torch.utils.checkpoint`` non-reentrant; ``checkpoint_mlp``, a
-  selective variant that wraps only each layer's MLP in ``torch.utils.checkpoint``.
-* One switch for all of them: ``configure(model, candidate)`` applies one of ``CONFIGURATIONS`` for
-  the duration of a ``with`` block and undoes it after; ``"plain"`` is off, a
-  ``contextlib.nullcontext`` that touches nothing.
+* From scratch: ``CheckpointFunction`` / ``CheckpointedBlock`` (the older, reentrant
+  design: forward under ``no_grad`` saving only the input, recompute and backpropagate
+  inside ``backward``).
+* With the framework (``bp_mech.checkpointing_native``): Transformers'
+  ``gradient_checkpointing_enable`` (every layer, or every n-th layer) and
+  ``checkpoint_mlp`` (each layer's MLP only), both ``torch.utils.checkpoint``
+  non-reentrant: saved-tensor hooks, the recompute on the first unpack in backward.
+* One switch for all of them: ``configure(model, candidate)`` applies one of
+  ``CONFIGURATIONS`` for the duration of a ``with`` block and undoes it after;
+  ``"plain"`` is off, a ``contextlib.nullcontext`` that touches nothing.
 
 The experiment of the chapter (candidates, measured steps, decision, records) lives in
 ``bp_mech.experiments.checkpointing``; the recompute and the saved bytes are counted by
@@ -23,26 +25,31 @@ The experiment of the chapter (candidates, measured steps, decision, records) li
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from bp_mech.checkpointing_native import (  # noqa: F401  (re-exported)
+    _Checkpointed, checkpoint_mlp, enable_native, native_checkpointing)
 
 # --- from scratch ---------------------------------------------------------------------
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """``y = fn(x)`` keeping only ``x``; backward runs ``fn(x)`` again, with grad, and differentiates it.
+    """``y = fn(x)`` keeping only ``x``; backward runs ``fn(x)`` again, with grad, and
+    differentiates it.
 
-    ``params`` (those ``fn`` uses) are passed as inputs so that autograd asks for their gradients
-    even when ``x`` needs none; they are not activations, keeping a reference to them costs nothing.
-    (No RNG stashing, unlike ``torch.utils.checkpoint``: Qwen2 has no dropout.) Called as
-    ``CheckpointFunction.apply(fn, x, *params)``; the arguments are those of ``forward``.
+    ``params`` (those ``fn`` uses) are passed as inputs so that autograd asks for
+    their gradients even when ``x`` needs none; they are not activations, keeping a
+    reference to them costs nothing. (No RNG stashing, unlike
+    ``torch.utils.checkpoint``: Qwen2 has no dropout.) Called as
+    ``CheckpointFunction.apply(fn, x, *params)``; the arguments are those of
+    ``forward``.
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> lin, x = nn.Linear(4, 4).double(), torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+        >>> lin = nn.Linear(4, 4).double()
+        >>> x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
         >>> y = CheckpointFunction.apply(lambda t: lin(t).tanh(), x, *lin.parameters())
         >>> torch.allclose(y, lin(x).tanh()), y.grad_fn.name()
         (True, 'CheckpointFunctionBackward')
@@ -53,13 +60,18 @@ class CheckpointFunction(torch.autograd.Function):
         """Run ``fn(x)`` under ``no_grad`` and save only ``x`` for the backward.
 
         Args:
-            ctx: the autograd context (``apply`` supplies it); keeps ``fn``, ``params`` and ``x``.
-            fn: the block, a callable ``(..., C) -> (..., C')``; it must be deterministic (it runs twice).
-            x: the block's input (..., C), the only activation kept between forward and backward.
-            *params: the parameters ``fn`` uses, so that autograd returns their gradients.
+            ctx: the autograd context (``apply`` supplies it); keeps ``fn``, ``params``
+                and ``x``.
+            fn: the block, a callable ``(..., C) -> (..., C')``; it must be
+                deterministic (it runs twice).
+            x: the block's input (..., C), the only activation kept between forward and
+                backward.
+            *params: the parameters ``fn`` uses, so that autograd returns their
+                gradients.
 
         Returns:
-            ``fn(x)`` (..., C'), computed without a graph: none of ``fn``'s intermediates is kept.
+            ``fn(x)`` (..., C'), computed without a graph: none of ``fn``'s
+            intermediates is kept.
 
         Example:
             >>> x = torch.ones(3, 2, requires_grad=True)
@@ -68,21 +80,23 @@ class CheckpointFunction(torch.autograd.Function):
             ((3, 2), True)
         """
         ctx.fn, ctx.params = fn, params
-        ctx.save_for_backward(x)  # the only activation kept between forward and backward
-        with torch.no_grad():  # no graph: fn's intermediates are freed as soon as they are used
+        ctx.save_for_backward(x)  # the only activation kept until backward
+        with torch.no_grad():  # no graph: fn's intermediates are freed once used
             return fn(x)
 
     @staticmethod
     def backward(ctx, dy):
-        """Recompute ``fn(x)`` with grad (the block's second forward), then differentiate it.
+        """Recompute ``fn(x)`` with grad (the block's second forward), then
+        differentiate it.
 
         Args:
             ctx: the context ``forward`` filled: ``fn``, ``params`` and the saved ``x``.
             dy: dL/dy (..., C'), the upstream gradient of the block's output.
 
         Returns:
-            ``(None, dx, *dparams)``: nothing for ``fn``, dL/dx (..., C) (None if ``x`` is unused)
-            and one gradient per parameter, each of its parameter's shape (None if unused).
+            ``(None, dx, *dparams)``: nothing for ``fn``, dL/dx (..., C) (None if ``x``
+            is unused) and one gradient per parameter, each of its parameter's shape
+            (None if unused).
 
         Example:
             >>> x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
@@ -93,13 +107,14 @@ class CheckpointFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            y = ctx.fn(x)  # the recompute: a second forward of the block, now building a graph
+            y = ctx.fn(x)  # the recompute: a second forward, now building a graph
         grads = torch.autograd.grad(y, [x, *ctx.params], dy, allow_unused=True)
         return None, *grads
 
 
 class CheckpointedBlock(nn.Module):
-    """A block whose forward keeps only its input; ``calls`` counts real executions of the block.
+    """A block whose forward keeps only its input; ``calls`` counts real executions of
+    the block.
 
     Args:
         block: the module to checkpoint, ``(..., C) -> (..., C')`` of one tensor input.
@@ -110,7 +125,8 @@ class CheckpointedBlock(nn.Module):
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> cb = CheckpointedBlock(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        >>> cb = CheckpointedBlock(mlp)
         >>> cb(torch.randn(2, 4, requires_grad=True)).sum().backward()
         >>> cb.calls  # the forward, then the recompute in backward
         2
@@ -122,18 +138,20 @@ class CheckpointedBlock(nn.Module):
         self.calls = 0  # forward executions, the recompute in backward included
 
     def _run(self, x):
-        self.calls += 1  # counted where the block runs, so a recompute cannot be missed or faked
+        self.calls += 1  # counted where the block runs: a recompute cannot be missed
         return self.block(x)
 
     def forward(self, x):
-        """``block(x)``, through ``CheckpointFunction`` whenever there is something to differentiate.
+        """``block(x)``, through ``CheckpointFunction`` whenever there is something to
+        differentiate.
 
         Args:
             x: the block's input (..., C).
 
         Returns:
-            ``block(x)`` (..., C'). Under ``no_grad``, or with neither ``x`` nor a parameter
-            requiring grad, a plain forward (nothing is saved, nothing is recomputed).
+            ``block(x)`` (..., C'). Under ``no_grad``, or with neither ``x`` nor a
+            parameter requiring grad, a plain forward (nothing is saved, nothing is
+            recomputed).
 
         Example:
             >>> cb = CheckpointedBlock(nn.Linear(4, 4))
@@ -148,128 +166,24 @@ class CheckpointedBlock(nn.Module):
         return CheckpointFunction.apply(self._run, x, *params)
 
 
-# --- with the framework ---------------------------------------------------------------
-
-
-class _Checkpointed(nn.Module):
-    """Runs ``inner`` under ``torch.utils.checkpoint`` (non-reentrant) while training."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        if not (self.training and torch.is_grad_enabled()):
-            return self.inner(*args, **kwargs)
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-
-@contextlib.contextmanager
-def checkpoint_mlp(model):
-    """Selective checkpointing: only each decoder layer's MLP is recomputed in backward.
-
-    Each ``model.model.layers[i].mlp`` is wrapped in ``torch.utils.checkpoint`` (non-reentrant,
-    while the model trains) for the duration of the ``with`` block and unwrapped after.
-
-    Args:
-        model: a ``transformers`` Qwen2 causal LM (``model.model.layers`` with an ``mlp`` each).
-
-    Yields:
-        ``model`` itself, its MLPs checkpointed.
-
-    Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> model = build_model(parse_workload("tiny-b1s8"))
-        >>> with checkpoint_mlp(model) as m:
-        ...     type(m.model.layers[0].mlp).__name__
-        '_Checkpointed'
-        >>> type(model.model.layers[0].mlp).__name__
-        'Qwen2MLP'
-    """
-    layers = model.model.layers
-    for layer in layers:
-        layer.mlp = _Checkpointed(layer.mlp)
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer.mlp = layer.mlp.inner
-
-
-def enable_native(model, every_n_layers: int = 1) -> None:
-    """Transformers' checkpointing: ``torch.utils.checkpoint`` (non-reentrant) on every n-th layer.
-
-    Calls ``model.gradient_checkpointing_enable``; where that lacks ``every_n_layers`` (older
-    Transformers), sets the same per-layer ``gradient_checkpointing`` flags by hand. It stays on
-    until ``model.gradient_checkpointing_disable()`` (``native_checkpointing`` does both).
-
-    Args:
-        model: a ``transformers`` Qwen2 causal LM.
-        every_n_layers: checkpoint decoder layers 0, n, 2n, ... (1: every layer).
-
-    Returns:
-        None; ``model`` is changed in place.
-
-    Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> model = build_model(parse_workload("tiny-b1s8"))  # 2 decoder layers
-        >>> enable_native(model, every_n_layers=2)
-        >>> [layer.gradient_checkpointing for layer in model.model.layers]
-        [True, False]
-    """
-    kwargs = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
-    has_every_n = "every_n_layers" in inspect.signature(model.gradient_checkpointing_enable).parameters
-    if has_every_n:
-        kwargs["every_n_layers"] = every_n_layers
-    model.gradient_checkpointing_enable(**kwargs)
-    if not has_every_n:  # older Transformers: the same per-layer flags, set by hand
-        for i, layer in enumerate(model.model.layers):
-            layer.gradient_checkpointing = i % every_n_layers == 0
-
-
-@contextlib.contextmanager
-def native_checkpointing(model, every_n_layers: int = 1):
-    """``enable_native`` inside the block; Transformers' own switch turns it off after.
-
-    Args:
-        model: a ``transformers`` Qwen2 causal LM.
-        every_n_layers: checkpoint every n-th decoder layer (1: every layer).
-
-    Yields:
-        ``model`` itself, checkpointed; after the block (also when it raises) checkpointing is
-        off and the input-grad hook that enabling added to the embeddings is removed.
-
-    Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> model = build_model(parse_workload("tiny-b1s8"))
-        >>> with native_checkpointing(model) as m:
-        ...     m.is_gradient_checkpointing
-        True
-        >>> model.is_gradient_checkpointing
-        False
-    """
-    enable_native(model, every_n_layers)
-    try:
-        yield model
-    finally:
-        model.gradient_checkpointing_disable()
-        model.disable_input_require_grads()  # enable added a hook on the embeddings
-
-
 # --- one switch -----------------------------------------------------------------------
 
-EVERY_N_LAYERS = {"checkpoint-all": 1, "checkpoint-every2": 2}  # native configurations: checkpoint every n-th layer
-CONFIGURATIONS = ("plain", "checkpoint-all", "checkpoint-every2", "checkpoint-mlp")  # what ``configure`` accepts
+# the native configurations: checkpoint every n-th layer
+EVERY_N_LAYERS = {"checkpoint-all": 1, "checkpoint-every2": 2}
+# what ``configure`` accepts
+CONFIGURATIONS = ("plain", "checkpoint-all", "checkpoint-every2", "checkpoint-mlp")
 
 
 def configure(model, candidate: str):
-    """A context manager that applies checkpointing configuration ``candidate`` to ``model`` inside
-    the ``with`` block and undoes it after (also when the block raises).
+    """A context manager that applies checkpointing configuration ``candidate`` to
+    ``model`` inside the ``with`` block and undoes it after (also when the block
+    raises).
 
-    ``"plain"`` is the off switch: ``contextlib.nullcontext(model)``, nothing is touched;
-    ``"checkpoint-all"`` / ``"checkpoint-every2"``: Transformers' checkpointing on every (every
-    second) decoder layer; ``"checkpoint-mlp"``: each layer's MLP only. ``with configure(...) as m``
-    gives ``model`` back in every case.
+    ``"plain"`` is the off switch: ``contextlib.nullcontext(model)``, nothing is
+    touched;
+    ``"checkpoint-all"`` / ``"checkpoint-every2"``: Transformers' checkpointing on every
+    (every second) decoder layer; ``"checkpoint-mlp"``: each layer's MLP only.
+    ``with configure(...) as m`` gives ``model`` back in every case.
 
     Args:
         model: a ``transformers`` Qwen2 causal LM.
@@ -297,4 +211,5 @@ def configure(model, candidate: str):
         return checkpoint_mlp(model)
     if candidate in EVERY_N_LAYERS:
         return native_checkpointing(model, EVERY_N_LAYERS[candidate])
-    raise ValueError(f"unknown checkpointing configuration {candidate!r}; one of {CONFIGURATIONS}")
+    raise ValueError(f"unknown checkpointing configuration {candidate!r}; "
+                     f"one of {CONFIGURATIONS}")

@@ -1,10 +1,11 @@
 """Part 02 · 56 — the numbers of continual pretraining: loss per token, domain gain, holdout drift.
 
-``eval_batches`` cuts an evaluation text into non-overlapping windows, so every token is counted once;
-``token_loss`` is the mean next-token loss per target token over them (the L(D) of
-``bp_mech.continual_pretrain``, which re-exports every name here); ``gain_and_drift`` turns a run's
-evaluations into domain gain and holdout drift; ``resume_difference`` compares a run resumed from a
-saved state with the uninterrupted one.
+``eval_batches`` cuts an evaluation text into non-overlapping windows, so every token is
+counted once; ``token_loss`` is the mean next-token loss per target token over them (the
+L(D) of ``bp_mech.continual_pretrain``, which re-exports every name here);
+``gain_and_drift`` turns a run's evaluations into domain gain and holdout drift;
+``resume_difference`` compares a run resumed from a saved state with the uninterrupted
+one.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from bp_mech.accumulation import IGNORE, count_targets, token_loss_sum
 from bp_mech.bench.workload import PAD_ID
 
 
-def eval_batches(ids: torch.Tensor, seq: int, batch: int) -> list[dict[str, torch.Tensor]]:
-    """The whole text once, as non-overlapping windows of ``seq`` tokens, ``batch`` windows per batch.
+def eval_batches(ids: torch.Tensor, seq: int,
+                 batch: int) -> list[dict[str, torch.Tensor]]:
+    """The whole text once, as non-overlapping windows of ``seq`` tokens.
 
-    The last window is right-padded: PAD_ID inputs with label -100 (not targets). Under a causal mask
-    right padding never changes a real token's logits.
+    ``batch`` windows make one batch.
+
+    The last window is right-padded: PAD_ID inputs with label -100 (not targets). Under
+    a causal mask right padding never changes a real token's logits.
 
     Args:
         ids: (N,) token ids of the text.
@@ -29,11 +33,13 @@ def eval_batches(ids: torch.Tensor, seq: int, batch: int) -> list[dict[str, torc
         batch: windows per batch; the last batch may hold fewer.
 
     Returns:
-        A list of ``{"input_ids", "labels"}`` dicts of (b, seq) int64 tensors, b <= ``batch``.
+        A list of ``{"input_ids", "labels"}`` dicts of (b, seq) int64 tensors, b <=
+        ``batch``.
 
     Example:
         >>> batches = eval_batches(torch.arange(1, 21), seq=8, batch=2)
-        >>> [tuple(b["labels"].shape) for b in batches], batches[-1]["labels"][0].tolist()
+        >>> ([tuple(b["labels"].shape) for b in batches],
+        ...  batches[-1]["labels"][0].tolist())
         ([(2, 8), (1, 8)], [17, 18, 19, 20, -100, -100, -100, -100])
     """
     windows = math.ceil(len(ids) / seq)
@@ -41,21 +47,26 @@ def eval_batches(ids: torch.Tensor, seq: int, batch: int) -> list[dict[str, torc
     y = torch.full((windows * seq,), IGNORE, dtype=torch.long)
     x[:len(ids)], y[:len(ids)] = ids, ids
     x, y = x.view(windows, seq), y.view(windows, seq)
-    return [{"input_ids": x[i:i + batch], "labels": y[i:i + batch]} for i in range(0, windows, batch)]
+    return [{"input_ids": x[i:i + batch], "labels": y[i:i + batch]}
+            for i in range(0, windows, batch)]
 
 
 @torch.no_grad()
 def token_loss(model, batches) -> float:
-    """Mean next-token cross-entropy per target token over all ``batches`` (nats per token).
+    """Mean next-token cross-entropy per target token over all ``batches``.
 
-    Each batch holds ``input_ids`` and ``labels`` (B, T); label -100 marks a position that is not a
-    target. The token losses of all batches are summed, and divided once by the number of targets of
-    all batches (float64 accumulation): every token weighs the same, however the batches are filled.
-    The model runs in eval mode, without gradients, and gets its train/eval mode back.
+    In nats per token.
+
+    Each batch holds ``input_ids`` and ``labels`` (B, T); label -100 marks a position
+    that is not a target. The token losses of all batches are summed, and divided once
+    by the number of targets of all batches (float64 accumulation): every token weighs
+    the same, however the batches are filled. The model runs in eval mode, without
+    gradients, and gets its train/eval mode back.
 
     Args:
         model: a causal LM whose output has ``.logits`` (B, T, V).
-        batches: an iterable of ``{"input_ids", "labels"}`` dicts, e.g. from ``eval_batches``.
+        batches: an iterable of ``{"input_ids", "labels"}`` dicts, e.g. from
+            ``eval_batches``.
 
     Returns:
         The mean loss per target token, a Python float.
@@ -64,7 +75,8 @@ def token_loss(model, batches) -> float:
         >>> from bp_mech.bench.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> loss = token_loss(model, eval_batches(torch.arange(40), seq=8, batch=2))
-        >>> abs(loss - math.log(384)) < 1, model.training  # near log(vocab) at init; train mode kept
+        >>> # near log(vocab) at init; train mode kept
+        >>> abs(loss - math.log(384)) < 1, model.training
         (True, True)
     """
     device = next(model.parameters()).device
@@ -84,21 +96,26 @@ def token_loss(model, batches) -> float:
 def resume_difference(main: dict, resumed: dict, clock: dict, final, got) -> dict:
     """A resumed ``domain_run`` against the uninterrupted one, from the saved state's ``clock``.
 
-    The losses of the steps after it (relative), the evaluations both made (absolute) and the final
-    weights ``got`` against ``final`` (relative; 0.0 everywhere: bit for bit).
+    The losses of the steps after it (relative), the evaluations both made (absolute)
+    and the final weights ``got`` against ``final`` (relative; 0.0 everywhere: bit for
+    bit).
 
     Args:
-        main: the uninterrupted run's ``domain_run`` result, its steps counted from update 0.
-        resumed: the resumed run's ``domain_run`` result; its evaluations hold ``domain`` and ``holdout``.
-        clock: the saved state's clock, ``{"updates", "skipped"}``: ``main``'s steps after it are compared.
+        main: the uninterrupted run's ``domain_run`` result, its steps counted from
+            update 0.
+        resumed: the resumed run's ``domain_run`` result; its evaluations hold
+            ``domain`` and ``holdout``.
+        clock: the saved state's clock, ``{"updates", "skipped"}``: ``main``'s steps
+            after it are compared.
         final: the uninterrupted run's final parameter tensors.
         got: the resumed run's final parameter tensors, in the same order.
 
     Returns:
-        ``from_update``; ``loss_rel_diff`` (largest relative step-loss difference; inf when the step counts
-        differ); ``eval_abs_diff`` (largest absolute difference of the evaluations both made);
-        ``weight_rel_diff`` (largest max-abs difference over a tensor's max-abs); ``bitwise`` (all three
-        0.0); ``steps`` (the resumed run's step count).
+        ``from_update``; ``loss_rel_diff`` (largest relative step-loss difference; inf
+        when the step counts differ); ``eval_abs_diff`` (largest absolute difference of
+        the evaluations both made); ``weight_rel_diff`` (largest max-abs difference over
+        a tensor's max-abs); ``bitwise`` (all three 0.0); ``steps`` (the resumed run's
+        step count).
 
     Example:
         >>> main = dict(steps=[dict(loss=3.0), dict(loss=2.5)], evals=[dict(update=2, domain=2.0, holdout=3.0)])
@@ -123,14 +140,17 @@ def resume_difference(main: dict, resumed: dict, clock: dict, final, got) -> dic
 def gain_and_drift(evals: list[dict]) -> dict:
     """Domain gain and holdout drift between the first and the last evaluation (nats per token).
 
-    Absolute and relative to the first, and the largest holdout drift on the way (and where).
+    Absolute and relative to the first, and the largest holdout drift on the way (and
+    where).
 
     Args:
-        evals: ``domain_run`` evaluations, ``[{"update", "domain", "holdout"}, ...]``, in update order.
+        evals: ``domain_run`` evaluations, ``[{"update", "domain", "holdout"}, ...]``,
+            in update order.
 
     Returns:
-        ``domain_gain``, ``holdout_drift``, ``domain_gain_rel``, ``holdout_drift_rel``, ``updates`` (between
-        the first and the last), ``max_holdout_drift`` and ``max_drift_update`` (where it was reached).
+        ``domain_gain``, ``holdout_drift``, ``domain_gain_rel``, ``holdout_drift_rel``,
+        ``updates`` (between the first and the last), ``max_holdout_drift`` and
+        ``max_drift_update`` (where it was reached).
 
     Example:
         >>> d = gain_and_drift([dict(update=0, domain=4.0, holdout=3.0), dict(update=5, domain=3.0, holdout=3.5),

@@ -124,18 +124,20 @@ class Trainer:
     def step(self) -> dict:
         """One full training step on the next batch of the data stream, then the clock.
 
-        zero_grad, forward, token-weighted loss, scaled backward, unscale, global-norm clip, AdamW update
-        (skipped by the scaler on inf/NaN), then the clock.
+        zero_grad, forward, token-weighted loss, scaled backward, unscale, global-norm
+        clip, AdamW update (skipped by the scaler on inf/NaN), then the clock.
 
         Returns:
-            The loss, whether the update was applied, the LR it used and the gradient norm:
-            ``{"update": the clock's applied updates after the step, "loss": the batch's mean token
-            loss (float), "applied": bool, "lr": float, "grad_norm": the global norm before clipping}``.
+            The loss, whether the update was applied, the LR it used and the gradient
+            norm: ``{"update": the clock's applied updates after the step, "loss": the
+            batch's mean token loss (float), "applied": bool, "lr": float, "grad_norm":
+            the global norm before clipping}``.
 
         Example:
             >>> from bp_mech.bench.workload import build_model, parse_workload
             >>> model = build_model(parse_workload("tiny-b1s8"))
-            >>> t = Trainer(model, TrainConfig(), TextStream(torch.arange(64), batch=1, seq=8, seed=0))
+            >>> data = TextStream(torch.arange(64), batch=1, seq=8, seed=0)
+            >>> t = Trainer(model, TrainConfig(), data)
             >>> row = t.step()
             >>> sorted(row), row["update"], row["applied"]
             (['applied', 'grad_norm', 'loss', 'lr', 'update'], 1, True)
@@ -146,11 +148,13 @@ class Trainer:
         loss = token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              self.cfg.max_norm)
         lr = self.clock.lr
         applied = scaler_step(self.scaler, self.optimizer)
         self.clock.step(applied)
-        return dict(update=self.clock.updates, loss=loss.item(), applied=applied, lr=lr, grad_norm=norm.item())
+        return dict(update=self.clock.updates, loss=loss.item(), applied=applied, lr=lr,
+                    grad_norm=norm.item())
 
 
 def train(trainer: Trainer, until: int, after_update: Callable[[Trainer], None] | None = None,

@@ -20,29 +20,33 @@ from bp_mech.bench.tracking import host_side
 class HostPool:
     """Host buffers reused across steps, bucketed by exact byte size (pinned on CUDA).
 
-    Counters: ``allocated`` / ``allocations`` (bytes / buffers ever allocated), ``in_use`` (bytes
-    handed out now) and ``high_water`` (most bytes handed out at once).
+    Counters: ``allocated`` / ``allocations`` (bytes / buffers ever allocated),
+    ``in_use`` (bytes handed out now) and ``high_water`` (most bytes handed out at
+    once).
 
     Args:
         pin: allocate page-locked buffers (needed for asynchronous copies; CUDA only).
 
     Example:
         >>> pool = HostPool(pin=False)
-        >>> pool.give(pool.take(1024)); _ = pool.take(1024)  # the second take reuses the buffer
+        >>> pool.give(pool.take(1024))
+        >>> _ = pool.take(1024)  # the second take reuses the buffer
         >>> pool.allocations, pool.allocated, pool.in_use, pool.high_water
         (1, 1024, 1024, 1024)
     """
 
     def __init__(self, pin: bool):
         self.pin = pin  # page-locked: needed for asynchronous copies
-        self.idle: dict[int, list] = defaultdict(list)  # nbytes -> uint8 buffers not handed out
+        # nbytes -> uint8 buffers not handed out
+        self.idle: dict[int, list] = defaultdict(list)
         self.allocated = 0  # bytes ever allocated
         self.allocations = 0  # buffers ever allocated
         self.in_use = 0  # bytes handed out now
         self.high_water = 0  # most bytes handed out at once
 
     def take(self, n: int) -> torch.Tensor:
-        """Hand out a buffer of ``n`` bytes: an idle one of that exact size, else a new one.
+        """Hand out a buffer of ``n`` bytes: an idle one of that exact size, else a new
+        one.
 
         Args:
             n: the size in bytes.

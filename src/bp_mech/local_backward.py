@@ -3,7 +3,8 @@
 Each operation of a Qwen2 MLP half-block has a forward and, beside it, a backward that maps
 the upstream gradient ``dy`` to the gradients of its inputs and parameters. The backward
 functions take the forward's inputs (what autograd would save) and ``dy``; nothing else.
-``mlp_block_backward`` composes them: the chain rule written as code.
+``mlp_block_backward`` composes them: the chain rule written as code. Exact GELU's pair lives in
+``bp_mech.local_backward_gelu`` and is re-exported here.
 
 The experiment that checks every op against autograd, finite differences and float32 rounding
 is ``bp_mech.experiments.local_backward``.
@@ -11,9 +12,9 @@ is ``bp_mech.experiments.local_backward``.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from bp_mech.local_backward_gelu import gelu_backward, gelu_forward  # noqa: F401 (re-exported)
 
 # --- forward and backward, side by side --------------------------------------------
 
@@ -43,17 +44,20 @@ def linear_backward(x, W, dy):
         W: weight, (out, in).
         dy: upstream gradient d loss / d y, (..., out).
     Returns:
-        (dx, dW, db): dx (..., in); dW (out, in), summed over all leading dims; db (out,).
+        (dx, dW, db): dx (..., in); dW (out, in), summed over all leading dims;
+        db (out,).
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> x, W, dy = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in [(2, 3), (4, 3), (2, 4)])
+        >>> x, W, dy = (torch.randn(s, dtype=torch.float64, requires_grad=True)
+        ...              for s in [(2, 3), (4, 3), (2, 4)])
         >>> dx, dW, db = linear_backward(x, W, dy)
         >>> ref = torch.autograd.grad(linear_forward(x, W), (x, W), dy)
         >>> torch.allclose(dx, ref[0]) and torch.allclose(dW, ref[1])
         True
     """
     dx = dy @ W  # (..., out) @ (out, in)
-    dW = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (out, N) @ (N, in)
+    # (out, N) @ (N, in)
+    dW = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
     db = dy.reshape(-1, dy.shape[-1]).sum(0)
     return dx, dW, db
 
@@ -91,39 +95,6 @@ def silu_backward(x, dy):
     return dy * s * (1 + x * (1 - s))
 
 
-def gelu_forward(x):
-    """Exact GELU: y = x Phi(x), Phi the standard normal CDF (not the tanh approximation).
-
-    Args:
-        x: input, any shape.
-    Returns:
-        y, same shape as ``x``.
-    Example:
-        >>> x, gelu = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64), torch.nn.functional.gelu
-        >>> torch.allclose(gelu_forward(x), gelu(x)), torch.allclose(gelu_forward(x), gelu(x, approximate="tanh"))
-        (True, False)
-    """
-    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-
-
-def gelu_backward(x, dy):
-    """The local backward of exact GELU: dy/dx = Phi(x) + x phi(x), phi the standard normal pdf.
-
-    Args:
-        x: what ``gelu_forward`` received (any shape); dy: dL/dy, shaped like ``x``.
-    Returns:
-        dL/dx = dy (Phi(x) + x phi(x)), shaped like ``x``.
-    Example:
-        >>> x = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
-        >>> dy = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64); gelu_forward(x).backward(dy)
-        >>> torch.allclose(gelu_backward(x.detach(), dy), x.grad)
-        True
-    """
-    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
-    pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-    return dy * (cdf + x * pdf)
-
-
 def rmsnorm_forward(x, w, eps=1e-6):
     """RMSNorm over the last dim: y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019).
 
@@ -146,7 +117,8 @@ def rmsnorm_backward(x, w, dy, eps=1e-6):
 
     With r = (mean(x^2) + eps)^(-1/2), xhat = x r and g = dy * w:
     dx = r (g - xhat * mean(g * xhat));  dw = sum over rows of dy * xhat.
-    The second term of dx is the one that flows through r; dropping it is the classic bug.
+    The second term of dx is the one that flows through r; dropping it is the classic
+    bug.
 
     Args:
         x: the forward's input, (..., C).
@@ -157,7 +129,8 @@ def rmsnorm_backward(x, w, dy, eps=1e-6):
         (dx, dw): dx (..., C); dw (C,).
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> x, w, dy = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in [(2, 3, 8), (8,), (2, 3, 8)])
+        >>> x, w, dy = (torch.randn(s, dtype=torch.float64, requires_grad=True)
+        ...              for s in [(2, 3, 8), (8,), (2, 3, 8)])
         >>> ref = torch.autograd.grad(rmsnorm_forward(x, w), (x, w), dy)
         >>> all(torch.allclose(a, b) for a, b in zip(rmsnorm_backward(x, w, dy), ref))
         True
@@ -200,10 +173,12 @@ def swiglu_mlp_backward(x, Wg, Wu, Wd, dy):
         (dx, dWg, dWu, dWd), shaped as (x, Wg, Wu, Wd).
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> args = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in [(3, 4), (6, 4), (6, 4), (4, 6)]]
+        >>> args = [torch.randn(s, dtype=torch.float64, requires_grad=True)
+        ...         for s in [(3, 4), (6, 4), (6, 4), (4, 6)]]
         >>> dy = torch.randn(3, 4, dtype=torch.float64)
         >>> ref = torch.autograd.grad(swiglu_mlp_forward(*args), args, dy)
-        >>> all(torch.allclose(a, b) for a, b in zip(swiglu_mlp_backward(*args, dy), ref))
+        >>> ours = swiglu_mlp_backward(*args, dy)
+        >>> all(torch.allclose(a, b) for a, b in zip(ours, ref))
         True
     """
     g, u = linear_forward(x, Wg), linear_forward(x, Wu)  # (..., I) each, recomputed
@@ -237,7 +212,9 @@ def cross_entropy_forward(logits, targets, ignore_index=-100):
 
 
 def cross_entropy_backward(logits, targets, ignore_index=-100):
-    """d loss / d logits = (softmax(logits) - onehot(target)) / n_valid on valid rows, 0 elsewhere.
+    """d loss / d logits = (softmax(logits) - onehot(target)) / n_valid.
+
+    On valid rows; 0 on ignored ones.
 
     Args:
         logits: (N, V).
@@ -247,14 +224,16 @@ def cross_entropy_backward(logits, targets, ignore_index=-100):
         d loss / d logits, (N, V).
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> logits, targets = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.tensor([1, -100, 4, 0])
+        >>> logits = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+        >>> targets = torch.tensor([1, -100, 4, 0])
         >>> ref, = torch.autograd.grad(cross_entropy_forward(logits, targets), logits)
         >>> torch.allclose(cross_entropy_backward(logits.detach(), targets), ref)
         True
     """
     valid = (targets != ignore_index)
     d = torch.softmax(logits, -1)
-    d[torch.arange(len(targets)), targets.masked_fill(~valid, 0)] -= 1  # ignored rows: any id, zeroed below
+    # ignored rows: any id, zeroed below
+    d[torch.arange(len(targets)), targets.masked_fill(~valid, 0)] -= 1
     return d * valid[:, None] / valid.sum()
 
 
@@ -287,10 +266,12 @@ def mlp_block_backward(x, w_norm, Wg, Wu, Wd, dy, eps=1e-6):
         (dx, dw_norm, dWg, dWu, dWd), shaped as (x, w_norm, Wg, Wu, Wd).
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> args = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in [(3, 4), (4,), (6, 4), (6, 4), (4, 6)]]
+        >>> args = [torch.randn(s, dtype=torch.float64, requires_grad=True)
+        ...         for s in [(3, 4), (4,), (6, 4), (6, 4), (4, 6)]]
         >>> dy = torch.randn(3, 4, dtype=torch.float64)
         >>> ref = torch.autograd.grad(mlp_block_forward(*args), args, dy)
-        >>> all(torch.allclose(a, b) for a, b in zip(mlp_block_backward(*args, dy), ref))
+        >>> ours = mlp_block_backward(*args, dy)
+        >>> all(torch.allclose(a, b) for a, b in zip(ours, ref))
         True
     """
     h = rmsnorm_forward(x, w_norm, eps)

@@ -144,13 +144,15 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _keep(self, t) -> bool:
         if (type(t) not in OFFLOADABLE_TYPES or t.layout != torch.strided or t.is_conj()
                 or t.is_neg() or t.device.type != self.device.type):
-            return True  # subclasses, sparse, lazy conj/neg views and foreign devices stay as they are
+            return True  # subclasses, sparse, lazy conj/neg views, other devices: kept
         storage = t.untyped_storage()
-        if isinstance(t, nn.Parameter) or StorageWeakRef(storage) in self._param_storages:
+        key = StorageWeakRef(storage)
+        if isinstance(t, nn.Parameter) or key in self._param_storages:
             self.kept_params += 1
             return True
         if storage.nbytes() < self.cfg.min_bytes:
-            self.kept_small, self.kept_small_bytes = self.kept_small + 1, self.kept_small_bytes + storage.nbytes()
+            self.kept_small += 1
+            self.kept_small_bytes += storage.nbytes()
             return True
         return False
 
@@ -158,14 +160,16 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if self._keep(t):
             return t
         storage = t.untyped_storage()
-        key = StorageWeakRef(storage)  # identity: while a key lives, no new storage takes its address
+        # identity: while a key lives, no new storage takes its address
+        key = StorageWeakRef(storage)
         slot = self._by_storage.get(key)
-        if slot is None or slot.version != t._version:  # a new storage, or one written since its copy
+        # a new storage, or one written since its copy
+        if slot is None or slot.version != t._version:
             with host_side():
                 slot = self._offload(storage, t._version)
             self._by_storage[key] = slot
         else:
-            self.shared_views += 1  # a view of a storage already on the host: nothing to copy
+            self.shared_views += 1  # a view of a storage already on the host: no copy
         slot.pending += 1
         self.offloaded += 1
         return slot, t.dtype, t.storage_offset(), t.size(), t.stride()
@@ -173,18 +177,22 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _offload(self, storage, version) -> _Slot:
         nbytes = storage.nbytes()
         host = self.pool.take(nbytes)
-        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # the storage as bytes
+        # the storage as bytes
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
+            # the producer has finished
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 host.copy_(src, non_blocking=self.pool.pin)
-            self._stash.append((src, self.stream.record_event()))  # src stays alive until compute waited
+            # src stays alive until compute waited
+            self._stash.append((src, self.stream.record_event()))
             self._drain(self.cfg.inflight)
         else:
             host.copy_(src, non_blocking=self.pool.pin)
         self.d2h_bytes += nbytes
         slot = _Slot(host, nbytes, version, self._forward, len(self._order))
-        weakref.finalize(slot, self.pool.give, host)  # back to the pool when autograd drops the slot
+        # back to the pool when autograd drops the slot
+        weakref.finalize(slot, self.pool.give, host)
         self._order.append(slot)
         return slot
 
@@ -211,24 +219,30 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if self.stream is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(slot.event)
-            buf.record_stream(cur)  # allocated on the side stream, used by compute: freed after both
-        depth = self.cfg.prefetch if self.stream is not None and slot.forward == self._forward else 0
+            # allocated on the side stream, used by compute: freed after both
+            buf.record_stream(cur)
+        same = self.stream is not None and slot.forward == self._forward
+        depth = self.cfg.prefetch if same else 0
         for k in range(slot.index - 1, -1, -1)[:depth]:
             if self._order[k].pending:
-                self._fetch(self._order[k])  # backward runs roughly in reverse pack order
+                # backward runs roughly in reverse pack order
+                self._fetch(self._order[k])
         slot.pending -= 1
         if slot.pending <= 0:
-            slot.dev = None  # the returned view keeps the storage alive exactly as long as autograd needs it
-        return torch.empty(0, dtype=dtype, device=buf.device).set_(buf.untyped_storage(), offset, size, stride)
+            # the returned view keeps the storage alive as long as autograd needs it
+            slot.dev = None
+        view = torch.empty(0, dtype=dtype, device=buf.device)
+        return view.set_(buf.untyped_storage(), offset, size, stride)
 
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
-    """PyTorch's ``save_on_cpu(pin_memory=True)``, its hooks wrapped to count the bytes it copies.
+    """PyTorch's ``save_on_cpu(pin_memory=True)``, its hooks wrapped to count the bytes
+    it copies.
 
-    It copies every saved tensor (parameters and each view separately) on the compute stream. On
-    the CPU its ``.to(device)`` returns the host tensor itself; the wrapper clones it there, to
-    stand for the copy back a device would make. ``d2h_bytes`` / ``h2d_bytes`` cover the last
-    forward and its backward.
+    It copies every saved tensor (parameters and each view separately) on the compute
+    stream. On the CPU its ``.to(device)`` returns the host tensor itself; the wrapper
+    clones it there, to stand for the copy back a device would make. ``d2h_bytes`` /
+    ``h2d_bytes`` cover the last forward and its backward.
 
     Example:
         >>> x, hooks = torch.ones(1024, 8, requires_grad=True), CountingSaveOnCpu()
@@ -256,7 +270,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         self.pack_hook, self.unpack_hook = counted_pack, counted_unpack
 
     def __enter__(self):
-        self.d2h_bytes = self.h2d_bytes = 0  # the counters cover the last forward and its backward
+        self.d2h_bytes = self.h2d_bytes = 0  # the last forward and its backward
         return super().__enter__()
 
 

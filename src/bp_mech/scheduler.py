@@ -10,20 +10,18 @@ stable and decay lengths and m = ``min_lr_ratio``::
                       f(p) = 1 - p (linear) or (1 + cos(pi p)) / 2 (cosine)  (decay)
     k >= W+S+D        lr = base * m
 
-The clock that supplies ``k`` must count **successful updates only**. A step the AMP scaler
-skips (non-finite gradients) or the trainer skips on purpose changes no parameter, so it must
-not move warmup, stable or decay. ``UpdateClock`` does that; ``NaiveClock`` is the common bug
-(``scheduler.step()`` after every optimizer call) and shifts every boundary earlier by the
-number of skips before it.
+The clock that supplies ``k`` must count **successful updates only**. A step the AMP scaler skips
+(non-finite gradients) or the trainer skips on purpose changes no parameter, so it must not move
+warmup, stable or decay. ``UpdateClock`` does that; ``NaiveClock`` is the common bug
+(``scheduler.step()`` after every optimizer call) and shifts every boundary earlier by the number
+of skips before it.
 
-Skip detection relies on public ``torch.amp.GradScaler`` API only (``scaler_step``):
-``update()`` multiplies the scale by ``backoff_factor < 1`` exactly when the step found
-inf/NaN, which is exactly when ``step()`` did not call ``optimizer.step()``; so a smaller
-``get_scale()`` after ``update()`` means "skipped". (Accelerate does the same job with
-``AcceleratedOptimizer.step_was_skipped``, which its scheduler wrapper consults.)
-
-The experiment (a real GradScaler run with injected skips, both clocks) is
-``bp_mech.experiments.scheduler``.
+Skip detection uses public ``torch.amp.GradScaler`` API only (``scaler_step``): ``update()``
+multiplies the scale by ``backoff_factor < 1`` exactly when the step found inf/NaN, which is exactly
+when the update was skipped (a plain optimizer is then not called; a fused AdamW is called with
+``found_inf`` and skips inside); so a smaller ``get_scale()`` after ``update()`` means "skipped"
+(Accelerate's ``AcceleratedOptimizer.step_was_skipped`` does the same). The experiment (a real
+GradScaler run with injected skips, both clocks) is ``bp_mech.experiments.scheduler``.
 """
 
 from __future__ import annotations
@@ -85,10 +83,10 @@ class WSDConfig:
 
 
 def wsd_factor(update: int, cfg: WSDConfig) -> float:
-    """The LR multiplier at effective update ``update`` (0-based), as transformers computes it.
+    """The LR multiplier at effective update ``update``, as transformers computes it.
 
     Args:
-        update: k, the 0-based index of the effective update (= updates applied before it).
+        update: k, the 0-based index of the effective update (updates before it).
         cfg: the schedule.
 
     Returns:
@@ -107,7 +105,8 @@ def wsd_factor(update: int, cfg: WSDConfig) -> float:
         return 1.0
     if update < W + S + D:
         progress = float(update - W - S) / float(max(1, D))
-        f = 1.0 - progress if cfg.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        f = (1.0 - progress if cfg.decay_type == "linear"
+             else 0.5 * (1.0 + math.cos(math.pi * progress)))
         return max(0.0, f * (1.0 - m) + m)
     return m
 
@@ -116,7 +115,7 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
     """lr = base_lr * wsd_factor(update); LambdaLR multiplies the same way.
 
     Args:
-        update: k, the 0-based index of the effective update (= updates applied before it).
+        update: k, the 0-based index of the effective update (updates before it).
         cfg: the schedule.
 
     Returns:
@@ -132,21 +131,24 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
 class UpdateClock:
     """The LR clock of a training loop: advances only when an update was applied.
 
-    ``lr`` is the learning rate of the *next* update, ``wsd_lr(position)``; before any call it
-    is ``wsd_lr(0)`` (as ``LambdaLR`` right after construction). ``step(applied)`` is called
-    once per optimizer call; with an optimizer attached it writes ``lr`` into every param group.
+    ``lr`` is the learning rate of the *next* update, ``wsd_lr(position)``; before any
+    call it is ``wsd_lr(0)`` (as ``LambdaLR`` right after construction).
+    ``step(applied)`` is called once per optimizer call; with an optimizer attached it
+    writes ``lr`` into every param group.
 
     Args:
         cfg: the schedule.
-        optimizer: if given, every param group's ``lr`` is set to ``self.lr`` now and after each step.
+        optimizer: if given, every param group's ``lr`` is set to ``self.lr`` now and
+            after each step.
 
     Example:
         >>> clock = UpdateClock(WSDConfig(base_lr=1.0, warmup=4))
-        >>> clock.step(True), clock.step(False), (clock.updates, clock.skipped, clock.calls)
-        (0.25, 0.25, (1, 1, 2))
+        >>> clock.step(True), clock.step(False), (clock.updates, clock.skipped)
+        (0.25, 0.25, (1, 1))
     """
 
-    def __init__(self, cfg: WSDConfig, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, cfg: WSDConfig,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.cfg = cfg
         self.optimizer = optimizer
         self.updates = 0  # successful updates so far
@@ -169,10 +171,10 @@ class UpdateClock:
         return wsd_lr(self.position, self.cfg)
 
     def step(self, applied: bool) -> float:
-        """Record one optimizer call and write the new ``lr`` into the optimizer, if any.
+        """Record one optimizer call; write the new ``lr`` into the optimizer, if any.
 
         Args:
-            applied: True when the call changed the parameters, False when it was skipped.
+            applied: True when the call applied the update, False when it skipped it.
 
         Returns:
             The learning rate of the next update (``self.lr`` after the call).
@@ -196,7 +198,7 @@ class UpdateClock:
 
 
 class NaiveClock(UpdateClock):
-    """The bug: reads the schedule at the number of optimizer *calls*, skipped ones included.
+    """The bug: reads the schedule at the number of optimizer *calls*, skips included.
 
     Args:
         cfg, optimizer: as for ``UpdateClock``.
@@ -214,14 +216,17 @@ class NaiveClock(UpdateClock):
 
 
 def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """``scaler.step(optimizer)`` + ``scaler.update()``; True when ``optimizer.step()`` ran.
+    """``scaler.step(optimizer)``, ``scaler.update()``; True if the update was applied.
 
-    Public API only: the scale shrinks in ``update()`` iff the step found inf/NaN, which is
-    iff ``step()`` skipped ``optimizer.step()``. A disabled scaler always steps (scale 1.0).
+    Public API only: the scale shrinks in ``update()`` iff the step found inf/NaN, which
+    is iff the update was skipped. How it is skipped depends on the optimizer: a plain
+    one (SGD, foreach AdamW) is not called; a fused AdamW is called with the scaler's
+    ``found_inf`` and its kernel leaves the parameters, moments and step count as they
+    were. A disabled scaler always steps (scale 1.0).
 
     Args:
-        scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``; enabled, it needs
-            ``backoff_factor < 1`` (else ``ValueError``).
+        scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``; enabled, it
+            needs ``backoff_factor < 1`` (else ``ValueError``).
         optimizer: the optimizer to step.
 
     Returns:

@@ -1,14 +1,17 @@
-"""Part 02 · 43 — the training state by formula: the byte counts the ledger's formula is built from.
+"""Part 02 · 43 — the training state by formula: the byte counts the ledger's formula
+is built from.
 
-Per Qwen2 model (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict; SwiGLU, RMSNorm, GQA, fused SDPA,
-tied embeddings): the bytes of its parameters, gradients and AdamW state, and of the activations one
-decoder layer saves for backward, in total and storage by storage. These are the exercise answers of
-the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``, ``block_saved_bytes``) and the
-building blocks of ``bp_mech.ledger.theoretical``; ``bp_mech.ledger`` re-exports every public name
-here (``from bp_mech.ledger import param_bytes`` works as before).
+Per Qwen2 model (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict; SwiGLU, RMSNorm, GQA,
+fused SDPA, tied embeddings): the bytes of its parameters, gradients and AdamW state,
+and of the activations one decoder layer saves for backward, in total and storage by
+storage. These are the exercise answers of the chapter (``param_bytes``, ``grad_bytes``,
+``adam_state_bytes``, ``block_saved_bytes``) and the building blocks of
+``bp_mech.ledger.theoretical``; ``bp_mech.ledger`` re-exports every public name here
+(``from bp_mech.ledger import param_bytes`` works as before).
 
-Notation: C = hidden_size, H = num_attention_heads, d = C / H, C_kv = num_key_value_heads * d,
-I = intermediate_size, V = vocab_size, L = num_hidden_layers, n = B * T tokens.
+Notation: C = hidden_size, H = num_attention_heads, d = C / H,
+C_kv = num_key_value_heads * d, I = intermediate_size, V = vocab_size,
+L = num_hidden_layers, n = B * T tokens.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ def _dims(cfg) -> dict:
     """Sizes of a Qwen2 config (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict)."""
     g = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
     C, H, KV = g("hidden_size"), g("num_attention_heads"), g("num_key_value_heads")
-    return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"), V=g("vocab_size"),
-                L=g("num_hidden_layers"), tied=bool(g("tie_word_embeddings")))
+    return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"),
+                V=g("vocab_size"), L=g("num_hidden_layers"),
+                tied=bool(g("tie_word_embeddings")))
 
 
 def _layer_params(d) -> int:
@@ -31,8 +35,8 @@ def _layer_params(d) -> int:
 def param_bytes(cfg, bytes_per_value: int = 4) -> int:
     """Unique parameters: embedding (once if tied to lm_head), L layers, final norm.
 
-    A layer holds q_proj (C x C + C bias), k_proj and v_proj (C_kv x C + C_kv bias each), o_proj
-    (C x C), gate/up/down (3 C I) and two RMSNorm gains (2 C).
+    A layer holds q_proj (C x C + C bias), k_proj and v_proj (C_kv x C + C_kv bias
+    each), o_proj (C x C), gate/up/down (3 C I) and two RMSNorm gains (2 C).
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
@@ -43,7 +47,8 @@ def param_bytes(cfg, bytes_per_value: int = 4) -> int:
 
     Example:
         >>> from bp_mech.bench.workload import ARCHITECTURES
-        >>> param_bytes(ARCHITECTURES["tiny"]), param_bytes(ARCHITECTURES["qwen05"]) // 4  # Qwen2.5-0.5B
+        >>> tiny, qwen05 = ARCHITECTURES["tiny"], ARCHITECTURES["qwen05"]
+        >>> param_bytes(tiny), param_bytes(qwen05) // 4
         (469248, 494032768)
     """
     d = _dims(cfg)
@@ -56,7 +61,8 @@ def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
-        bytes_per_value: bytes per gradient element (a ``.grad`` has its parameter's dtype).
+        bytes_per_value: bytes per gradient element (a ``.grad`` has its parameter's
+            dtype).
 
     Returns:
         The number of bytes, an int (``param_bytes``).
@@ -70,34 +76,41 @@ def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
 
 
 def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
-    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter; the step counters come on top.
+    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter; the step counters come
+    on top.
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
-        bytes_per_value: bytes per moment element (AdamW keeps its moments in the parameters' dtype).
+        bytes_per_value: bytes per moment element (AdamW keeps its moments in the
+            parameters' dtype).
 
     Returns:
         The number of bytes, an int (2 ``param_bytes``).
 
     Example:
         >>> from bp_mech.bench.workload import ARCHITECTURES
-        >>> adam_state_bytes(ARCHITECTURES["tiny"]) == 2 * param_bytes(ARCHITECTURES["tiny"])
+        >>> tiny = ARCHITECTURES["tiny"]
+        >>> adam_state_bytes(tiny) == 2 * param_bytes(tiny)
         True
     """
     return 2 * param_bytes(cfg, bytes_per_value)
 
 
 def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
-    """Bytes one Qwen2 decoder layer saves for backward (fused SDPA), its input included.
+    """Bytes one Qwen2 decoder layer saves for backward (fused SDPA), its input
+    included.
 
     Its weights and the shared RoPE cos/sin are excluded.
     fp32, n = B*T tokens: 4 n (8C + 2Ckv + 4I + 2) + 4 B H T, from
-      RMSNorm x2: input x, 1/rms (n,1), x/rms, normed output (the q/k/v or gate/up input): 3C + 1 each
-      attention: RoPE'd q (C) and k (Ckv), v (Ckv), SDPA output (C, also o_proj's input), lse (B,H,T)
+      RMSNorm x2: input x, 1/rms (n,1), x/rms, normed output (the q/k/v or
+        gate/up input): 3C + 1 each
+      attention: RoPE'd q (C) and k (Ckv), v (Ckv), SDPA output (C, also o_proj's
+        input), lse (B,H,T)
       residual sum entering the second norm is that norm's x (counted above)
       SwiGLU: gate out, silu out, up out, their product (down_proj's input): 4 I
-    autocast: the norms stay fp32 (x, x/rms, 1/rms), each linear saves its own half-precision
-    copy of its input (q, k, v: 3 copies; gate, up: 2), SDPA saves half q/k/v/out, the MLP is half:
+    autocast: the norms stay fp32 (x, x/rms, 1/rms), each linear saves its own
+    half-precision copy of its input (q, k, v: 3 copies; gate, up: 2), SDPA saves half
+    q/k/v/out, the MLP is half:
       n (30C + 4Ckv + 8I + 8) + 4 B H T.
 
     Args:
@@ -111,7 +124,8 @@ def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
 
     Example:
         >>> from bp_mech.bench.workload import ARCHITECTURES
-        >>> block_saved_bytes(ARCHITECTURES["tiny"], 2, 8), block_saved_bytes(ARCHITECTURES["tiny"], 2, 8, half=True)
+        >>> tiny = ARCHITECTURES["tiny"]
+        >>> block_saved_bytes(tiny, 2, 8), block_saved_bytes(tiny, 2, 8, half=True)
         (82304, 55680)
     """
     d, n = _dims(cfg), batch * seq
@@ -124,10 +138,10 @@ def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
 def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
     """``block_saved_bytes`` (float32) storage by storage, in bytes.
 
-    What an offload that moves whole storages and keeps the small ones (Part 02 · 42) sees.
-    n = B*T tokens: two RMSNorms (x, x/rms, normed output: 4nC each; 1/rms: 4n), attention
-    (RoPE'd q 4nC and k 4nC_kv, v 4nC_kv, SDPA output 4nC, log-sum-exp 4BHT), SwiGLU (gate, SiLU,
-    up, product: 4nI each).
+    What an offload that moves whole storages and keeps the small ones (Part 02 · 42)
+    sees. n = B*T tokens: two RMSNorms (x, x/rms, normed output: 4nC each; 1/rms: 4n),
+    attention (RoPE'd q 4nC and k 4nC_kv, v 4nC_kv, SDPA output 4nC, log-sum-exp 4BHT),
+    SwiGLU (gate, SiLU, up, product: 4nI each).
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
@@ -135,32 +149,38 @@ def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
         seq: T, tokens per sequence.
 
     Returns:
-        A list of 17 ints: the norms' 6 (n, C) storages, their 2 1/rms, then attention's 5, SwiGLU's 4.
+        A list of 17 ints: the norms' 6 (n, C) storages, their 2 1/rms, then attention's
+        5, SwiGLU's 4.
 
     Example:
         >>> from bp_mech.bench.workload import ARCHITECTURES
         >>> sizes = layer_saved_storages(ARCHITECTURES["tiny"], 2, 8)
-        >>> len(sizes), sum(sizes) == block_saved_bytes(ARCHITECTURES["tiny"], 2, 8), min(sizes)
+        >>> total = block_saved_bytes(ARCHITECTURES["tiny"], 2, 8)
+        >>> len(sizes), sum(sizes) == total, min(sizes)
         (17, True, 64)
     """
     d, n = _dims(cfg), batch * seq
     C, Ckv, I = d["C"], d["Ckv"], d["I"]
-    return [4 * n * C] * 6 + [4 * n] * 2 + [4 * n * C, 4 * n * Ckv, 4 * n * Ckv, 4 * n * C,
-                                           4 * batch * d["H"] * seq] + [4 * n * I] * 4
+    norms = [4 * n * C] * 6 + [4 * n] * 2
+    lse = 4 * batch * d["H"] * seq  # SDPA's log-sum-exp
+    attention = [4 * n * C, 4 * n * Ckv, 4 * n * Ckv, 4 * n * C, lse]
+    return norms + attention + [4 * n * I] * 4
 
 
 def _outer_saved_storages(d, batch: int, seq: int) -> list[int]:
-    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm (x, x/rms,
-    normed output, 1/rms)."""
+    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm
+    (x, x/rms, normed output, 1/rms)."""
     n = batch * seq
     return [4 * seq * d["hd"]] * 2 + [4 * n * d["C"]] * 3 + [4 * n]
 
 
 def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
-    """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al. 2022, eq. 2).
+    """The GPT constant per layer, s b h (34 + 5 a s / h) bytes (Korthikanti et al.
+    2022, eq. 2).
 
-    It assumes 16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the materialised
-    s x s scores (s = seq, b = batch, h = hidden_size, a = heads): a reference, not this model's count.
+    It assumes 16-bit activations, a 4h GELU MLP, LayerNorm, dropout masks and the
+    materialised s x s scores (s = seq, b = batch, h = hidden_size, a = heads): a
+    reference, not this model's count.
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
@@ -172,7 +192,7 @@ def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
 
     Example:
         >>> from bp_mech.bench.workload import ARCHITECTURES
-        >>> gpt_activation_bytes(ARCHITECTURES["tiny"], 2, 8)  # 8 * 2 * 64 * (34 + 5 * 4 * 8 / 64)
+        >>> gpt_activation_bytes(ARCHITECTURES["tiny"], 2, 8)  # 8*2*64*(34+5*4*8/64)
         37376.0
     """
     d = _dims(cfg)
@@ -180,7 +200,8 @@ def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
 
 
 def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -> int:
-    """What one layer adds if SDPA falls back to its math kernel: the (B, H, T, T) probabilities.
+    """What one layer adds if SDPA falls back to its math kernel: the (B, H, T, T)
+    probabilities.
 
     Args:
         cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.

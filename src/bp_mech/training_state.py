@@ -1,35 +1,37 @@
 """The full training state of a ``continual_pretrain.Trainer``: capture, restore, save, load.
 
-A run resumed from a saved state continues bit for bit (CPU) where the uninterrupted run goes only if
-the saved state holds everything the next update depends on: the weights (``model.safetensors``, tied
-weights once, as ``save_pretrained`` stores them); AdamW's step and moments (``optimizer.pt``); the
-update clock of Part 02 · 12 (applied and skipped updates); the GradScaler; the RNG states (``rng.pt``:
-the data stream's generator, and torch's, Python's and NumPy's global ones, which nothing in this loop
-draws from but dropout or a shuffling sampler would); the data position; the identity of the run
-(workload, model config, training config, data) and of its record (``FIELDS``).
+A run resumed from a saved state continues bit for bit (CPU) where the uninterrupted run
+goes only if the saved state holds everything the next update depends on: the weights
+(``model.safetensors``, tied weights once, as ``save_pretrained`` stores them); AdamW's
+step and moments (``optimizer.pt``); the update clock of Part 02 · 12 (applied and
+skipped updates); the GradScaler; the RNG states (``rng.pt``: the data stream's
+generator, and torch's, Python's and NumPy's global ones, which nothing in this loop
+draws from but dropout or a shuffling sampler would); the data position; the identity of
+the run (workload, model config, training config, data) and of its record (``FIELDS``).
 
-``save_training_state`` writes a saved state into a temporary directory renamed into place only when
-complete, then points the ``latest`` file (replaced atomically) at it: a save killed at any point leaves
-the previous saved state and ``latest`` as they were (nothing is fsynced: after a power loss the sha256
-in the manifest tells a damaged file). ``load_training_state`` checks the manifest field by field, the
-files' sizes and sha256, the weights' names, shapes and dtypes and the optimizer state's layout against
-the live trainer *before* it changes anything; a mismatch is one ``TrainingStateError`` line and nothing
-is loaded. ``config.json`` makes a saved state a Transformers model directory (``from_pretrained``).
-The format and its checks are ``bp_mech.state_format``; every name of it is importable from here.
+``save_training_state`` writes a saved state into a temporary directory renamed into
+place only when complete, then points the ``latest`` file (replaced atomically) at it: a
+save killed at any point leaves the previous saved state and ``latest`` as they were
+(nothing is fsynced: after a power loss the sha256 in the manifest tells a damaged
+file). ``load_training_state`` checks the manifest field by field, the files' sizes and
+sha256, the weights' names, shapes and dtypes and the optimizer state's layout against
+the live trainer *before* it changes anything; a mismatch is one ``TrainingStateError``
+line and nothing is loaded. ``config.json`` makes a saved state a Transformers model
+directory (``from_pretrained``). The format and its checks are ``bp_mech.state_format``,
+the RNG states ``bp_mech.rng_state``; every name of both is importable from here.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from bp_mech.rng_state import rng_states, set_rng_states
 from bp_mech.state_format import (FIELDS, FILES, FORMAT, IDENTITY, LATEST, MODEL_CONFIG_KEYS, TrainingStateError,
                                   _check_layout, _sha256, identity, model_config_identity, read_manifest, resolve,
                                   tied_names, trainer_identity, unique_tensors)
@@ -41,54 +43,6 @@ __all__ = ["FORMAT", "FILES", "LATEST", "IDENTITY", "FIELDS", "TrainingStateErro
 
 
 # --- in memory --------------------------------------------------------------------------
-
-def rng_states(device) -> dict:
-    """The global RNG states: torch's CPU (and, on CUDA, every device's) generator, Python's and NumPy's.
-
-    Args:
-        device: the trainer's device; when its type is ``cuda``, every CUDA device's state is added.
-
-    Returns:
-        ``{"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": [name, keys, pos, has_gauss,
-        cached_gaussian]}`` (and ``"cuda"``: one state per device), as tensors and lists, which
-        ``torch.load(weights_only=True)`` reads back from ``rng.pt``.
-
-    Example:
-        >>> sorted(rng_states("cpu"))
-        ['numpy', 'python', 'torch']
-    """
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    out = dict(torch=torch.get_rng_state(), python=random.getstate(),
-               numpy=[name, keys.tolist(), pos, has_gauss, gauss])
-    if torch.device(device).type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_states(states: dict) -> None:
-    """Set the global RNGs to an ``rng_states`` dict: the draws that followed it are drawn again.
-
-    Args:
-        states: what ``rng_states`` returned (or rng.pt holds); not changed. ``cuda`` is used only with CUDA.
-
-    Returns:
-        None.
-
-    Example:
-        >>> states = rng_states("cpu")
-        >>> draws = (torch.rand(2).tolist(), random.random(), np.random.rand())
-        >>> set_rng_states(states)
-        >>> (torch.rand(2).tolist(), random.random(), np.random.rand()) == draws
-        True
-    """
-    torch.set_rng_state(states["torch"].clone())
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, g = states["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, g))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
 
 def clock_state(clock) -> dict:
     """The update clock's state (``scheduler.UpdateClock`` has no ``state_dict``): applied and skipped updates.
@@ -132,19 +86,23 @@ def set_clock_state(clock, state: dict) -> None:
 def capture_state(trainer) -> dict:
     """Everything the trainer's next update depends on, as copies.
 
-    Training on afterwards changes nothing in the returned dict (``state_dict()`` returns the live tensors).
+    Training on afterwards changes nothing in the returned dict (``state_dict()``
+    returns the live tensors).
 
     Args:
         trainer: a ``continual_pretrain.Trainer``.
 
     Returns:
-        A deep copy of ``{"model", "optimizer", "scaler"}`` (their ``state_dict()``), ``"clock"``
-        (``clock_state``), ``"data"`` (the ``TextStream``'s ``state_dict()``) and ``"rng"`` (``rng_states``).
+        A deep copy of ``{"model", "optimizer", "scaler"}`` (their ``state_dict()``),
+        ``"clock"`` (``clock_state``), ``"data"`` (the ``TextStream``'s
+        ``state_dict()``) and ``"rng"`` (``rng_states``).
 
     Example:
         >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
+        ...                                         train)
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...             TextStream(torch.arange(64), 1, 8, 0))
         >>> state = capture_state(t); _ = train(t, 2)
         >>> state["clock"], t.clock.updates
         ({'updates': 0, 'skipped': 0}, 2)
@@ -158,22 +116,27 @@ def capture_state(trainer) -> dict:
 def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
     """Put a ``capture_state`` dict back into a trainer built the same way.
 
-    It copies first (AdamW's ``load_state_dict`` keeps the tensors it is given, and training on would change
-    them in ``state``), unless the caller hands over a dict nobody else holds (``copy_state=False``). The
-    optimizer's param groups carry the LR the clock set last. The global RNGs are set too.
+    It copies first (AdamW's ``load_state_dict`` keeps the tensors it is given, and
+    training on would change them in ``state``), unless the caller hands over a dict
+    nobody else holds (``copy_state=False``). The optimizer's param groups carry the LR
+    the clock set last. The global RNGs are set too.
 
     Args:
-        trainer: a ``continual_pretrain.Trainer`` with the same model, optimizer and data stream layout.
+        trainer: a ``continual_pretrain.Trainer`` with the same model, optimizer and
+            data stream layout.
         state: a ``capture_state`` dict.
-        copy_state: False: use ``state``'s tensors as they are (the caller hands ``state`` over).
+        copy_state: False: use ``state``'s tensors as they are (the caller hands
+            ``state`` over).
 
     Returns:
         None.
 
     Example:
         >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
+        ...                                         train)
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...             TextStream(torch.arange(64), 1, 8, 0))
         >>> state = capture_state(t); first = [row["loss"] for row in train(t, 2)]
         >>> restore_state(t, state)
         >>> [row["loss"] for row in train(t, 2)] == first
@@ -192,16 +155,20 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
 # --- on disk -------------------------------------------------------------------------------
 
 def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
-    """Write the trainer's state to ``root/step-NNNNNN`` (a free name) atomically and point ``root/latest`` at it.
+    """Write the trainer's state to ``root/step-NNNNNN`` atomically, then ``latest``.
 
-    NNNNNN is the clock's applied updates (a name taken gets ``-1``, ``-2``, ...). ``FILES`` and ``state.json``
-    are written into ``root/.tmp-<name>-*``, renamed into place when complete; an error removes it (and propagates).
+    ``root/step-NNNNNN`` is a free name; ``root/latest`` names it afterwards.
+
+    NNNNNN is the clock's applied updates (a name taken gets ``-1``, ``-2``, ...).
+    ``FILES`` and ``state.json`` are written into ``root/.tmp-<name>-*``, renamed into
+    place when complete; an error removes it (and propagates).
 
     Args:
         trainer: the ``continual_pretrain.Trainer`` to save.
         root: the directory of the saved states; created if missing.
         workload: the record's workload group (``bench.workload.workload_fields``).
-        record: the record's identity (``semantic_id``, run label, candidate), kept as the manifest's ``record``.
+        record: the record's identity (``semantic_id``, run label, candidate), kept as
+            the manifest's ``record``.
 
     Returns:
         The new saved state directory, ``root/step-NNNNNN`` (or ``root/step-NNNNNN-k``).
@@ -209,11 +176,17 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
     Example:
         >>> from bp_mech.bench.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...             TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
-        ...     path = save_training_state(t, root, {"workload_id": "tiny-b1s8"}, {"semantic_id": "X"})
-        ...     print(path.name, sorted(p.name for p in path.iterdir()), (Path(root) / LATEST).read_text().strip())
-        step-000000 ['config.json', 'model.safetensors', 'optimizer.pt', 'rng.pt', 'state.json'] step-000000
+        ...     path = save_training_state(t, root, {"workload_id": "tiny-b1s8"},
+        ...                                {"semantic_id": "X"})
+        ...     files = sorted(p.name for p in path.iterdir())
+        ...     latest = (Path(root) / LATEST).read_text().strip()
+        >>> path.name, latest
+        ('step-000000', 'step-000000')
+        >>> files
+        ['config.json', 'model.safetensors', 'optimizer.pt', 'rng.pt', 'state.json']
     """
     from safetensors.torch import save_file
 
@@ -224,18 +197,23 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
         name, n = f"step-{trainer.clock.updates:06d}-{n}", n + 1
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in unique_tensors(trainer.model.state_dict()).items()}
+        weights = {k: v.detach().to("cpu").contiguous()
+                   for k, v in unique_tensors(trainer.model.state_dict()).items()}
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         del weights
         torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(dict(data_generator=trainer.data.generator.get_state(), **rng_states(trainer.device)), tmp / "rng.pt")
+        torch.save(dict(data_generator=trainer.data.generator.get_state(),
+                        **rng_states(trainer.device)), tmp / "rng.pt")
         trainer.model.config.to_json_file(tmp / "config.json")
-        manifest = dict(format=FORMAT, **trainer_identity(trainer, workload), record=record,
-                        clock=clock_state(trainer.clock),
+        manifest = dict(format=FORMAT, **trainer_identity(trainer, workload),
+                        record=record, clock=clock_state(trainer.clock),
                         scaler=trainer.scaler.state_dict(),
-                        data_position=dict(position=trainer.data.position, tokens=trainer.data.tokens),
-                        files={f: dict(bytes=(tmp / f).stat().st_size, sha256=_sha256(tmp / f)) for f in FILES})
-        (tmp / "state.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+                        data_position=dict(position=trainer.data.position,
+                                           tokens=trainer.data.tokens),
+                        files={f: dict(bytes=(tmp / f).stat().st_size,
+                                       sha256=_sha256(tmp / f)) for f in FILES})
+        (tmp / "state.json").write_text(json.dumps(manifest, indent=1) + "\n",
+                                        encoding="utf-8")
         os.rename(tmp, root / name)  # the saved state appears complete, or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -250,26 +228,32 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
 def load_training_state(trainer, path, workload: dict, semantic_id: str | None = None) -> dict:
     """Validate the saved state at ``path`` against ``trainer`` and restore it.
 
-    ``read_manifest`` with the trainer's identity, then the weights' and the optimizer state's layout,
-    the RNG states and the scaler, then ``restore_state``. Nothing is loaded unless everything checks.
+    ``read_manifest`` with the trainer's identity, then the weights' and the optimizer
+    state's layout, the RNG states and the scaler, then ``restore_state``. Nothing is
+    loaded unless everything checks.
 
     Args:
-        trainer: a ``continual_pretrain.Trainer`` built as the saved one was (its weights may differ).
+        trainer: a ``continual_pretrain.Trainer`` built as the saved one was (its
+            weights may differ).
         path: a saved state directory, or a root whose ``latest`` names one.
         workload: the run's workload group, compared with the manifest's.
-        semantic_id: the experiment the saved state must have been made for; None: not compared.
+        semantic_id: the experiment the saved state must have been made for; None: not
+            compared.
 
     Returns:
         The manifest (``state.json`` as a dict, ``FIELDS``).
 
     Raises:
-        TrainingStateError: as ``read_manifest``; an unreadable ``optimizer.pt`` or ``rng.pt``; weights or
-            optimizer state of another layout; missing RNG states; another scaler. The trainer is unchanged.
+        TrainingStateError: as ``read_manifest``; an unreadable ``optimizer.pt`` or
+            ``rng.pt``; weights or optimizer state of another layout; missing RNG
+            states; another scaler. The trainer is unchanged.
 
     Example:
         >>> from bp_mech.bench.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer, train
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
+        ...                                         train)
+        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...             TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
         ...     _ = save_training_state(t, root, {}, {"semantic_id": "X"}); _ = train(t, 2)
         ...     print(load_training_state(t, root, {}, "X")["clock"], t.clock.updates)

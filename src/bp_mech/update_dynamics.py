@@ -98,26 +98,30 @@ def make_optimizer(model, lr: float, weight_decay: float, device):
 # --- from scratch: the global norm, the clip coefficient, the update ratio -----------------
 
 def global_grad_norm(tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped). The book's one global norm.
+    """sqrt(sum_i ||g_i||_2^2) over all tensors (None skipped): the book's global norm.
 
     Args:
-        tensors: an iterable (a generator is fine) of tensors or None; detached before the norm.
-        dtype: the dtype to compute the norms in, e.g. float64 to compare norms across runs;
-            None keeps the tensors' dtype.
+        tensors: an iterable (a generator is fine) of tensors or None; detached before
+            the norm.
+        dtype: the dtype to compute the norms in, e.g. float64 to compare norms across
+            runs; None keeps the tensors' dtype.
 
     Returns:
-        A 0-dim tensor in the tensors' dtype (or in ``dtype``); ``torch.zeros(())`` when there are none.
+        A 0-dim tensor in the tensors' dtype (or in ``dtype``); ``torch.zeros(())`` when
+        there are none.
 
     Example:
         >>> global_grad_norm([torch.tensor([3.0]), None, torch.tensor([4.0])]).item()
         5.0
     """
-    norms = [torch.linalg.vector_norm(g.detach(), dtype=dtype) for g in tensors if g is not None]  # one per tensor
+    # one norm per tensor, then the norm of those norms
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=dtype)
+             for g in tensors if g is not None]
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 def clip_coefficient(total_norm, max_norm: float, eps: float = EPS):
-    """c = min(1, max_norm / (total_norm + eps)): gradients are only scaled down, never up.
+    """c = min(1, max_norm / (total_norm + eps)): gradients are only scaled down.
 
     Args:
         total_norm: the global gradient norm, a 0-dim tensor (``global_grad_norm``).
@@ -137,7 +141,7 @@ def clip_coefficient(total_norm, max_norm: float, eps: float = EPS):
 
 
 def clip_by_global_norm_(params, max_norm: float, eps: float = EPS) -> torch.Tensor:
-    """Scale every gradient in place by the one global coefficient; return the pre-clip norm.
+    """Scale every gradient in place by one global coefficient; return the prior norm.
 
     Args:
         params: an iterable of parameters; those whose ``grad`` is None are skipped.
@@ -163,21 +167,22 @@ def clip_by_global_norm_(params, max_norm: float, eps: float = EPS) -> torch.Ten
 
 
 def update_ratio(before, after) -> tuple[float, float, float]:
-    """(||after - before||, ||before||, ratio) over a group of tensors (global L2, float64).
+    """(||after - before||, ||before||, ratio) of a group (global L2, float64).
 
     Args:
         before: an iterable of tensors, the group's parameters before the update.
         after: the same tensors after the update, in the same order and shapes.
 
     Returns:
-        (update norm, parameter norm, update norm / parameter norm) as floats; the ratio is
-        ``math.inf`` when the parameter norm is 0.
+        (update norm, parameter norm, update norm / parameter norm) as floats; the ratio
+        is ``math.inf`` when the parameter norm is 0.
 
     Example:
         >>> update_ratio([torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 4.5])])
         (0.5, 5.0, 0.1)
     """
     before = list(before)
-    du = global_grad_norm(a.detach().double() - b.double() for b, a in zip(before, after)).item()
+    du = global_grad_norm(a.detach().double() - b.double()
+                          for b, a in zip(before, after)).item()
     pn = global_grad_norm(before, dtype=torch.float64).item()
     return du, pn, du / pn if pn > 0 else math.inf

@@ -93,7 +93,7 @@ def test_a_noisy_ratio_gives_no_decision_from_time():
     assert decision.decide(True, 0.30, 1.1) == ("accept", None)
     verdict, nxt = decision.decide(True, 0.30, 1.1, noise="P95 ratio differs")
     assert verdict is None and "noise" in nxt
-    assert decision.decide(True, 0.10, 1.1, noise="x")[0] == "tune"  # saves too little: memory decides, not time
+    assert decision.decide(True, 0.08, 1.1, noise="x")[0] == "tune"  # saves too little: memory decides, not time
     assert decision.decide(False, 0.30, 1.1, noise="x")[0] == "reject"  # correctness decides, not time
 
 

@@ -1,4 +1,4 @@
-"""The provenance box beside cached GPU records (report.provenance_box) and the seed's references.
+"""The provenance box beside cached GPU records (report.provenance_box) and the course's reference run.
 
 No GPU record is cached: a synthetic one, made from a cached CPU record with the fields a GPU
 run writes, goes through the cache (saved, validated, loaded by ``report.cached``) in tmp_path.
@@ -47,7 +47,7 @@ def test_box_of_a_current_gpu_record(tmp_path):
     assert rows["evidence"] == "gpu-measured (memory: cuda-allocator)"
     assert rows["code"].startswith(f"current: code_hash {now} matches this source; git commit 0123456789ab")
     ref = references.SEED[SID]
-    assert rows["seed's reference"].startswith(ref.summary()) and "not this book's measurement" in rows["seed's reference"]
+    assert rows["reference"].startswith(ref.summary()) and "not this book's measurement" in rows["reference"]
     page = box._repr_html_()
     assert 'class="admonition note bp-provenance"' in page and html.escape(rows["model"]) in page
     assert box._repr_markdown_().startswith(":::{admonition} Provenance: TRAIN-CHECKPOINT, run label gpu-default")
@@ -69,7 +69,7 @@ def test_box_without_a_seed_reference_and_config_model():
     rec = dataclasses.replace(_gpu_record("plain", "x"), semantic_id="TRAIN-UPDATE-DYNAMICS", model_source="config",
                               model_commit="c0ffee" * 4)
     rows = dict(report.provenance_box(rec).rows)
-    assert "seed's reference" not in rows and references.seed_reference("TRAIN-UPDATE-DYNAMICS") is None
+    assert "reference" not in rows and references.seed_reference("TRAIN-UPDATE-DYNAMICS") is None
     assert rows["model"].startswith("Qwen/Qwen2.5-0.5B, random init from the config (config hash c0ffeec0ffee)")
 
 
@@ -86,6 +86,8 @@ def test_box_escapes_html():
     ("TRAIN-GRADIENT-ACCUMULATION", "at seq 256: peak down up to about 17.3%, median step up about 33.5%; "
                                     "short sequences: decision tune"),
 ])
-def test_seed_summaries_read_as_design_md_table(sid, phrase):
-    s = references.SEED[sid].summary()
-    assert s.startswith("the seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, run label ") and s.endswith(phrase)
+def test_reference_summaries_read_as_design_md_table(sid, phrase):
+    ref = references.SEED[sid]
+    s = ref.summary()
+    assert s.startswith("the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B, run label ") and s.endswith(phrase)
+    assert ref.source == "the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B)" and "seed" not in s.lower()

@@ -173,3 +173,15 @@ def test_real_gpu_tiny(tmp_path):
 def test_conformance_passes():
     row = experiment.conformance()
     assert row.passed, row.detail
+
+
+def test_accelerate_path_is_bitwise_the_hand_written_one(setup):
+    """Chapter 11 and ``conformance``: Transformers' loss with ``num_items_in_batch`` and Accelerate's
+    ``* k / k`` run the same float32 operations as ``accumulated_backward``: equal bits, not only close."""
+    model, init, batches = setup
+    for k in (2, 4):
+        ours = experiment.train_updates(model, init, batches, k, "token", CFG, "cpu")
+        ours_params = accumulation.snapshot(model.parameters())
+        theirs = accumulation.accelerate_updates(model, init, batches, k, CFG.lr)
+        assert all(torch.equal(a, b) for a, b in zip(theirs, ours["grad"]))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ours_params))

@@ -10,7 +10,7 @@ import torch
 from bp_mech import amp
 from bp_mech.bench.timing import MAX_RATIO_SPREAD
 from bp_mech.experiments import amp as experiment
-from bp_mech.experiments import harness
+from bp_mech.experiments import decision, harness
 from bp_mech.experiments.amp import decide
 from bp_mech.experiments.amp_overflow import overflow_failure
 from bp_mech.records import registry, results
@@ -18,9 +18,9 @@ from bp_mech.records import registry, results
 
 def test_decision_rule():
     # (finite, skipped fraction, loss rel. diff, peak saving, time ratio)
-    assert decide(True, 0.0, 0.001, 0.11, 1.02) == ("accept", None)
-    assert decide(True, 0.0, 0.001, 0.03, 1.00)[0] == "tune"  # saving below MIN_PEAK_SAVING
-    assert decide(True, 0.0, 0.001, experiment.MIN_PEAK_SAVING, 1.00)[0] == "accept"  # at the threshold
+    assert decide(True, 0.0, 0.001, 0.11, 1.02) == ("accept", None)  # saving above the shared floor
+    assert decide(True, 0.0, 0.001, 0.03, 1.00)[0] == "tune"  # saving below decision.MIN_PEAK_SAVING
+    assert decide(True, 0.0, 0.001, decision.MIN_PEAK_SAVING, 1.00)[0] == "accept"  # at the threshold
     assert decide(True, 0.0, 0.001, -0.10, 1.00)[0] == "tune"  # a higher peak
     assert decide(True, 0.0, 0.001, 0.20, 1.50)[0] == "tune"  # too slow
     assert decide(False, 0.0, 0.001, 0.20, 1.00)[0] == "reject"
@@ -29,8 +29,8 @@ def test_decision_rule():
     assert decide(True, 0.0, math.nan, 0.20, 1.00)[0] == "reject"
     assert decide(True, 0.0, 0.001, math.nan, 1.00)[0] == "tune"  # no peak to compare: no memory win shown
     for args in [(True, 0.0, 0.001, 0.20, 1.00), (True, 0.0, 0.001, 0.20, 1.50)]:  # noise: the time decides nothing
-        decision, nxt = decide(*args, noise="median ratio 1.00 and P95 ratio 3.00 differ")
-        assert decision is None and "noise (median ratio 1.00" in nxt and "GPU" in nxt
+        outcome, nxt = decide(*args, noise="median ratio 1.00 and P95 ratio 3.00 differ")
+        assert outcome is None and "noise (median ratio 1.00" in nxt and "GPU" in nxt
     # what does not depend on the time still decides under noise; a tune or reject always says what next
     assert decide(True, 0.0, 0.001, 0.03, 1.00, noise="x")[0] == "tune"
     assert decide(False, 0.0, 0.001, 0.20, 1.00, noise="x")[0] == "reject"
@@ -110,7 +110,7 @@ def test_gpu_plan_fits_budget():
     assert cpu["measured_steps"] == 1 + cpu_cfg.warmup + cpu_cfg.timed  # the tracked step gives the CPU's peak
     assert cpu["interleaved"] and cpu["threads"] == 1 and not gpu["interleaved"] and gpu["threads"] is None
     assert 10 <= gpu["estimated_seconds"] <= 60 and set(gpu["estimated_seconds_per_candidate"]) == set(experiment.CANDIDATES)
-    assert p["rule"]["MIN_PEAK_SAVING"] == experiment.MIN_PEAK_SAVING
+    assert p["rule"]["MIN_PEAK_SAVING"] == decision.MIN_PEAK_SAVING
     assert "H200" in p["estimate_basis"]
 
 
@@ -253,3 +253,21 @@ def test_overflow_failure_says_why():
     assert overflow_failure(low, ()) == "the loss scale fell to 0.25, below SCALE_FLOOR 1"
     nan = _trace([True, True], [4.0, 4.0], [5.0, math.nan])
     assert overflow_failure(nan, ()) == "the loss ended non-finite"
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_skipped_step_calls_fused_adamw_and_it_skips_inside(impl):
+    """The mixed-precision page: on an overflow ``scaler.step`` does not call a foreach AdamW's step; a fused
+    AdamW (the book's on CUDA, ``make_adamw``) it does call, with ``found_inf``, and the kernel skips."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, **{impl: True})
+    scaler, calls, step = torch.amp.GradScaler("cpu"), [], opt.step
+    opt.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    for factor in (2.0, math.inf):  # a finite step (AdamW's state exists), then an overflow
+        opt.zero_grad()
+        scaler.scale((p * factor).sum()).backward()
+        before, count = p.detach().clone(), opt.state[p].get("step", torch.tensor(0.0)).clone()
+        scaler.step(opt)
+        scaler.update()
+    assert torch.equal(p.detach(), before) and torch.equal(opt.state[p]["step"], count)  # nothing moved
+    assert len(calls) == (2 if impl == "fused" else 1)

@@ -1,6 +1,6 @@
 """Part 02 · 42, the experiment: the counting pass, the candidates' hooks, the link metrics; its records
-validate (equality, D2H = the independent count, peaks, transfer bound); the seed's reference gives the
-seed's decision; the conformance check passes."""
+validate (equality, D2H = the independent count, peaks, transfer bound); the course's reference run
+(RTX 5070 Ti, Qwen2.5-0.5B) gives its decision; the conformance check passes."""
 
 import pytest
 import torch
@@ -68,7 +68,7 @@ def test_link_metrics():
 
 
 def test_seed_reference_gives_the_seed_decision():
-    s = references.SEED["TRAIN-OFFLOAD"]  # the seed's figures, in one place
+    s = references.SEED["TRAIN-OFFLOAD"]  # the reference run's figures, in one place
     assert decision.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "tune"
 
 

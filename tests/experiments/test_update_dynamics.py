@@ -69,6 +69,45 @@ def test_decision_rule(rows, want):
     assert experiment.decide(experiment.summarize(rows))[0] == want
 
 
+
+def _rows(ratios, norms):
+    """A falling-loss trace with the given update ratios (mlp group) and gradient norms."""
+    return [dict(loss=5.0 - 0.1 * t, finite=True, grad_norm=n, clip_coef=1.0,
+                 groups={"mlp": dict(ratio=r), "norm_bias": dict(ratio=r / 10)})
+            for t, (r, n) in enumerate(zip(ratios, norms))]
+
+
+def test_the_update_ratio_decides_at_its_bound():
+    """A falling loss with no spike is still tuned when one update moves a group by more than
+    MAX_UPDATE_RATIO of its norm; at the bound it is accepted."""
+    hi = experiment.MAX_UPDATE_RATIO
+    summary = experiment.summarize(_rows([0.01, hi, 0.01], [1.0, 1.0, 1.0]))
+    assert experiment.decide(summary)[0] == "accept"
+    summary = experiment.summarize(_rows([0.01, math.nextafter(hi, 1), 0.01], [1.0, 1.0, 1.0]))
+    assert summary["max_ratio_at"] == dict(update=1, group="mlp")
+    decision, next_step = experiment.decide(summary)
+    assert decision == "tune" and "update 1 moved mlp" in next_step and "loss" not in next_step
+
+
+def test_a_gradient_norm_spike_decides_without_a_loss_spike():
+    """The norm against the median of the earlier ones: at GRAD_SPIKE_MAX x accepted, above it tuned."""
+    k = experiment.GRAD_SPIKE_MAX
+    assert experiment.grad_spike([2.0, 1.0, 1.0, k]) == k  # the median of 2, 1, 1, not the first
+    assert experiment.grad_spike([2.0]) == 1.0 and experiment.grad_spike([0.0, 1.0]) == math.inf
+    ok = experiment.summarize(_rows([0.01] * 4, [2.0, 1.0, 1.0, k]))
+    assert experiment.decide(ok)[0] == "accept"
+    bad = experiment.summarize(_rows([0.01] * 4, [2.0, 1.0, 1.0, math.nextafter(k, 3)]))
+    decision, next_step = experiment.decide(bad)
+    assert decision == "tune" and "gradient norm" in next_step
+
+
+def test_the_high_lr_is_tuned_by_its_first_update(setup):
+    """100x the LR moves the freshly initialised weights by several times their norm in update 0."""
+    model, init, batches = setup
+    summary = experiment.summarize(experiment.trace(model, init, batches, "high_lr", CFG, "cpu"))
+    assert summary["max_ratio_at"]["update"] == 0 and max(summary["max_ratio"].values()) > 1
+    assert experiment.decide(summary)[0] == "tune"
+
 def test_run_records(tmp_path, monkeypatch):
     monkeypatch.setattr(experiment, "config_for", lambda arch, device, smoke=False: CFG)
     recs = experiment.run(registry.make_context("TRAIN-UPDATE-DYNAMICS", "cpu", "tiny-b2s16"))

@@ -6,6 +6,7 @@ the decision rule; the command's output and its one-line errors (exit 2)."""
 import json
 
 import pytest
+import torch
 
 from bp_mech import cli
 from bp_mech.bench import lifecycle
@@ -77,6 +78,24 @@ def test_the_decision_rule():
     best = min(r.cost.extra for r in fit)
     chosen = {r.strategy: r for r in q.rows}[q.recommended]
     assert q.recommended != "plain" and chosen.fits and round(chosen.cost.extra, 3) == round(best, 3)
+    assert plan.recommend(q.rows, budget) == q.recommended and plan.recommend(q.rows, 0) is None
+    b3 = plan.smallest_budget(q.rows, 3)  # the smallest budget at which three candidates fit
+    assert sum(r.needs <= b3 for r in q.rows) >= 3 > sum(r.needs <= b3 - 1 for r in q.rows)
+    assert plan.smallest_budget(q.rows, len(q.rows) + 1) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_library_workspaces_are_in_the_allocators_counters():
+    """Part 02 · 76: cuBLAS's workspace is allocated through the caching allocator (so the plan's
+    slack, not its context, has to cover it); only the CUDA context is outside its counters."""
+    a = torch.randn(256, 256, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):  # a new stream gets its own workspace
+        before = torch.cuda.memory_allocated()
+        c = a @ a  # the first matmul on this stream makes cuBLAS's workspace
+        del c
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() > before  # the workspace stays, counted
 
 
 def test_parallel_workers_give_the_same_plan():

@@ -288,3 +288,9 @@ def test_checks_catch_the_classic_mistakes(check, overrides):
 def test_checks_pass_on_the_answers():
     for check in ex74.CHECKS:
         check(mutant(EX))
+
+
+def test_the_operator_ranking_is_called_a_hot_spot_list():
+    """A ranking by self time is a hot-spot list, not a critical path (no dependencies read)."""
+    metrics = registry.get("TRAIN-PROFILING-DIAGNOSIS").metrics
+    assert "hot-spot list" in metrics and "critical path" not in metrics

@@ -21,13 +21,13 @@ def test_gpu_suite_runs_numeric_paths_first():
 def test_status_is_computed_from_page_and_records(tmp_path):
     e = registry.get("TRAIN-LOCAL-BACKWARD")
     root = ROOT
-    assert registry.status(e, root, tmp_path) == "CPU mechanism (no current CPU record cached)"
+    assert registry.status(e, root, tmp_path) == "CPU mechanism (no CPU record cached)"
     ctx = registry.make_context(e.semantic_id, "cpu", "tiny-b1s8")
     r = ctx.record("linear", all_finite=True)
     results.save_record(r, tmp_path)
     assert registry.status(e, root, tmp_path) == "complete CPU mechanism"
     results.save_record(dataclasses.replace(r, code_hash="stale"), tmp_path)  # same file, now stale
-    assert registry.status(e, root, tmp_path) == "CPU mechanism (no current CPU record cached)"
+    assert registry.status(e, root, tmp_path) == "CPU mechanism (cached CPU records are stale: code changed since)"
     assert registry.status(e, tmp_path, tmp_path) == "in progress (no chapter yet)"
 
 

@@ -14,18 +14,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class ForwardCounter:
-    """Forward calls of each decoder layer and of its attention and MLP, via module pre-hooks.
+    """Forward calls of each decoder layer and of its attention and MLP, via module
+    pre-hooks.
 
-    Module hooks fire on every ``__call__``, including the recompute ``torch.utils.checkpoint``
-    runs in backward, so ``calls`` and ``recomputes`` are measured, not assumed.
+    Module hooks fire on every ``__call__``, including the recompute
+    ``torch.utils.checkpoint`` runs in backward, so ``calls`` and ``recomputes`` are
+    measured, not assumed.
     """
 
     def __init__(self, model):
         layers = model.model.layers
-        unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731  (checkpoint_mlp's wrapper)
+        # checkpoint_mlp's wrapper keeps the MLP as .inner
+        unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731
         self.modules = {"layer": list(layers), "attn": [l.self_attn for l in layers],
                         "mlp": [unwrap(l.mlp) for l in layers]}
-        self.calls = {part: [0] * len(layers) for part in self.modules}  # part -> calls per layer
+        # part -> calls per layer
+        self.calls = {part: [0] * len(layers) for part in self.modules}
         self._handles = []
 
     def __enter__(self):
@@ -51,15 +55,17 @@ class ForwardCounter:
 
 
 class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Counting-only saved-tensor hooks: what autograd keeps for backward; nothing is moved.
+    """Counting-only saved-tensor hooks: what autograd keeps for backward; nothing is
+    moved.
 
-    ``storages`` maps each distinct non-parameter storage to its bytes (views of one storage count
-    once: that is the memory they hold); ``tensor_bytes`` is the per-tensor sum a naive copier
-    moves (views and parameters included); ``param_saves`` counts saves of parameters (or views).
-    Storages are keyed by identity (``StorageWeakRef``, as in ``bp_mech.offload``), not by
-    ``data_ptr()``, which is 0 for every fake tensor (``FakeTensorMode``).
-    Nested hooks do not stack: inside a checkpointed region ``torch.utils.checkpoint``'s own hooks
-    win, so under checkpointing this counts what stays saved *outside* the recomputed regions.
+    ``storages`` maps each distinct non-parameter storage to its bytes (views of one
+    storage count once: that is the memory they hold); ``tensor_bytes`` is the
+    per-tensor sum a naive copier moves (views and parameters included); ``param_saves``
+    counts saves of parameters (or views). Storages are keyed by identity
+    (``StorageWeakRef``, as in ``bp_mech.offload``), not by ``data_ptr()``, which is 0
+    for every fake tensor (``FakeTensorMode``). Nested hooks do not stack: inside a
+    checkpointed region ``torch.utils.checkpoint``'s own hooks win, so under
+    checkpointing this counts what stays saved *outside* the recomputed regions.
     """
 
     def __init__(self, params=()):
@@ -73,7 +79,8 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         self.tensor_bytes += t.numel() * t.element_size()
         if t.layout == torch.strided:
             storage = t.untyped_storage()
-            key = StorageWeakRef(storage)  # identity: no other storage takes its address while the key lives
+            # identity: no other storage takes its address while the key lives
+            key = StorageWeakRef(storage)
             if key in self._param_storages:
                 self.param_saves += 1
             elif storage.nbytes():
@@ -85,5 +92,6 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         return sum(self.storages.values())
 
     def bytes_at_least(self, n: int) -> int:
-        """Bytes of the saved storages of at least ``n`` bytes (what an offloader skipping tiny ones moves)."""
+        """Bytes of the saved storages of at least ``n`` bytes (what an offloader
+        skipping tiny ones moves)."""
         return sum(b for b in self.storages.values() if b >= n)

@@ -1,4 +1,4 @@
-"""Part 02 · 43 — the ledger measured: one steady-state training step, its storages tracked.
+"""Part 02 · 43 — the ledger measured: one training step (the steady state by default), its storages tracked.
 
 ``LedgerObserver`` watches the one training step (``bench.step.train_step``) through its phases and
 fills a ``Ledger`` (``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and
@@ -8,7 +8,7 @@ its ``ChunkedHead``) and the autograd nodes of that region, and promotes gradien
 as they appear.
 
 ``Session`` builds a workload's model once, with its AdamW, real or fake, and gives the ledger of a
-steady-state step of any ``Strategy``:
+steady-state step of any ``Strategy`` (or of a step of another definition, ``bench.definitions``):
 
 * ``fake=False``: real tensors; storages tracked on the CPU (memory source ``tracked-cpu``) or, on
   CUDA, tracked *and* read from the caching allocator beside them (``cuda-allocator``);
@@ -22,28 +22,19 @@ from its config (``AutoModelForCausalLM.from_config``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from unittest import mock
 
 import torch
 
+from bp_mech.bench.build import ConfigWorkload, build  # noqa: F401 (ConfigWorkload: lifecycle's name for it)
 from bp_mech.bench.counters import ForwardCounter
-from bp_mech.bench.step import StepOptions, make_optimizer, optimizer_state, train_step
+from bp_mech.bench.cuda_autocast import cuda_policy
+from bp_mech.bench.definitions import STEADY, StepDefinition, StepLedger
+from bp_mech.bench.step import StepOptions, StepState, make_optimizer, optimizer_state, train_step
 from bp_mech.bench.strategy import PLAIN, Strategy, applied
 from bp_mech.bench.tracking import StorageTracker
 from bp_mech.ledger import CLASSES, STAGES, Counts, Ledger
 from bp_mech.offload import OffloadConfig
-
-
-@dataclass(frozen=True)
-class ConfigWorkload:
-    """A model given by its Transformers config, at one batch shape (what ``bp-mech plan`` traces)."""
-
-    config: object  # a transformers PretrainedConfig of a causal LM (AutoModelForCausalLM.from_config builds it)
-    batch: int  # sequences per batch (B)
-    seq: int  # tokens per sequence (T)
-    dtype: str = "float32"  # master weights
-    seed: int = 0  # random init and token ids (real runs)
 
 
 def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
@@ -71,12 +62,14 @@ def _walk_graph(loss: torch.Tensor, lm_input_node, tr: StorageTracker) -> list:
 
 
 class LedgerObserver:
-    """The ledger's observer of ``train_step``: the tracker's phases and marks at each lifecycle point.
+    """The ledger's observer of ``train_step``: the tracker's phases and marks at each
+    lifecycle point.
 
     Use it around one step (it hooks ``lm_head`` and the parameters while entered)::
 
         with tracker, LedgerObserver(tracker, model, opt) as observe:
-            train_step(model, opt, batch, strategy, applied=entered, observers=[observe])
+            train_step(model, opt, batch, strategy, applied=entered,
+                       observers=[observe])
     """
 
     def __init__(self, tr: StorageTracker, model, opt) -> None:
@@ -88,7 +81,10 @@ class LedgerObserver:
             self.tr.region, self.lm_input_node = "loss", inputs[0].grad_fn
 
         self.handles = [self.model.lm_head.register_forward_pre_hook(pre_hook)]
-        self.handles += [p.register_post_accumulate_grad_hook(lambda p: self.tr.relabel(p.grad, "gradients"))
+        def relabel(p):
+            self.tr.relabel(p.grad, "gradients")
+
+        self.handles += [p.register_post_accumulate_grad_hook(relabel)
                          for p in self.model.parameters() if p.requires_grad]
         return self
 
@@ -110,7 +106,8 @@ class LedgerObserver:
             for h in self.graph_hooks:
                 h.remove()
             self.graph_hooks = []
-            tr.loss_nodes = set()  # the nodes reach every AccumulateGrad, i.e. hold every parameter
+            # the nodes reach every AccumulateGrad, i.e. hold every parameter
+            tr.loss_nodes = set()
             tr.mark("backward", host())
         elif phase == "optimizer":
             for t in optimizer_state(self.opt):
@@ -120,28 +117,9 @@ class LedgerObserver:
             tr.start("idle")
 
 
-def _build(w, device, fake: bool):
-    """(model, batch) on ``device``: the real workload (a ``Workload``'s own model and text; a
-    ``ConfigWorkload``'s random init from ``w.seed`` and random byte-range token ids), or a fake twin."""
-    from transformers import AutoModelForCausalLM
-
-    from bp_mech.bench.workload import build_model, make_batches, qwen2_config
-
-    if not fake and not isinstance(w, ConfigWorkload):
-        return build_model(w, device), make_batches(w, 1, device=device)[0]
-    config = w.config if isinstance(w, ConfigWorkload) else qwen2_config(w.arch)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, w.dtype))  # (.to() cannot swap fake parameters)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(w.seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, w.dtype),
-                                                     attn_implementation="sdpa").train()
-            ids = torch.randint(0, min(256, config.vocab_size), (w.batch, w.seq), device=device)
-    finally:
-        torch.set_default_dtype(prev)
-    model.config.use_cache = False
-    return (model if fake else model.to(device)), {"input_ids": ids, "labels": ids.clone()}
+def _add(tr: StorageTracker, tensors, label: str) -> None:
+    for t in tensors:
+        tr.add(t, label)
 
 
 WARMUP_TRIES = 4  # AMP: a warm-up step the GradScaler skips (inf/NaN) allocates no AdamW state; retry
@@ -149,32 +127,45 @@ WARMUP_TRIES = 4  # AMP: a warm-up step the GradScaler skips (inf/NaN) allocates
 
 class Session:
     """One model with its AdamW and one batch, real or fake (``FakeTensorMode``: no memory allocated),
-    whose ``ledger(strategy)`` is the ledger of a steady-state step of that strategy; the model is built
-    once.
+    whose ``ledger(strategy)`` is the ledger of one step of that strategy (by default the steady-state
+    step); the model is built once.
 
-    ``options``: AdamW implementation, offload threshold, learning rate (``StepOptions``, resolved for the
-    device). Fake tensors run on the CPU; pass ``options.for_device("cuda")`` to estimate a GPU run (fused
-    AdamW, CUDA's offload threshold). A fake step cannot read values, so it is told what a real one finds
-    out: the batch holds one sequence per row (Transformers' packed-sequence check, which would otherwise
-    build a (B, 1, T, T) mask where the real step lets SDPA apply the causal mask itself), and its
-    GradScaler is off.
+    ``options``: AdamW implementation, offload threshold, learning rate, autocast policy (``StepOptions``,
+    resolved for the device). Fake tensors run on the CPU; pass ``options.for_device("cuda")`` to estimate
+    a GPU run (fused AdamW, CUDA's offload threshold, CUDA's autocast op lists: ``bench.cuda_autocast``).
+    ``definition``: the step's definition (``bench.definitions.StepDefinition``); its ``weights`` are the
+    session's (the model is built in that dtype), the rest may change per ``ledger`` call. A fake step
+    cannot read values, so it is told what a real one finds out: the batch holds one sequence per row
+    (Transformers' packed-sequence check, which would otherwise build a (B, 1, T, T) mask where the real
+    step lets SDPA apply the causal mask itself), and its GradScaler is off.
     """
 
-    def __init__(self, w, device="cpu", fake: bool = False, options: StepOptions = StepOptions()):
+    def __init__(self, w, device="cpu", fake: bool = False, options: StepOptions = StepOptions(),
+                 definition: StepDefinition = STEADY):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.fake, self.device = fake, torch.device("cpu" if fake else device)
-        self.options = options.for_device(self.device)
+        self.options, self.definition = options.for_device(self.device), definition
         self.mode = FakeTensorMode() if fake else None
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}  # AdamW implementation -> its steady optimizer
         with self.active():
-            self.model, self.batch = _build(w, self.device, fake)
+            self.model, self.batch = build(w, self.device, fake, definition.weights)
             self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-            self.opt = make_optimizer(self.model.parameters(), self.options, self.device)
-            if fake:  # AdamW's moments without a warm-up step: their shape does not depend on the gradients
-                for p in self.model.parameters():
-                    p.grad = torch.zeros_like(p)
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
+        self.dtype = next(self.model.parameters()).dtype
+        self.opt = self.optimizer(definition.adamw or self.options.adamw)
+
+    def optimizer(self, impl: str):
+        """The session's AdamW of implementation ``impl``, made once; a fake one has its moments already
+        (one update on zero gradients: their shape does not depend on the gradients)."""
+        if impl not in self.optimizers:
+            with self.active():
+                opt = self.optimizers[impl] = make_optimizer(self.model.parameters(), self.options, self.device, impl)
+                if self.fake:
+                    for p in self.model.parameters():
+                        p.grad = torch.zeros_like(p)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        return self.optimizers[impl]
 
     def active(self):
         """The session's mode: ``FakeTensorMode`` (and the packed-sequence check off) when fake, else nothing."""
@@ -199,37 +190,69 @@ class Session:
             return run
         hooks.pack_hook, hooks.unpack_hook = uncached(hooks.pack_hook), uncached(hooks.unpack_hook)
 
-    def ledger(self, s: Strategy = PLAIN) -> Ledger:
-        """The ledger of one steady-state step of ``s``. Warm-up updates under the same strategy first,
-        until AdamW's moments exist (an AMP step the GradScaler skips allocates none); with fake tensors,
-        whose steps leave nothing else behind, none: the session made the moments with one update on zero
-        gradients. ``Ledger.updates`` counts them with the measured one, ``skipped`` the skipped ones."""
-        model, opt, batch, device = self.model, self.opt, self.batch, self.device
+    def ledger(self, s: Strategy = PLAIN, definition: StepDefinition | None = None) -> Ledger:
+        """The ledger of one step of ``s`` under ``definition`` (None: the session's): ``step(...).ledger``."""
+        return self.step(s, definition).ledger
+
+    def step(self, s: Strategy = PLAIN, definition: StepDefinition | None = None) -> StepLedger:
+        """One step of ``s`` under ``definition`` (None: the session's), tracked: its ``StepLedger``.
+
+        The steady state (``moments="resident"``): warm-up updates under the same strategy first, until
+        AdamW's moments exist (an AMP step the GradScaler skips allocates none); with fake tensors, whose
+        steps leave nothing else behind, none: the session made the moments with one update on zero
+        gradients. The first step: a new AdamW, whose update allocates them. Forward and backward only: no
+        optimizer (its ledger's optimizer stage is the backward's end; ``zero_grad`` drops the gradients).
+        With ``keep_outputs`` in the steady state, the last step's outputs are alive at the start (under
+        fake tensors: those of a forward without autograd on the last micro-batch). ``Ledger.updates`` counts the updates with the measured
+        one, ``skipped`` the skipped ones."""
+        d = self.definition if definition is None else definition
+        if d.weights != self.definition.weights:
+            raise ValueError(f"the session's weights are {self.dtype}: build a Session with weights={d.weights!r}")
+        model, batch, device = self.model, self.batch, self.device
+        resident = d.moments == "resident"
         scaler = torch.amp.GradScaler(device.type, enabled=False) if self.fake else None
         off = OffloadConfig(min_bytes=self.options.offload_min_bytes)
-        with self.active(), applied(model, s, device, off, scaler) as ctx:
-            count = dict(updates=int(self.fake), skipped=0)  # (fake: the session's update that made the moments)
+        emulate = s.amp is not None and self.options.autocast == "cuda" and device.type != "cuda"
+        with self.active():
+            impl = d.adamw or self.options.adamw
+            opt = None if d.moments == "none" else self.optimizer(impl) if resident else \
+                make_optimizer(model.parameters(), self.options, device, impl)
+        held = [] if d.keep_outputs else None  # the outputs a training loop's ``out`` holds
+        with self.active(), cuda_policy() if emulate else contextlib.nullcontext(), \
+                applied(model, s, device, off, scaler) as ctx:
+            count = dict(updates=int(self.fake and resident), skipped=0)  # (fake: the session's moment update)
             if self.fake and ctx.offload is not None:
                 self._uncached_hooks(ctx.offload)
 
             def update(observers=()):
-                r = train_step(model, opt, batch, s, applied=ctx, observers=observers)
-                count["updates"] += 1
-                count["skipped"] += int(not r.applied)
+                r = train_step(model, opt, batch, s, applied=ctx, observers=observers, update=opt is not None,
+                               outputs=held)
+                if opt is None:  # no optimizer: the gradients are dropped as zero_grad would
+                    with contextlib.ExitStack() as stack:
+                        for observe in observers:
+                            stack.enter_context(observe("zero_grad", StepState(model, None, s, ctx)))
+                        model.zero_grad(set_to_none=True)
+                count["updates"] += int(opt is not None)
+                count["skipped"] += int(opt is not None and not r.applied)
                 return r.loss
 
-            for _ in range(WARMUP_TRIES if not self.fake else 0):
+            for _ in range(WARMUP_TRIES if resident and not self.fake else 0):
                 update()
                 if opt.state:
                     break
+            if resident and self.fake and d.keep_outputs:  # the last step's outputs, alive at the start
+                with ctx.micro_batches(batch) as micro, torch.no_grad(), ctx.forward():
+                    held[:] = [model(**micro[-1])]  # (its loss's graph is gone, as after a backward)
             tr = StorageTracker(device)
             for t in [*model.parameters(), *model.buffers()]:
                 tr.add(t, "parameters")
             tr.mark("load")
-            for t in optimizer_state(opt):
+            for t in optimizer_state(opt) if opt is not None else ():
                 tr.add(t, "optimizer_states")
             for t in batch.values():
                 tr.add(t, "other")
+            _add(tr, [t for out in held or () for t in out.values()], "logits_loss")  # (no name left on them)
+            start = tr.current
             with tr, LedgerObserver(tr, model, opt) as observe, ForwardCounter(model) as calls:
                 loss = update([observe])
             finite = None if self.fake else bool(torch.isfinite(loss).all())
@@ -238,19 +261,22 @@ class Session:
                             mlp_calls=mlp, d2h_bytes=ctx.d2h_bytes, h2d_bytes=ctx.h2d_bytes)
             scaled = ctx.scaler.is_enabled()
         snaps = {x: tr.marks[x][1] for x in ("load", "forward", "backward", "zero_grad")}
-        snaps.update(backward_peak=tr.peaks["backward"][1], optimizer_peak=tr.peaks["optimizer"][1])
+        snaps.update(backward_peak=tr.peaks["backward"][1],
+                     optimizer_peak=tr.peaks["optimizer"][1] if opt is not None else tr.marks["backward"][1])
         if self.load_alloc is not None:
             tr.allocator["load"] = self.load_alloc
         source = "fake-tensor" if self.fake else ("cuda-allocator" if device.type == "cuda" else "tracked-cpu")
-        return Ledger(source, s.name, {x: tr.classify(snaps[x], CLASSES) for x in STAGES},
-                      host={x: tr.marks[x][2] for x in tr.marks}, forward_peak=tr.peaks["forward"][0],
-                      allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
-                      skipped=count["skipped"] if scaled else None,
-                      rounded={x: sum(-(-tr.nbytes[n] // 512) * 512 for n in snaps[x]) for x in STAGES}, counts=counts)
+        led = Ledger(source, s.name, {x: tr.classify(snaps[x], CLASSES) for x in STAGES},
+                     host={x: tr.marks[x][2] for x in tr.marks}, forward_peak=tr.peaks["forward"][0],
+                     allocator=dict(tr.allocator), finite=finite, updates=count["updates"],
+                     skipped=count["skipped"] if scaled else None,
+                     rounded={x: sum(-(-tr.nbytes[n] // 512) * 512 for n in snaps[x]) for x in STAGES}, counts=counts)
+        return StepLedger(led, d, start, tuple(tr.timeline))
 
 
-def track(w, s: Strategy = PLAIN, device="cpu", fake: bool = False, options: StepOptions = StepOptions()) -> Ledger:
-    """Ledger of one steady-state step of ``w`` (a ``Workload`` or a ``ConfigWorkload``) under strategy ``s``,
-    on a fresh ``Session``: real tensors, or fake ones (``fake=True``: no memory is allocated, so the full
-    qwen05 fits on any CPU in seconds)."""
-    return Session(w, device, fake, options).ledger(s)
+def track(w, s: Strategy = PLAIN, device="cpu", fake: bool = False, options: StepOptions = StepOptions(),
+          definition: StepDefinition = STEADY) -> Ledger:
+    """Ledger of one step of ``w`` (a ``Workload`` or a ``ConfigWorkload``) under strategy ``s`` and
+    ``definition`` (default: the steady state), on a fresh ``Session``: real tensors, or fake ones
+    (``fake=True``: no memory is allocated, so the full qwen05 fits on any CPU in seconds)."""
+    return Session(w, device, fake, options, definition).ledger(s)

@@ -68,43 +68,57 @@ def _phase(name: str, state: StepState, observers: Sequence[Observer]):
         yield
 
 
-def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | None = None,
-               observers: Sequence[Observer] = (), update: bool = True, max_norm: float | None = None,
-               clock: UpdateClock | None = None) -> StepResult:
+def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
+               applied: Applied | None = None, observers: Sequence[Observer] = (),
+               update: bool = True, max_norm: float | None = None,
+               clock: UpdateClock | None = None,
+               outputs: list | None = None) -> StepResult:
     """One training step of ``model`` on ``batch`` under ``strategy``.
 
     Args:
         model: a causal LM whose ``model(**batch).loss`` is the mean token loss.
         opt: its optimizer (None only with ``update=False``).
-        batch: ``input_ids`` and ``labels`` of shape (B, T); B must split into the strategy's micro-batches.
+        batch: ``input_ids`` and ``labels`` of shape (B, T); B must split into the
+            strategy's micro-batches.
         strategy: the memory strategy (``bench.strategy.Strategy``); default plain.
-        applied: the strategy already entered on ``model`` (``bench.strategy.applied``), to reuse across
-            steps (the offload's host pool, the scaler's state); None enters it for this one step.
-        observers: callables ``(phase, state) -> context manager`` entered around each phase (``PHASES``).
-        update: False stops after the backward (a probe): the gradients stay, unscaled under fp16.
-        max_norm: clip the total gradient norm to it, after unscaling (None: no clipping).
-        clock: an LR clock (``scheduler.UpdateClock``) advanced by every optimizer call, counting only the
-            updates that were applied.
+        applied: the strategy already entered on ``model`` (``bench.strategy.applied``),
+            to reuse across steps (the offload's host pool, the scaler's state); None
+            enters it for this one step.
+        observers: callables ``(phase, state) -> context manager`` entered around each
+            phase (``PHASES``).
+        update: False stops after the backward (a probe): the gradients stay, unscaled
+            under fp16.
+        max_norm: clip the total gradient norm to it, after unscaling (None: no
+            clipping).
+        clock: an LR clock (``scheduler.UpdateClock``) advanced by every optimizer call,
+            counting only the updates that were applied.
+        outputs: a list that keeps the model's outputs (the logits) as the loop
+            variable of ``out = model(**batch); out.loss.backward()`` does: each
+            forward's outputs replace the last ones once that forward has run, and the
+            last stay in it after the step (None: dropped at once).
 
     Returns:
-        a ``StepResult``: the detached loss, whether the update was applied, the pre-clip norm, the scale.
+        a ``StepResult``: the detached loss, whether the update was applied, the
+        pre-clip norm, the scale.
 
-    Gradients an earlier call left (a probe, a user's own backward) are dropped first: every step starts
-    from none, as the zero_grad that ends each step leaves it.
+    Gradients an earlier call left (a probe, a user's own backward) are dropped first:
+    every step starts from none, as the zero_grad that ends each step leaves it.
     """
     if applied is None:
         device = next(model.parameters()).device
         with enter_strategy(model, strategy, device) as entered:
-            return train_step(model, opt, batch, strategy, applied=entered, observers=observers, update=update,
-                              max_norm=max_norm, clock=clock)
+            return train_step(model, opt, batch, strategy, applied=entered,
+                              observers=observers, update=update, max_norm=max_norm,
+                              clock=clock, outputs=outputs)
     if applied.strategy != strategy or applied.model is not model:
-        raise ValueError(f"applied is {applied.strategy.name!r} on another model; train_step was asked for "
-                         f"{strategy.name!r}")
+        raise ValueError(f"applied is {applied.strategy.name!r} on another model; "
+                         f"train_step was asked for {strategy.name!r}")
     if update and opt is None:
         raise ValueError("a step that updates needs an optimizer")
     k, rows = strategy.micro_batches, batch["input_ids"].shape[0]
     if rows % k:
-        raise ValueError(f"accumulation needs micro_batches ({k}) to divide the batch ({rows})")
+        raise ValueError(f"accumulation needs micro_batches ({k}) to divide "
+                         f"the batch ({rows})")
     model.zero_grad(set_to_none=True)
     scaler, state = applied.scaler, StepState(model, opt, strategy, applied)
     scale = scaler.get_scale() if scaler.is_enabled() else None
@@ -115,15 +129,24 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *, applied: 
             state.micro = i
             with _phase("forward", state, observers):
                 with applied.forward():
-                    state.loss = model(**mb).loss  # the outputs (the logits, when they exist) are dropped here
+                    out = model(**mb)
+                    state.loss = out.loss
+                # kept: the last micro-batch's (or step's) are freed only now
+                if outputs is not None:
+                    outputs[:] = [out]
+                # otherwise the outputs (the logits, when they exist) are dropped here
+                del out
             with _phase("backward", state, observers):
                 scaler.scale(state.loss).backward()
-                applied.count_transfers()  # the hooks' counters cover the last forward and its backward
+                # the hooks' counters cover the last forward and its backward
+                applied.count_transfers()
             losses.append(state.loss.detach())
             state.loss = None
     loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0]
     if not update:
-        if scale is not None:  # the true gradients, as GradScaler.unscale_ gives them (the scale is a power of 2)
+        # the true gradients, as GradScaler.unscale_ gives them (the scale is a
+        # power of 2)
+        if scale is not None:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1.0 / scale)
@@ -131,10 +154,12 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *, applied: 
     norm = None
     with _phase("optimizer", state, observers):
         if max_norm is not None:
-            scaler.unscale_(opt)  # BEFORE clipping: max_norm is in the units of the true gradient
+            # BEFORE clipping: max_norm is in the units of the true gradient
+            scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if scaler.is_enabled():
-            done = scaler_step(scaler, opt)  # skipped (scale backed off) when a gradient is inf/NaN
+            # skipped (scale backed off) when a gradient is inf/NaN
+            done = scaler_step(scaler, opt)
         else:
             opt.step()
             done = True
@@ -201,6 +226,7 @@ def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | 
 # --- how the step is run, beyond the strategy ------------------------------------------------------
 
 ADAMW_IMPLS = ("fused", "foreach")  # AdamW implementations (torch.optim.AdamW's flags)
+AUTOCAST_POLICIES = ("cpu", "cuda")  # whose autocast op lists a step follows (``StepOptions.autocast``)
 
 
 @dataclass(frozen=True)
@@ -210,23 +236,30 @@ class StepOptions:
     adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
     offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
     lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
+    autocast: str | None = None  # whose autocast policy fp16/bf16 follow: "cpu" | "cuda"; None: the device's
 
     def __post_init__(self):
         if self.adamw not in (None, *ADAMW_IMPLS):
             raise ValueError(f"unknown AdamW implementation {self.adamw!r}; known: {', '.join(ADAMW_IMPLS)}")
+        if self.autocast not in (None, *AUTOCAST_POLICIES):
+            raise ValueError(f"unknown autocast policy {self.autocast!r}; known: {', '.join(AUTOCAST_POLICIES)}")
 
     def for_device(self, device) -> "StepOptions":
         """These options with their defaults resolved for ``device``: ``make_adamw``'s AdamW (fused on
-        CUDA, foreach on the CPU) and Part 02 · 42's ``offload.min_bytes``."""
+        CUDA, foreach on the CPU), Part 02 · 42's ``offload.min_bytes`` and the device's autocast policy
+        (a fake CPU step of a CUDA run follows CUDA's: ``bench.cuda_autocast``)."""
         from bp_mech.offload import min_bytes
 
         cuda = torch.device(device).type == "cuda"
         return dataclasses.replace(
             self, adamw=self.adamw or ("fused" if cuda else "foreach"),
-            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes)
+            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes,
+            autocast=self.autocast or ("cuda" if cuda else "cpu"))
 
 
-def make_optimizer(params, options: StepOptions, device) -> torch.optim.AdamW:
-    """AdamW of ``options.for_device(device).adamw`` at ``options.lr``."""
-    impl = options.for_device(device).adamw
+def make_optimizer(params, options: StepOptions, device, adamw: str | None = None) -> torch.optim.AdamW:
+    """AdamW of ``adamw`` (None: ``options.for_device(device).adamw``) at ``options.lr``."""
+    impl = adamw or options.for_device(device).adamw
+    if impl not in ADAMW_IMPLS:
+        raise ValueError(f"unknown AdamW implementation {impl!r}; known: {', '.join(ADAMW_IMPLS)}")
     return torch.optim.AdamW(params, lr=options.lr, **{impl: True})

@@ -130,57 +130,82 @@ CANDIDATES = (PLAIN, *SINGLES, *COMBINATIONS)  # what ``bp-mech plan`` traces, p
 
 
 class Applied:
-    """A strategy entered on a model (what ``with applied(...)`` gives): the per-forward switches, the
-    micro-batches, the GradScaler of fp16 and the transfer counters of the last step."""
+    """A strategy entered on a model (what ``with applied(...)`` gives): the per-forward
+    switches, the micro-batches, the GradScaler of fp16 and the transfer counters of the
+    last step."""
 
-    def __init__(self, model, strategy: Strategy, device, offload_cfg: offload.OffloadConfig | None = None,
+    def __init__(self, model, strategy: Strategy, device,
+                 offload_cfg: offload.OffloadConfig | None = None,
                  scaler: torch.amp.GradScaler | None = None, hooks=None):
-        self.model, self.strategy, self.device = model, strategy, torch.device(device)
+        self.model, self.strategy = model, strategy
+        self.device = torch.device(device)
         if hooks is not None and not strategy.offload:
-            raise ValueError(f"saved-tensor hooks replace an offload, and {strategy.name!r} has none")
-        cfg = offload_cfg or offload.OffloadConfig(min_bytes=offload.min_bytes(self.device))
-        # one ActivationOffload for every forward of the block: its host pool is reused across steps
-        self.offload = hooks if hooks is not None else (
-            offload.ActivationOffload(model.parameters(), cfg, self.device) if strategy.offload else None)
-        # fp16 only (bf16 has float32's exponent range); disabled, it passes every call through
+            raise ValueError("saved-tensor hooks replace an offload, and "
+                             f"{strategy.name!r} has none")
+        cfg = offload_cfg
+        if not cfg:
+            cfg = offload.OffloadConfig(min_bytes=offload.min_bytes(self.device))
+        # one ActivationOffload for every forward of the block: its host pool is reused
+        # across steps
+        if hooks is not None:
+            self.offload = hooks
+        elif strategy.offload:
+            self.offload = offload.ActivationOffload(model.parameters(), cfg,
+                                                     self.device)
+        else:
+            self.offload = None
+        # fp16 only (bf16 has float32's exponent range); disabled, it passes every call
+        # through
         fp16 = strategy.amp == "float16"
         if scaler is not None and scaler.is_enabled() and not fp16:
-            raise ValueError(f"an enabled GradScaler for {strategy.name!r}: only fp16 scales its loss")
-        # (a disabled one under fp16 is allowed: a fake-tensor step cannot read the values a scaler checks)
-        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=fp16)
-        self.d2h_bytes = self.h2d_bytes = 0  # bytes the offload copied in the last step (all micro-batches)
+            raise ValueError(f"an enabled GradScaler for {strategy.name!r}: only fp16 "
+                             "scales its loss")
+        # (a disabled one under fp16 is allowed: a fake-tensor step cannot read the
+        # values a scaler checks)
+        if scaler is None:
+            scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
+        self.scaler = scaler
+        # bytes the offload copied in the last step (all micro-batches)
+        self.d2h_bytes = self.h2d_bytes = 0
 
     def forward(self):
-        """The switches around one forward: offload's saved-tensor hooks, then autocast."""
+        """The switches around one forward: offload's saved-tensor hooks, then
+        autocast."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.offload if self.offload is not None else contextlib.nullcontext())
+        hooks = self.offload if self.offload is not None else contextlib.nullcontext()
+        stack.enter_context(hooks)
         stack.enter_context(amp.autocast(self.device.type, self.strategy.low))
         return stack
 
     def micro_batches(self, batch: dict):
-        """``accumulation.token_weighted(batch, k)``: the step's micro-batches (the batch itself when k = 1)."""
+        """``accumulation.token_weighted(batch, k)``: the step's micro-batches (the
+        batch itself when k = 1)."""
         return accumulation.token_weighted(batch, self.strategy.micro_batches)
 
     def count_transfers(self) -> None:
-        """Add what the offload's hooks copied in the last forward and its backward to this step's counts."""
+        """Add what the offload's hooks copied in the last forward and its backward to
+        this step's counts."""
         if self.offload is not None:
             self.d2h_bytes += self.offload.d2h_bytes
             self.h2d_bytes += self.offload.h2d_bytes
 
     def host_bytes(self) -> int:
-        """Host bytes holding offloaded activations now (0 without offload, or with hooks that keep no pool)."""
+        """Host bytes holding offloaded activations now (0 without offload, or with
+        hooks that keep no pool)."""
         pool = getattr(self.offload, "pool", None)
         return pool.in_use if pool is not None else 0
 
 
 @contextlib.contextmanager
-def applied(model, strategy: Strategy, device="cpu", offload_cfg: offload.OffloadConfig | None = None,
+def applied(model, strategy: Strategy, device="cpu",
+            offload_cfg: offload.OffloadConfig | None = None,
             scaler: torch.amp.GradScaler | None = None, hooks=None):
-    """Enter ``strategy`` on ``model``: checkpointing and the chunked loss for the whole block (undone
-    after it), and an ``Applied`` for the per-forward switches. ``offload_cfg``: the offload's settings
-    (default: ``offload.min_bytes(device)`` as threshold); ``scaler``: fp16's GradScaler (default:
-    torch's defaults); ``hooks``: saved-tensor hooks that stand in for the offload (e.g. PyTorch's
-    ``save_on_cpu``, which Part 02 · 42 compares with the book's offload)."""
+    """Enter ``strategy`` on ``model``: checkpointing and the chunked loss for the whole
+    block (undone after it), and an ``Applied`` for the per-forward switches.
+    ``offload_cfg``: the offload's settings (default: ``offload.min_bytes(device)`` as
+    threshold); ``scaler``: fp16's GradScaler (default: torch's defaults); ``hooks``:
+    saved-tensor hooks that stand in for the offload (e.g. PyTorch's ``save_on_cpu``,
+    which Part 02 · 42 compares with the book's offload)."""
     with configured(model, strategy):
         yield Applied(model, strategy, device, offload_cfg, scaler, hooks)
 

@@ -18,8 +18,9 @@ counts fake tensors (``FakeTensorMode``: shapes and bytes, no memory), whose sto
   promoted when its role becomes known (``end_forward``: alive at the end of the forward means
   saved for backward; ``relabel``: gradients, optimizer state).
 * **phases and marks**: ``start(phase)`` opens a phase (its peak is kept with a snapshot of the
-  live set), ``mark(stage)`` snapshots the live set at a point; on CUDA both also read the caching
-  allocator (``allocator``), so a real GPU step gives the tracked and the allocator's bytes side by side.
+  live set; ``timeline`` holds the phase and the live bytes after every operator), ``mark(stage)``
+  snapshots the live set at a point; on CUDA both also read the caching allocator (``allocator``),
+  so a real GPU step gives the tracked and the allocator's bytes side by side.
 
 ``PeakMemory`` is the one peak-memory tool of the package: the allocator's counters on CUDA, this
 tracker on the CPU (its ``memory_source`` says which). The CPU result is deterministic: a function
@@ -63,6 +64,7 @@ class StorageTracker(TorchDispatchMode):
         self.marks: dict[str, tuple[int, list, int]] = {}  # stage -> (bytes, serials, host bytes in use)
         self.loss_nodes: set = set()  # autograd nodes of lm_head + loss (kept alive: identity)
         self.allocator: dict[str, int] = {}  # CUDA only: stage, "<phase>_peak", "<phase>_reserved" -> bytes
+        self.timeline: list[tuple[str, int]] = []  # (phase, live device bytes) after each operator
 
     def _free(self, serial, _ref) -> None:
         self.refs.pop(serial, None)
@@ -124,6 +126,8 @@ class StorageTracker(TorchDispatchMode):
             peak = self.peaks.get(self.phase)
             if peak is None or self.current > peak[0]:
                 self.peaks[self.phase] = (self.current, list(self.live))
+        if self.phase != "idle":
+            self.timeline.append((self.phase, self.current))
         return out
 
     # phases and stages

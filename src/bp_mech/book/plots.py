@@ -195,24 +195,3 @@ def plot_update_trace(series: dict[str, list[float]], ylabel: str, title: str, l
     ax.set_title(title)
     ax.legend(fontsize=8)
     return fig
-
-
-def plot_update_ratios(ratios: dict[str, dict[str, list[float]]], title: str):
-    """Update-to-parameter ratio per parameter group (one panel each), one line per candidate,
-    log scale. ratios = {candidate: {group: [ratio per update]}}."""
-    groups = list(next(iter(ratios.values())))
-    fig, axes = plt.subplots(1, len(groups), figsize=(2.6 * len(groups), 3.2), sharey=True,
-                             constrained_layout=True)
-    for ax, g in zip(axes, groups):
-        for i, (name, per) in enumerate(ratios.items()):
-            ys = [float("nan") if y is None else y for y in per[g]]
-            ax.plot(range(1, len(ys) + 1), ys, marker="o^s"[i % 3], ms=3, ls=("-", "--", ":")[i % 3], label=name)
-        ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.set_title(g, fontsize=9)
-        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-        ax.set_xlabel("update")
-    axes[0].set_ylabel("||Δp|| / ||p||  (log scale)")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(title)
-    return fig

@@ -53,6 +53,45 @@ def plot_loss_curves(records, title: str = "Training loss per update"):
     ax.legend(fontsize=8)
     return fig
 
+def plot_rank_check(tokens: list[list[int]], err_divisor: list[float], err_naive: list[float],
+                    title: str):
+    """Project 73's distributed check, one update per x position: left, each rank's target tokens
+    (grouped bars, ``tokens[u][r]``); right, the gradient's relative error against one process
+    (log scale) with the divisor N/P and with the per-rank mean, float64's epsilon dashed."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.4, 3.4), constrained_layout=True)
+    x = range(1, len(tokens) + 1)
+    ranks = len(tokens[0])
+    width = 0.8 / ranks
+    for r in range(ranks):
+        left.bar([u + (r - (ranks - 1) / 2) * width for u in x], [t[r] for t in tokens], width,
+                 label=f"rank {r}")
+    low = min(min(t) for t in tokens)
+    left.set_ylim(0.9 * low, 1.04 * max(max(t) for t in tokens))  # the differences, not the totals
+    left.set_xlabel("update")
+    left.set_ylabel("target tokens of the rank")
+    left.legend(fontsize=8)
+    right.semilogy(list(x), err_naive, "s-", color="C3", label="per-rank mean (divisor n_r)")
+    right.semilogy(list(x), err_divisor, "o-", color="C2", label="divisor N / P")
+    right.axhline(torch_eps(), color="grey", ls="--", lw=1, label="float64 epsilon")
+    right.set_xlabel("update")
+    right.set_ylabel("relative L2 error of the gradient")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(list(x))
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def torch_eps() -> float:
+    """float64's machine epsilon, the floor of a rounding-only difference."""
+    import torch
+
+    return torch.finfo(torch.float64).eps
+
+
 # --- figures ---------------------------------------------------------------------------------------
 
 CATEGORY_COLORS = dict(parameter="darkgreen", optimizer_state="goldenrod", gradient="mediumblue",

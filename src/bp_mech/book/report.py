@@ -15,8 +15,8 @@ from bp_mech.bench.tracking import fmt_bytes
 from bp_mech.records import provenance, references, registry, results
 from bp_mech.records.cache import Cached, cached
 
-__all__ = ["Cached", "cached", "fmt", "fmt_bytes", "markdown_table", "decision_text", "ProvenanceBox",
-           "provenance_box"]
+__all__ = ["Cached", "cached", "fmt", "fmt_bytes", "markdown_table", "folded_table", "folded_markdown",
+           "DETAIL_COLUMNS", "decision_text", "ProvenanceBox", "provenance_box"]
 
 
 def fmt(v, spec: str = ".3g") -> str:
@@ -29,15 +29,54 @@ def fmt(v, spec: str = ".3g") -> str:
     return str(v)
 
 
+def _table(rows: list[dict], columns: list[str]) -> list[str]:
+    """Markdown table lines; a "|" inside a cell is escaped, so that it cannot split the cell."""
+    cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(cell(row.get(c, "–")) for c in columns) + " |" for row in rows]
+
+
 def markdown_table(rows: list[dict], columns: list[str] | None = None):
     """A list of dicts as an IPython Markdown table (renders in the book)."""
     from IPython.display import Markdown
 
-    columns = columns or list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "–")) for c in columns) + " |")
-    return Markdown("\n".join(lines))
+    return Markdown("\n".join(_table(rows, columns or list(rows[0]))))
+
+
+# Columns that say where a row's numbers come from rather than what they are: ``folded_table`` folds them.
+DETAIL_COLUMNS = ("evidence", "evidence level", "run label", "memory source", "source")
+
+
+def folded_markdown(rows: list[dict], columns: list[str] | None = None, detail=DETAIL_COLUMNS,
+                    key: str | None = None, summary: str | None = None) -> str:
+    """The Markdown of ``folded_table`` (see there)."""
+    columns = columns or list(dict.fromkeys(c for row in rows for c in row))
+    folded = [c for c in columns if c in detail]
+    shown = [c for c in columns if c not in folded]
+    if not folded or not shown:
+        return "\n".join(_table(rows, columns))
+    key = key or shown[0]
+    head = html.escape(summary or f"{', '.join(folded)} of these rows".capitalize())
+    values = {c: list(dict.fromkeys(str(row.get(c, "–")) for row in rows)) for c in folded}
+    if all(len(v) == 1 for v in values.values()):  # every row the same: one sentence
+        body = ["Every row: " + ", ".join(f"{c} `{v[0]}`" for c, v in values.items()) + "."]
+    else:
+        body = _table(rows, [key, *folded])
+    return "\n".join([*_table(rows, shown), "", f'<details class="bp-detail">\n<summary>{head}</summary>', "",
+                      *body, "", "</details>"])
+
+
+def folded_table(rows: list[dict], columns: list[str] | None = None, detail=DETAIL_COLUMNS,
+                 key: str | None = None, summary: str | None = None):
+    """A list of dicts as an IPython Markdown table whose provenance columns (``detail``: evidence level,
+    run label, ...) are folded beneath it in an HTML ``<details>`` (closed; one click opens it): one
+    sentence when every row has the same values, else a table of them named by ``key`` (default: the first
+    shown column). ``columns``: all the columns to show, in order (default: every key of the rows);
+    ``summary``: the fold's title (default: the folded columns' names). Without a detail column it is
+    ``markdown_table``'s table."""
+    from IPython.display import Markdown
+
+    return Markdown(folded_markdown(rows, columns, detail, key, summary))
 
 
 def decision_text(r: results.Record, baseline: str) -> str:
@@ -104,8 +143,8 @@ def _model(r: results.Record) -> str:
 def provenance_box(record) -> ProvenanceBox:
     """The box a chapter shows beside a cached (GPU) record, or beside the records of one run label
     (a list of mergeable records): device, workload and model source, date, evidence level, whether
-    the code hash is current or stale (``provenance.is_stale``'s comparison) and the seed's reference
-    for the experiment where there is one (``references.SEED``)."""
+    the code hash is current or stale (``provenance.is_stale``'s comparison) and the course's reference
+    run's figures for the experiment where there are some (``references.SEED``), in a row "reference"."""
     recs = list(record) if isinstance(record, (list, tuple)) else [record]
     r = recs[0]
     device = ", ".join(x for x in (r.device_name, r.device_memory and fmt_bytes(r.device_memory),
@@ -124,7 +163,7 @@ def provenance_box(record) -> ProvenanceBox:
             ("code", code + (f"; git commit {', '.join(commits)}" if commits else "")
              + (f"; bp-mech {r.bp_mech_version}" if r.bp_mech_version else ""))]
     if ref := references.seed_reference(r.semantic_id):
-        rows.append(("seed's reference", ref.summary() + " — not this book's measurement"))
+        rows.append(("reference", ref.summary() + " — not this book's measurement"))
     title = (f"Provenance: {r.semantic_id}, run label {r.run_label}"
              + (f", candidate {r.candidate}" if len(recs) == 1 else f", {len(recs)} candidates")
              + (" — STALE" if stale else ""))

@@ -28,7 +28,7 @@ from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.strategy import Applied, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.bench.workload import build_model, make_adamw, make_batches
-from bp_mech.experiments import harness
+from bp_mech.experiments import decision, harness
 from bp_mech.experiments.amp_overflow import overflow_record, overflow_sample
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.records.environment import bf16_supported
@@ -44,14 +44,14 @@ DTYPE_LABEL = {None: "float32", torch.float16: "float16-autocast", torch.bfloat1
 # Decision rule for an AMP candidate, from ratios to the FP32 run of the same workload:
 #   reject  if a step applied non-finite gradients, the skipped fraction exceeds
 #           MAX_SKIPPED_FRACTION, or |eval loss - FP32's| / FP32's exceeds LOSS_REL_TOL;
-#   tune    if its peak saving (1 - peak / FP32's peak) is below MIN_PEAK_SAVING (no memory win here);
+#   tune    if its peak saving (1 - peak / FP32's peak) is below decision.MIN_PEAK_SAVING, the floor
+#           every memory strategy shares (no memory win here);
 #   none    if the time ratio is noise (``measure.timing_noise``): the time decides nothing;
 #   accept  if its median step is at most (1 + MAX_TIME_COST) x FP32's;
 #   tune    otherwise (numerically fine and smaller, but too slow here).
 # FP16 and BF16 do not do strictly more work than FP32 (autocast's casts are not counted work), so
 # only the spread between the median and the P95 ratio can make their time ratio noise.
 LOSS_REL_TOL = 0.02
-MIN_PEAK_SAVING = 0.05
 MAX_TIME_COST = 0.10
 MAX_SKIPPED_FRACTION = 0.25
 CONFORMANCE_TOL = 1e-6  # float32: unscale + clip against GradScaler.unscale_ + clip_grad_norm_, relative
@@ -147,7 +147,7 @@ def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_sav
     """(decision, next_step) by the rule stated above the constants."""
     if not finite or skipped_fraction > MAX_SKIPPED_FRACTION or not loss_rel_diff <= LOSS_REL_TOL:
         return "reject", "non-finite, too many skipped steps, or loss off FP32 beyond tolerance: keep FP32 here"
-    if not peak_saving >= MIN_PEAK_SAVING:
+    if not peak_saving >= decision.MIN_PEAK_SAVING:
         return "tune", "numerically fine, but no memory saving on this device: measure on the target GPU"
     if noise is not None:
         return None, (f"numerically fine and saves memory, but the time ratio is noise ({noise}): "
@@ -226,7 +226,7 @@ def dry_run(ctx) -> dict:
 
     return dict(modes=own_weights_modes(mode_plan),
                 estimate_basis=f"{ASSUMED_BASIS}; + SETUP_S {SETUP_S} s per arm",
-                rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST,
+                rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=decision.MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST,
                           MAX_SKIPPED_FRACTION=MAX_SKIPPED_FRACTION))
 
 

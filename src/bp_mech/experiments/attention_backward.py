@@ -1,12 +1,14 @@
 """Part 02 · 10 — TRAIN-ATTENTION-BACKWARD, the experiment: the hand-written attention backwards of
-``bp_mech.attention_backward`` against autograd, SDPA and transformers' ``Qwen2Attention``.
+``bp_mech.attention_backward`` against autograd, SDPA and transformers'
+``Qwen2Attention``.
 
-Four candidates: ``autograd`` (the reference), the two hand-written strategies (``saved_probs``,
-``recompute``) and ``sdpa``. For each: its errors (float64 vs autograd, float32 vs SDPA, the whole
-layer vs ``Qwen2Attention``), the bytes it saves for the backward over a sweep of lengths, the time
-of its backward alone (the CPU timing protocol of ``bp_mech.bench.timing``: interleaved, one intra-op
-thread, ``experiments.dry_run.schedule`` rounds) and the peak of one forward and backward. The decision rule is
-``decide``.
+Four candidates: ``autograd`` (the reference), the two hand-written strategies
+(``saved_probs``, ``recompute``) and ``sdpa``. For each: its errors (float64 vs
+autograd, float32 vs SDPA, the whole layer vs ``Qwen2Attention``), the bytes it saves
+for the backward over a sweep of lengths, the time of its backward alone (the CPU timing
+protocol of ``bp_mech.bench.timing``: interleaved, one intra-op thread,
+``experiments.dry_run.schedule`` rounds) and the peak of one forward and backward. The
+decision rule is ``decide``.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def errors(cfg: AttnConfig, T: int, names=CANDIDATES, device="cpu") -> dict:
 def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 48, block: int = 16,
                        seed: int = 0, device="cpu") -> float:
     """Max relative error (float32) of the hand-written layer (``qwen2_attention_backward``) vs
-    transformers' Qwen2Attention (SDPA, causal) under autograd, over the output, dx and the 7
-    parameter gradients."""
+    transformers' Qwen2Attention (SDPA, causal) under autograd, over the output, dx and
+    the 7 parameter gradients."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
     from bp_mech.bench.workload import qwen2_config
@@ -120,8 +122,9 @@ def growth_exponent(by_T: dict) -> float:
 
 def backward_times(names, cfg: AttnConfig, T: int, rounds: int, warmup: int, device="cpu", progress=None) -> dict:
     """Backward time per candidate (float32) by the timing protocol (``measure.time_interleaved``):
-    candidates interleaved round by round, one intra-op thread on the CPU. Each candidate's forward
-    runs untimed as it enters its round (the ``around`` context); the timed step is the backward alone."""
+    candidates interleaved round by round, one intra-op thread on the CPU. Each
+    candidate's forward runs untimed as it enters its round (the ``around`` context);
+    the timed step is the backward alone."""
     inputs, dO = make_inputs(cfg, T, torch.float32, 1, device)
     outputs = {}  # candidate -> the output of its untimed forward, whose graph the timed step runs backward
 
@@ -142,13 +145,17 @@ def backward_times(names, cfg: AttnConfig, T: int, rounds: int, warmup: int, dev
 
 def decide(name: str, error64: float, error32: float, module_error: float | None,
            growth: float) -> tuple[str | None, str | None]:
-    """(decision, next step) of a candidate by the rule above; (None, None) for the reference."""
+    """(decision, next step) of a candidate by the rule above.
+
+    (None, None) for the reference."""
     if name == "autograd":
         return None, None
-    failed = [check for check, bad in (("float64", error64 > TOL64), ("float32", error32 > TOL32),
-                                       ("qwen2_module", module_error is not None and module_error > TOL_MODULE),
-                                       ("linear_state", name in CLAIMS_LINEAR and growth > LINEAR_MAX)) if bad]
-    return ("reject", f"failed checks: {', '.join(failed)}") if failed else ("accept", None)
+    failed = [check for check, bad in (
+        ("float64", error64 > TOL64), ("float32", error32 > TOL32),
+        ("qwen2_module", module_error is not None and module_error > TOL_MODULE),
+        ("linear_state", name in CLAIMS_LINEAR and growth > LINEAR_MAX)) if bad]
+    return (("reject", f"failed checks: {', '.join(failed)}") if failed
+            else ("accept", None))
 
 
 def _tolerances() -> dict:

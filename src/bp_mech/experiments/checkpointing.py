@@ -11,16 +11,21 @@ module adds the arms, the dry run's factors and the conformance check.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from bp_mech import checkpointing
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.rates import ASSUMED_BASIS
-from bp_mech.bench.step import probe
-from bp_mech.bench.strategy import Strategy, configured
-from bp_mech.bench.workload import build_model, make_batches
+from bp_mech.bench.step import StepOptions, make_optimizer, probe, train_step
+from bp_mech.bench.strategy import Strategy, configured, parse
+from bp_mech.bench.workload import build_model, make_batches, parse_workload
 from bp_mech.experiments.dry_run import same_weights_modes, schedule
 from bp_mech.experiments import decision, harness
 
@@ -83,3 +88,60 @@ def conformance():
                           f"(tol {loss_tol:g} / {grad_tol:g}, float32 CPU); "
                           f"layer forward calls under checkpointing {probes['checkpoint-all'].calls['layer']}; "
                           f"from-scratch vs torch.utils.checkpoint {scratch:.1e} (tol {SCRATCH_TOL:.0e}, float64)")
+
+
+# --- what a step's time is made of (the chapter's time ratio) --------------------------
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one full training step does, counted: FLOPs and ATen operators dispatched."""
+
+    flops: int  # torch.utils.flop_counter over zero_grad, forward, backward and the update
+    operators: int  # ATen operators dispatched in that step (each a call, whatever its size)
+
+
+class _OperatorCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_work(workload: str = "tiny-b2s64",
+              strategies=("plain", "checkpoint-all")) -> dict[str, StepWork]:
+    """{strategy: StepWork} of one steady-state step (moments allocated by one update first),
+    on one CPU model, from the same weights' shapes (counts do not depend on the values)."""
+    w = parse_workload(workload)
+    model, batches = build_model(w), make_batches(w, 1)
+    opt = make_optimizer(model.parameters(), StepOptions(), "cpu")
+    train_step(model, opt, batches[0])  # allocates AdamW's moments
+    out = {}
+    for name in strategies:
+        s = parse(name)
+        with configured(model, s):
+            ops, flops = _OperatorCount(), FlopCounterMode(display=False)
+            with flops, ops:
+                train_step(model, opt, batches[0], s)
+        out[name] = StepWork(flops.get_total_flops(), ops.n)
+    return out
+
+
+def matmul_rate(n: int = 512, repeats: int = 20) -> float:
+    """FLOP/s of an n x n float32 matmul on one intra-op thread, by that thread's CPU time (the
+    clock and the thread count of the chapter's timing): what the step's FLOPs could run at."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(3):
+            a @ b
+        t0 = time.thread_time()
+        for _ in range(repeats):
+            a @ b
+        return 2 * n**3 * repeats / (time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)

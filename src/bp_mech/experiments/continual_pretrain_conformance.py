@@ -1,15 +1,17 @@
 """Part 02 · 56's conformance row: the package's saved states against Transformers and Accelerate.
 
-One uninterrupted run of ``UPDATES`` updates on a tiny Qwen2, prepared by Accelerate, saves its state at
-``AT`` three ways: ``training_state.save_training_state``, ``Accelerator.save_state`` (model, optimizer,
-RNG states, and the GradScaler, the update clock and the data stream registered with
-``register_for_checkpointing``) and ``save_pretrained``. Then
+One uninterrupted run of ``UPDATES`` updates on a tiny Qwen2, prepared by Accelerate,
+saves its state at ``AT`` three ways: ``training_state.save_training_state``,
+``Accelerator.save_state`` (model, optimizer, RNG states, and the GradScaler, the update
+clock and the data stream registered with ``register_for_checkpointing``) and
+``save_pretrained``. Then
 
 * two fresh trainers (another random init, new AdamW, clock at 0) resume, one through
-  ``load_training_state`` and one through ``Accelerator.load_state``; both must continue bit for bit
-  where the uninterrupted run went (losses and final weights);
-* ``from_pretrained`` must load the same weights from the package's saved state directory (it is a
-  Transformers model directory) as from ``save_pretrained``'s, equal to the live model's at ``AT``.
+  ``load_training_state`` and one through ``Accelerator.load_state``; both must continue
+  bit for bit where the uninterrupted run went (losses and final weights);
+* ``from_pretrained`` must load the same weights from the package's saved state
+  directory (it is a Transformers model directory) as from ``save_pretrained``'s, equal
+  to the live model's at ``AT``.
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ def _trainer(w, ids, seed: int) -> cpt.Trainer:
 
 
 def _accelerated(trainer):
-    """``trainer`` with its model and AdamW prepared by an Accelerator, its scaler, clock and data registered."""
+    """``trainer`` with its model and AdamW prepared by an Accelerator.
+
+    Its scaler, clock and data stream are registered for checkpointing."""
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
     trainer.model, trainer.optimizer = acc.prepare(trainer.model, trainer.optimizer)
     trainer.clock.optimizer = trainer.optimizer
-    acc.register_for_checkpointing(trainer.scaler, ClockState(trainer.clock), trainer.data)
+    acc.register_for_checkpointing(trainer.scaler, ClockState(trainer.clock),
+                                   trainer.data)
     return acc
 
 

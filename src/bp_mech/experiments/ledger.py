@@ -58,6 +58,18 @@ def class_errors(led: Ledger, reference: Ledger) -> dict[str, float]:
     return out
 
 
+def peak_shares(led: Ledger) -> tuple[str, dict[str, float]]:
+    """The ledger stage that holds the most bytes, and each line's share of that stage.
+
+    Example:
+        >>> rows = {s: {"parameters": 1, "saved_activations": 3 if s == "forward" else 0} for s in STAGES}
+        >>> peak_shares(Ledger("formula", "plain", rows))
+        ('forward', {'parameters': 0.25, 'saved_activations': 0.75})
+    """
+    stage = max(STAGES, key=led.total)
+    return stage, {c: b / led.total(stage) for c, b in led.stages[stage].items()}
+
+
 def _worst(errors: dict[str, float]) -> tuple[str, float]:
     k = max(errors, key=lambda k: abs(errors[k]))
     return k, errors[k]

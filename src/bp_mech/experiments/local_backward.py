@@ -152,7 +152,8 @@ def decide(check: dict) -> tuple[str, str | None]:
     """(decision, next step) of one op's ``compare_op`` result, by the rule above."""
     ok = (check["output_error"] <= TOL64 and max(check["grad_errors"].values()) <= TOL64
           and max(check["fd_errors"].values()) <= TOL_FD)
-    return ("accept", None) if ok else ("reject", f"inspect the backward of {check['op']}")
+    return (("accept", None) if ok
+            else ("reject", f"inspect the backward of {check['op']}"))
 
 
 def _shapes(w) -> tuple[tuple[int, int, int], int, int]:

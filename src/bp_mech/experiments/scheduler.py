@@ -1,12 +1,13 @@
 """Part 02 · 12 — TRAIN-SCHEDULER-CLOCK, the experiment: the clocks of ``bp_mech.scheduler`` in a real
 GradScaler run with injected skips.
 
-The workload's model trains with AdamW under ``torch.amp.GradScaler`` until the schedule's updates
-have all been applied. Some calls get a loss blown up to inf (the scaler skips them), one call the
-trainer skips itself. Both clocks (``naive-clock``, ``update-clock``) see the same calls; a
-``transformers`` WSD scheduler is stepped beside each by its policy. The record holds the per-call
-trace, the boundaries in calls and in effective updates, and the decision of ``decide``. Nothing is
-timed: the clock needs no benchmark.
+The workload's model trains with AdamW under ``torch.amp.GradScaler`` until the
+schedule's updates have all been applied. Some calls get a loss blown up to inf (the
+scaler skips them), one call the trainer skips itself. Both clocks (``naive-clock``,
+``update-clock``) see the same calls; a ``transformers`` WSD scheduler is stepped beside
+each by its policy. The record holds the per-call trace, the boundaries in calls and in
+effective updates, and the decision of ``decide``. Nothing is timed: the clock needs no
+benchmark.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ def first_call_at(positions: list[int], boundary: int) -> int | None:
 
 def train_with_clock(candidate: str, ctx, run_cfg: ClockRun = ClockRun()) -> dict:
     """Train the workload's model with AdamW + GradScaler until ``schedule.total`` updates
-    have been applied, injecting overflows and explicit skips; return the per-call trace.
+    have been applied, injecting overflows and explicit skips; return the per-call
+    trace.
 
     ``lr``, ``ref_lr``, ``applied``, ``scale`` have one entry per call; ``position`` and
-    ``effective`` (the clock before call c) have one more: the state after the last call.
+    ``effective`` (the clock before call c) have one more: the state after the last
+    call.
     """
     cfg = run_cfg.schedule
     device = ctx.device
@@ -108,7 +111,8 @@ def trace_summary(trace: dict, cfg: WSDConfig) -> dict:
 
 def decide(summary: dict) -> tuple[str, str | None]:
     """(decision, next step) of one clock's ``trace_summary``, by the rule above."""
-    if all(v == 0 for v in summary["shifts"].values()) and summary["lr_error_max"] == 0.0:
+    if (all(v == 0 for v in summary["shifts"].values())
+            and summary["lr_error_max"] == 0.0):
         return "accept", None
     return "reject", "advance the LR clock only when optimizer.step() ran"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,18 @@ from bp_mech.records.results import json_safe
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
 TIME_BASELINE = {"high_lr": "base_lr", "high_lr_clip": "high_lr"}  # the step each one's time is compared with
 
-# Decision rule (per candidate), from its own trace:
+# Decision rule (per candidate), from its own trace (reasons: bp_mech.book.rules):
 #   reject  if any update had a non-finite loss or gradient;
-#   tune    if the loss spiked: some update's loss exceeds the lowest earlier loss by more than
-#           SPIKE_MAX nats, or the last loss is not below the first;
-#   accept  otherwise (finite, no spike, loss went down). Local stability only.
+#   tune    if the loss spiked (some update's loss exceeds the lowest earlier loss by more than
+#           SPIKE_MAX nats) or the last loss is not below the first; or if one update moved a
+#           parameter group by more than MAX_UPDATE_RATIO of its norm; or if a gradient norm
+#           exceeds GRAD_SPIKE_MAX times the median of the earlier updates' norms;
+#   accept  otherwise. Local stability only.
 SPIKE_MAX = 0.5
+MAX_UPDATE_RATIO = 0.1  # ||delta p|| / ||p|| of a group in one update
+GRAD_SPIKE_MAX = 2.0  # a gradient norm over the median of the earlier ones
+RULE_OF_THUMB_RATIO = 1e-3  # CS231n's healthy update ratio (the figure's lower edge; decides nothing)
+RULE = dict(SPIKE_MAX=SPIKE_MAX, MAX_UPDATE_RATIO=MAX_UPDATE_RATIO, GRAD_SPIKE_MAX=GRAD_SPIKE_MAX)
 CONFORMANCE_TOL = 1e-6  # float32: our clipping against clip_grad_norm_, norm and clipped gradients, relative
 
 
@@ -111,19 +118,23 @@ class TraceObserver:
             self.row["groups"][g] = dict(update_norm=du, param_norm=pn, ratio=r)
 
 
-def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig, device) -> list[dict]:
+def trace(model, init: dict, batches, name: str, cfg: DynamicsConfig,
+          device) -> list[dict]:
     """``len(batches)`` updates of one arm from ``init``; one dict per update."""
     model.load_state_dict(init)
     model.zero_grad(set_to_none=True)  # after a failed arm, stale gradients may remain
     opt = optimizer(model, name, cfg, device)
     observe, out = TraceObserver(model), []
+    clip = max_norm_of(name, cfg)
     for b in batches:
-        r = train_step(model, opt, b, observers=[observe], max_norm=max_norm_of(name, cfg))
-        loss = r.loss.item()
+        loss = train_step(model, opt, b, observers=[observe], max_norm=clip).loss.item()
         row = observe.row
-        coef = update_dynamics.clip_coefficient(torch.tensor(row["grad_norm"]), cfg.max_norm).item()
-        out.append(dict(loss=loss, finite=math.isfinite(loss) and row["finite"], grad_norm=row["grad_norm"],
-                        clip_coef=coef if name == "high_lr_clip" else 1.0, would_clip=coef, groups=row["groups"]))
+        norm = torch.tensor(row["grad_norm"])
+        coef = update_dynamics.clip_coefficient(norm, cfg.max_norm).item()
+        out.append(dict(loss=loss, finite=math.isfinite(loss) and row["finite"],
+                        grad_norm=row["grad_norm"],
+                        clip_coef=coef if name == "high_lr_clip" else 1.0,
+                        would_clip=coef, groups=row["groups"]))
     return out
 
 
@@ -142,16 +153,33 @@ def measure(model, init: dict, batches, cfg: DynamicsConfig, device, progress=No
     return harness.measure(CANDIDATES, prepare, device, cfg.timed, cfg.warmup, together=together, progress=progress)
 
 
+def grad_spike(norms: list[float]) -> float:
+    """The largest ratio of a gradient norm to the median of the earlier ones (1.0 for one update).
+
+    >>> grad_spike([2.0, 1.0, 3.0, 8.0])  # 8 against the median of 2, 1, 3
+    4.0
+    """
+    def ratio(now, earlier):
+        return now / earlier if earlier > 0 else (math.inf if now > 0 else 1.0)
+
+    return max((ratio(norms[t], statistics.median(norms[:t])) for t in range(1, len(norms))), default=1.0)
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Scalars of a trace: finiteness, first/last/peak loss, spike, clip count, max ratios."""
+    """Scalars of a trace: finiteness, first/last/peak loss, spike, clip count, max ratios (and where
+    the largest one happened), the gradient-norm spike."""
     losses = [r["loss"] for r in rows]
     spike = max((losses[t] - min(losses[:t]) for t in range(1, len(losses))), default=0.0)
+    where = max(((r["groups"][g]["ratio"], t, g) for t, r in enumerate(rows) for g in r["groups"]),
+                key=lambda x: -math.inf if math.isnan(x[0]) else x[0])
     return dict(all_finite=all(r["finite"] for r in rows),
                 first_nonfinite=next((i for i, r in enumerate(rows) if not r["finite"]), None),
                 first_loss=losses[0], last_loss=losses[-1], max_loss=max(losses), spike=spike,
                 clipped_updates=sum(r["clip_coef"] < 1.0 for r in rows),
                 max_grad_norm=max(r["grad_norm"] for r in rows),
-                max_ratio={g: max(r["groups"][g]["ratio"] for r in rows) for g in rows[0]["groups"]})
+                grad_spike=grad_spike([r["grad_norm"] for r in rows]),
+                max_ratio={g: max(r["groups"][g]["ratio"] for r in rows) for g in rows[0]["groups"]},
+                max_ratio_at=dict(update=where[1], group=where[2]))
 
 
 def decide(summary: dict) -> tuple[str, str]:
@@ -159,8 +187,18 @@ def decide(summary: dict) -> tuple[str, str]:
     finite_losses = all(math.isfinite(x) for x in (summary["first_loss"], summary["last_loss"], summary["spike"]))
     if not summary["all_finite"] or not finite_losses:
         return "reject", f"non-finite from update {summary['first_nonfinite']}: lower the LR (clipping did not hold it)"
-    if summary["spike"] > SPIKE_MAX or summary["last_loss"] >= summary["first_loss"]:
-        return "tune", "finite, but the loss spiked or did not fall: lower the LR or add warmup"
+    why = []
+    if summary["spike"] > SPIKE_MAX:
+        why.append(f"the loss spiked by {summary['spike']:.2f} nats")
+    if summary["last_loss"] >= summary["first_loss"]:
+        why.append("the loss did not fall")
+    ratio, at = max(summary["max_ratio"].values()), summary["max_ratio_at"]
+    if ratio > MAX_UPDATE_RATIO:
+        why.append(f"update {at['update']} moved {at['group']} by {ratio:.2g}× its norm")
+    if summary["grad_spike"] > GRAD_SPIKE_MAX:
+        why.append(f"a gradient norm reached {summary['grad_spike']:.1f}× the earlier median")
+    if why:
+        return "tune", "finite, but " + "; ".join(why) + ": lower the LR or add warmup"
     return "accept", "locally stable; judge quality on a held-out evaluation before adopting it"
 
 
@@ -203,7 +241,7 @@ def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced, measured: dict
                      interleaved=m and m.timing.interleaved, time_baseline=TIME_BASELINE.get(name),
                      time_ratio=m.timing.median_s / base_timing.median_s if compared else None,
                      p95_ratio=m.timing.p95_s / base_timing.p95_s if compared else None,
-                     rule=dict(SPIKE_MAX=SPIKE_MAX)))
+                     rule=RULE))
 
 
 def dry_run(ctx) -> dict:
@@ -221,7 +259,7 @@ def dry_run(ctx) -> dict:
 
     return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
                 groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=own_weights_modes(mode_plan),
-                rule=dict(SPIKE_MAX=SPIKE_MAX),
+                rule=RULE,
                 estimate_basis=ASSUMED_BASIS + "; + 0.05 s per traced update and 1 s of state loads per arm (cuda)")
 
 

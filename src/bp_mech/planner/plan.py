@@ -26,14 +26,20 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech.bench import lifecycle
+from bp_mech.bench.definitions import STEADY, StepDefinition
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.step import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, Strategy, parse
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 
-CONTEXT_BYTES = 512 * 2**20  # the CUDA context (and the driver's own allocations): outside the caching allocator
-ALLOCATOR_SLACK = 0.10  # reserved over allocated: the caching allocator's block rounding and fragmentation
+# The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
+# counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
+# allocator, so they are in its counters but not in a traced peak; the slack covers them.
+CONTEXT_BYTES = 512 * 2**20
+# reserved over allocated (block rounding, fragmentation), and the library workspaces a
+# traced peak does not hold
+ALLOCATOR_SLACK = 0.10
 
 
 def headroom(device) -> tuple[float, int]:
@@ -43,11 +49,15 @@ def headroom(device) -> tuple[float, int]:
 
 
 def needed_bytes(peak: float, slack: float, context: float) -> float:
-    """What a step of allocated peak ``peak`` needs on the device: ``peak * (1 + slack) + context``. The
-    caching allocator reserves more than it allocates (block rounding, fragmentation: ``slack`` of the
-    peak), and the CUDA context and library workspaces sit outside its counters (``context`` bytes)."""
+    """What a step of allocated peak ``peak`` needs on the device.
+
+    ``peak * (1 + slack) + context``: the caching allocator reserves more than the
+    traced peak (block rounding, fragmentation, the libraries' workspaces, which it
+    also allocates: ``slack`` of the peak), and the CUDA context sits outside its
+    counters (``context`` bytes)."""
     if slack < 0 or context < 0:
-        raise ValueError(f"slack and context are >= 0, got slack={slack} context={context}")
+        raise ValueError(
+            f"slack and context are >= 0, got slack={slack} context={context}")
     return peak * (1 + slack) + context
 
 
@@ -109,15 +119,19 @@ class Plan:
     elapsed_s: float = 0.0
     evidence_level: str = "estimated"
     memory_source: str = "fake-tensor"
+    definition: StepDefinition = STEADY  # which step was traced (``bench.definitions``; default: the steady state)
 
     def to_dict(self) -> dict:
         return dict(dataclasses.asdict(self), headroom=dict(context_bytes=CONTEXT_BYTES, allocator_slack=ALLOCATOR_SLACK))
 
 
-def session(config, batch: int, seq: int, options: StepOptions) -> lifecycle.Session:
-    """The fake session of ``config`` at (batch, seq); a ``PlanError`` for a model the plan cannot take."""
+def session(config, batch: int, seq: int, options: StepOptions,
+            definition: StepDefinition = STEADY) -> lifecycle.Session:
+    """The fake session of ``config`` at (batch, seq), whose steps follow ``definition``; a ``PlanError``
+    for a model the plan cannot take."""
     try:
-        s = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq), fake=True, options=options)
+        s = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq), fake=True, options=options,
+                              definition=definition)
     except ValueError as e:  # AutoModelForCausalLM has no class for this config
         raise PlanError(f"unknown architecture {config.model_type!r}: not a causal LM Transformers builds "
                         f"({str(e).splitlines()[0][:120]})") from None
@@ -183,14 +197,16 @@ def _row(led, s: Strategy, budget: int, flops, link: float, cached: dict) -> Pla
 
 def plan(config, batch: int, seq: int, budget: int, device_name: str | None = None, candidates=CANDIDATES,
          options: StepOptions = StepOptions().for_device("cuda"), progress=None, workers: int = 1,
-         results_dir=None) -> Plan:
+         results_dir=None, definition: StepDefinition = STEADY) -> Plan:
     """The ``Plan`` of ``config`` at (batch, seq) for ``budget`` bytes; ``workers``: processes that trace
-    the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``)."""
+    the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``);
+    ``definition``: the step traced (``bench.definitions.StepDefinition``, e.g. the first step, whose
+    update allocates AdamW's moments; default: the steady state)."""
     t0, threads = time.perf_counter(), torch.get_num_threads()
     check_shape(config, batch, seq)
     torch.set_num_threads(1)  # fake tensors compute nothing: intra-op threads would only spin
     try:
-        sess = session(config, batch, seq, options)
+        sess = session(config, batch, seq, options, definition)
         flops = forward_flops(sess)
         cached, errors = cached_ratios(device_name, results_dir)
         link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
@@ -201,26 +217,42 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
         rows = [_row(led, s, budget, flops, link, cached) for s, led in zip(todo, traced)]
     finally:
         torch.set_num_threads(threads)
-    best = min((r for r in rows if r.fits), key=lambda r: (round(r.cost.extra, 3), not r.keeps_float32,
-                                                             r.mechanisms, r.peak), default=None)
+    best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
     model = dict(model_type=config.model_type, parameters=sum(p.numel() for p in sess.model.parameters()),
                  layers=len(flops.attn), hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                  validated=config.model_type in FAMILIES)
     p = Plan(model, batch, seq, budget, device_name, options,
              dict(plain_forward_flops=flops.total, flops_per_s=ASSUMED_FLOPS["cuda"]["float32"], link_bytes_per_s=link,
-                  overlap="none (upper bound)"), rows, skipped, best and best.strategy, None, errors)
+                  overlap="none (upper bound)"), rows, skipped, best and best.strategy, None, errors,
+             definition=definition)
     if best is None and rows:
-        p.fits_instead = fits_instead(config, batch, seq, budget, min(rows, key=lambda r: r.needs), options)
+        p.fits_instead = fits_instead(config, batch, seq, budget, min(rows, key=lambda r: r.needs), options,
+                                      definition)
     p.elapsed_s = time.perf_counter() - t0
     return p
 
 
-def fits_instead(config, batch: int, seq: int, budget: int, leanest: PlanRow, options) -> FitsInstead:
+def recommend(rows, budget: int) -> str | None:
+    """The plan's pick for ``budget``: of the rows whose ``needs`` fit, the least counted extra time;
+    ties go to float32, then to fewer mechanisms, then to the lower peak (None: nothing fits)."""
+    best = min((r for r in rows if r.needs <= budget), default=None,
+               key=lambda r: (round(r.cost.extra, 3), not r.keeps_float32, r.mechanisms, r.peak))
+    return best and best.strategy
+
+
+def smallest_budget(rows, at_least: int) -> int | None:
+    """The smallest budget at which at least ``at_least`` of the rows fit (None: fewer rows)."""
+    need = sorted(r.needs for r in rows)
+    return need[at_least - 1] if 0 < at_least <= len(need) else None
+
+
+def fits_instead(config, batch: int, seq: int, budget: int, leanest: PlanRow, options,
+                 definition: StepDefinition = STEADY) -> FitsInstead:
     """What would fit when nothing does: the leanest strategy's budget, and about the largest batch (or,
     at batch 1, sequence) it fits at, from one more step at batch 1 (seq / 2) and a line through both."""
     s = parse(leanest.strategy)
     b1, t1 = (1, seq) if batch > 1 else (1, max(2, seq // 2))
-    small = session(config, b1, t1, options).ledger(s.replace(micro_batches=1) if b1 % s.micro_batches else s)
+    small = session(config, b1, t1, options, definition).ledger(s.replace(micro_batches=1) if b1 % s.micro_batches else s)
     x0, x1 = (b1, batch) if batch > 1 else (t1, seq)
     need0 = needs(small.peak)
     slope = (leanest.needs - need0) / (x1 - x0) if x1 != x0 else 0

@@ -91,55 +91,70 @@ def holdout_loss(acc, model, batches) -> float:
     return (acc.reduce(s, "sum") / acc.reduce(n, "sum")).item()
 
 
-def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divisor_fn, snapshot=None) -> dict:
-    """``n_updates`` updates (the module docstring's steps 1-4); per update: the global loss, N, the
-    time on this rank, the gradient norm before clipping, the clip coefficient, the LR, applied."""
+def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divisor_fn,
+                snapshot=None) -> dict:
+    """``n_updates`` updates (the module docstring's steps 1-4); per update: the global
+    loss, N, the time on this rank, the gradient norm before clipping, the clip
+    coefficient, the LR, applied."""
     from tqdm.auto import tqdm
 
     clock = UpdateClock(cfg.wsd(), opt)
     k, P, rank = cfg.accumulation, acc.num_processes, acc.process_index
     all_reduce = lambda t: acc.reduce(t.to(acc.device), "sum")  # noqa: E731
-    rows = {key: [] for key in ("loss", "target_tokens", "seconds", "cpu_seconds", "grad_norm", "clip_coef", "lr",
-                                "applied")}
+    rows = {key: [] for key in ("loss", "target_tokens", "seconds", "cpu_seconds",
+                                "grad_norm", "clip_coef", "lr", "applied")}
     peak = None
     bar = tqdm(range(n_updates), desc=f"updates ({P} process{'es' * (P > 1)})",
                disable=not (cfg.progress and rank == 0))
     for u in bar:
-        micro = [{key: v.to(acc.device) for key, v in baseline_loss.shard_rows(batches[u * k + j], rank, P).items()}
+        micro = [{key: v.to(acc.device) for key, v
+                  in baseline_loss.shard_rows(batches[u * k + j], rank, P).items()}
                  for j in range(k)]
         tracked = u == cfg.peak_update
-        pm = PeakMemory(acc.device, resident=[model.parameters(), optimizer_state(opt)]) if tracked else \
-            contextlib.nullcontext()
+        pm = PeakMemory(
+            acc.device, resident=[model.parameters(), optimizer_state(opt)]
+        ) if tracked else contextlib.nullcontext()
         lr = clock.lr
         sync(acc.device)
         t0, c0 = time.perf_counter(), time.thread_time()
         with pm:
-            counts = [accumulation.count_targets(mb["labels"]) for mb in micro]  # this rank's, per micro-batch
+            # this rank's target tokens, per micro-batch
+            counts = [accumulation.count_targets(mb["labels"]) for mb in micro]
             divisor = divisor_fn(counts, P, all_reduce)
             loss_sum = torch.zeros((), device=acc.device)
             for mb in micro:
                 with acc.accumulate(model):
-                    s = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"])
-                    acc.backward(s / divisor * k)  # accelerate's backward divides by k: S / divisor reaches .grad
+                    s = accumulation.token_loss_sum(
+                        model(input_ids=mb["input_ids"]).logits, mb["labels"])
+                    # accelerate's backward divides by k: S / divisor reaches .grad
+                    acc.backward(s / divisor * k)
                     loss_sum += s.detach()
                     if acc.sync_gradients:
                         if snapshot is not None and u == 0:
-                            snapshot["grad"] = [p.grad.detach().clone() for p in model.parameters()]
-                        norm = acc.clip_grad_norm_(model.parameters(), cfg.max_norm)  # unscaled, then clipped
+                            snapshot["grad"] = [p.grad.detach().clone()
+                                                for p in model.parameters()]
+                        # unscaled (fp16), then clipped
+                        norm = acc.clip_grad_norm_(model.parameters(), cfg.max_norm)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
             applied = not acc.optimizer_step_was_skipped
             clock.step(applied)  # the LR clock counts applied updates only
             n_local = sum(counts)
-            loss_sum, n_total = all_reduce(torch.stack([loss_sum, n_local.to(loss_sum)]))  # one all-reduce for the log
-            loss = (loss_sum / n_total).item()  # the global token mean (n_total < 2^24: exact in float32)
+            # one all-reduce for the log
+            loss_sum, n_total = all_reduce(
+                torch.stack([loss_sum, n_local.to(loss_sum)]))
+            # the global token mean (n_total < 2^24: exact in float32)
+            loss = (loss_sum / n_total).item()
         sync(acc.device)
         rows["seconds"].append(time.perf_counter() - t0)
-        rows["cpu_seconds"].append(time.thread_time() - c0)  # this rank's thread: no wait for a core or the peer
+        # this rank's thread: no wait for a core or the peer
+        rows["cpu_seconds"].append(time.thread_time() - c0)
         if tracked:
             peak = pm.peak.allocated
-        for key, v in (("loss", loss), ("target_tokens", round(n_total.item())), ("grad_norm", norm.item()),
-                       ("clip_coef", clip_coefficient(norm, cfg.max_norm).item()), ("lr", lr), ("applied", applied)):
+        for key, v in (("loss", loss), ("target_tokens", round(n_total.item())),
+                       ("grad_norm", norm.item()),
+                       ("clip_coef", clip_coefficient(norm, cfg.max_norm).item()),
+                       ("lr", lr), ("applied", applied)):
             rows[key].append(v)
         if snapshot is not None and u + 1 == cfg.naive_updates:
             snapshot["params_early"] = [p.detach().clone() for p in model.parameters()]

@@ -38,24 +38,30 @@ from bp_mech.accumulation import count_targets, token_loss_sum
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sum of a tensor over all ranks, returned on every rank
 
 
-def shard_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s rows of a batch: the contiguous block [rank * b, (rank + 1) * b), b = E / P.
+def shard_rows(batch: dict[str, torch.Tensor], rank: int,
+               world_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s rows of a batch: the contiguous block [rank * b, (rank + 1) * b),
+    b = E / P.
 
     Raises ValueError if E % P or rank is not in [0, P).
     """
     E = next(iter(batch.values())).shape[0]
     if world_size < 1 or E % world_size or not 0 <= rank < world_size:
-        raise ValueError(f"cannot give rank {rank} of {world_size} an equal share of {E} rows")
+        raise ValueError(
+            f"cannot give rank {rank} of {world_size} an equal share of {E} rows")
     b = E // world_size
     return {k: v[rank * b:(rank + 1) * b] for k, v in batch.items()}
 
 
-def loss_divisor(local_counts: Sequence[torch.Tensor], world_size: int, all_reduce: AllReduce) -> torch.Tensor:
-    """N / P: the target tokens of the whole update on all ranks (all-reduced), over the rank count.
+def loss_divisor(local_counts: Sequence[torch.Tensor], world_size: int,
+                 all_reduce: AllReduce) -> torch.Tensor:
+    """N / P: the target tokens of the whole update on all ranks (all-reduced), over the
+    rank count.
 
-    ``local_counts``: this rank's target count of each micro-batch of the update (0-dim integer
-    tensors). Every rank gets the same divisor; dividing its summed token losses by it makes DDP's
-    mean of the ranks' gradients the gradient of the global token mean.
+    ``local_counts``: this rank's target count of each micro-batch of the update
+    (0-dim integer tensors). Every rank gets the same divisor; dividing its summed token
+    losses by it makes DDP's mean of the ranks' gradients the gradient of the global
+    token mean.
     """
     n_local = torch.stack([torch.as_tensor(c) for c in local_counts]).sum()
     return all_reduce(n_local) / world_size

@@ -64,13 +64,16 @@ def dominant_state(rows: dict[str, dict[str, int]]) -> Dominant:
     return Dominant(point, total, line, rows[point][line], rows[point][line] / total)
 
 
-def predicted_saving(stages: dict[str, dict[str, int]], change: dict[str, dict[str, int]]) -> int:
-    """Bytes a remedy saves at the peak: the largest stage total before, minus the largest after each
-    line of ``stages`` ({stage: {class: bytes}}) moved by ``change`` ({stage: {class: bytes}},
-    negative: removed; a stage or class it omits is unchanged). The peak after may sit at another
-    stage than before: a remedy saves no more than the gap to the next-largest stage allows."""
+def predicted_saving(stages: dict[str, dict[str, int]],
+                     change: dict[str, dict[str, int]]) -> int:
+    """Bytes a remedy saves at the peak: the largest stage total before, minus the
+    largest after each line of ``stages`` ({stage: {class: bytes}}) moved by ``change``
+    ({stage: {class: bytes}}, negative: removed; a stage or class it omits is
+    unchanged). The peak after may sit at another stage than before: a remedy saves no
+    more than the gap to the next-largest stage allows."""
     before = max(sum(row.values()) for row in stages.values())
-    after = max(sum(row.values()) + sum(change.get(s, {}).values()) for s, row in stages.items())
+    after = max(sum(row.values()) + sum(change.get(s, {}).values())
+                for s, row in stages.items())
     return before - after
 
 
@@ -203,24 +206,29 @@ REMEDIES = (
 LOSS_KEEPS_PER_TOKEN = 12  # bytes per token the chunked loss keeps till backward: lse (fp32) + target (int64)
 
 
-def chunked_loss_changes(rows: dict[str, dict[str, int]], tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
-    """The chunked loss's rule, read from its mechanism (``bp_mech.chunked_loss``), float32, n = ``tokens``,
-    c = min(``chunk``, n), V = ``vocab``, C = ``hidden``; k = 2 (1 when one chunk covers every token):
+def chunked_loss_changes(rows: dict[str, dict[str, int]], tokens: int, vocab: int,
+                         hidden: int, chunk: int) -> dict:
+    """The chunked loss's rule, read from its mechanism (``bp_mech.chunked_loss``),
+    float32, n = ``tokens``, c = min(``chunk``, n), V = ``vocab``, C = ``hidden``; k = 2
+    (1 when one chunk covers every token):
 
-    * between forward and backward the loss keeps ``LOSS_KEEPS_PER_TOKEN`` n bytes (lse, targets);
-    * at the forward's peak, besides: k chunks' logits, k 4 c V (a chunk's logits are computed while
-      the previous chunk's are still referenced by the loop's variable);
-    * in the loss's backward, besides: the gradient of the hidden states (4 n C) and the weight's
-      gradient dW (4 V C, allocated first: the plain step has no gradient yet at that moment), and the
-      larger of k chunks' logits (k 4 c V, as in the forward) and one chunk's dz with its product
-      dz^T h (4 c V + 4 V C).
+    * between forward and backward the loss keeps ``LOSS_KEEPS_PER_TOKEN`` n bytes (lse,
+      targets);
+    * at the forward's peak, besides: k chunks' logits, k 4 c V (a chunk's logits are
+      computed while the previous chunk's are still referenced by the loop's variable);
+    * in the loss's backward, besides: the gradient of the hidden states (4 n C) and the
+      weight's gradient dW (4 V C, allocated first: the plain step has no gradient yet
+      at that moment), and the larger of k chunks' logits (k 4 c V, as in the forward)
+      and one chunk's dz with its product dz^T h (4 c V + 4 V C).
 
-    The logits & loss line of each point shrinks to that (never grows); where the backward's peak
-    shrinks, dW joins the gradients line there. Left out: the (c, C) product of dh's chunk, the loss's
-    scalars, what Transformers' loss allocates for the targets (bytes per token, not per logit)."""
+    The logits & loss line of each point shrinks to that (never grows); where the
+    backward's peak shrinks, dW joins the gradients line there. Left out: the (c, C)
+    product of dh's chunk, the loss's scalars, what Transformers' loss allocates for the
+    targets (bytes per token, not per logit)."""
     c, n, V, C = min(chunk, tokens), tokens, vocab, hidden
     k = 2 if n > c else 1
-    live = {"forward_peak": k * 4 * c * V, "backward_peak": max(k * 4 * c * V, 4 * c * V + 4 * V * C) + 4 * n * C}
+    live = {"forward_peak": k * 4 * c * V,
+            "backward_peak": max(k * 4 * c * V, 4 * c * V + 4 * V * C) + 4 * n * C}
     out = {}
     for point, row in rows.items():
         cut = min(0, LOSS_KEEPS_PER_TOKEN * n + live.get(point, 0) - row["logits_loss"])

@@ -82,14 +82,18 @@ def measure(model, batches, device, names=None, progress=None, smoke: bool = Fal
 
 
 def estimate(ctx) -> dict:
-    """``bp-mech plan``'s estimate of every candidate at ``ctx.workload``: one steady-state step under fake
-    tensors at full size, with the AdamW and offload threshold of ``ctx.device`` (the plan's own budget
-    check is not used: ``budget_records`` applies this project's budget). ``{name: {peak, peak_stage,
+    """``bp-mech plan``'s estimate of every candidate at ``ctx.workload``.
+
+    One steady-state step under fake tensors at full size, with the AdamW and offload
+    threshold of ``ctx.device`` (the plan's own budget check is not used:
+    ``budget_records`` applies this project's budget). ``{name: {peak, peak_stage,
     elapsed_s}}`` (elapsed_s: the time of the whole plan)."""
     w = ctx.workload
-    p = plan(qwen2_config(w.arch), w.batch, w.seq, 2**62, candidates=[parse(n) for n in candidates(ctx)],
+    p = plan(qwen2_config(w.arch), w.batch, w.seq, 2**62,
+             candidates=[parse(n) for n in candidates(ctx)],
              options=StepOptions().for_device(ctx.device))
-    return {r.strategy: dict(peak=r.peak, peak_stage=r.peak_stage, elapsed_s=p.elapsed_s) for r in p.rows}
+    return {r.strategy: dict(peak=r.peak, peak_stage=r.peak_stage,
+                             elapsed_s=p.elapsed_s) for r in p.rows}
 
 
 def candidate(m: harness.Measured) -> Candidate:

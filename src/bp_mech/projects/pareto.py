@@ -25,14 +25,17 @@ from bp_mech.planner.plan import needed_bytes
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
-    """Names of the Pareto-optimal points of ``{name: (peak, time)}`` (both minimized), ordered by
-    increasing peak, then time, then name. Equal points do not dominate each other: both stay.
+    """Names of the Pareto-optimal points of ``{name: (peak, time)}`` (both minimized),
+    ordered by increasing peak, then time, then name. Equal points do not dominate each
+    other: both stay.
 
-    One sweep in order of increasing peak: a point is optimal when its time is below every time seen
-    so far, or when it repeats the point that set that time (the same peak and time).
+    One sweep in order of increasing peak: a point is optimal when its time is below
+    every time seen so far, or when it repeats the point that set that time (the same
+    peak and time).
     """
     if not all(math.isfinite(v) for p in points.values() for v in p):
-        raise ValueError(f"pareto_front needs finite (peak, time) points, got {points}")
+        raise ValueError(
+            f"pareto_front needs finite (peak, time) points, got {points}")
     front, best = [], None  # best: the last optimal point, the least time so far
     for name in sorted(points, key=lambda n: (points[n][0], points[n][1], n)):
         p = tuple(points[name])
@@ -42,12 +45,16 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     return front
 
 
-def choose_for_budget(points: dict[str, tuple[float, float]], budget: float, slack: float,
-                      context: float) -> str | None:
-    """The fastest candidate that fits ``budget``: ``needed_bytes(peak, slack, context) <= budget``; a tie
-    in time goes to the smaller peak, then the name. None when nothing fits."""
-    fitting = [n for n, (peak, _) in points.items() if needed_bytes(peak, slack, context) <= budget]
-    return min(fitting, key=lambda n: (points[n][1], points[n][0], n)) if fitting else None
+def choose_for_budget(points: dict[str, tuple[float, float]], budget: float,
+                      slack: float, context: float) -> str | None:
+    """The fastest candidate that fits ``budget``:
+    ``needed_bytes(peak, slack, context) <= budget``; a tie in time goes to the smaller
+    peak, then the name. None when nothing fits."""
+    fitting = [n for n, (peak, _) in points.items()
+               if needed_bytes(peak, slack, context) <= budget]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda n: (points[n][1], points[n][0], n))
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,9 @@ class StepProfile:
 
 
 def record_phases(device):
-    """An observer of ``train_step`` on ``device``: a ``record_function`` range per phase (``MARK`` + the
-    phase). On CUDA each phase ends with a synchronize, so a phase's range covers its kernels and the live
-    set at its end is settled."""
+    """An observer of ``train_step`` on ``device``: a ``record_function`` range per
+    phase (``MARK`` + the phase). On CUDA each phase ends with a synchronize, so a
+    phase's range covers its kernels and the live set at its end is settled."""
     cuda = torch.device(device).type == "cuda"
 
     @contextlib.contextmanager
@@ -94,15 +94,17 @@ def record_phases(device):
     return observe
 
 
-def live_by_category(events, categories: dict) -> tuple[list[int], list[dict[str, int]]]:
+def live_by_category(events, categories: dict
+                     ) -> tuple[list[int], list[dict[str, int]]]:
     """Replay a memory timeline: the live bytes per category after each instant.
 
-    ``events``: ``(time, action, key, version, nbytes)`` in time order, ``action`` one of
-    ``"preexisting"`` (alive before the window; time -1), ``"create"``, ``"increment_version"`` (an
-    in-place write: the storage's bytes leave version ``version`` and join ``version + 1``) and
-    ``"destroy"`` (of version ``version``). ``categories``: ``{(key, version): category}``, a version
-    it lacks is ``"unknown"``. Returns ``(times, states)``: one state per distinct time, the one
-    after every event at that time (``{category: bytes}``, categories seen so far)."""
+    ``events``: ``(time, action, key, version, nbytes)`` in time order, ``action`` one
+    of ``"preexisting"`` (alive before the window; time -1), ``"create"``,
+    ``"increment_version"`` (an in-place write: the storage's bytes leave version
+    ``version`` and join ``version + 1``) and ``"destroy"`` (of version ``version``).
+    ``categories``: ``{(key, version): category}``, a version it lacks is ``"unknown"``.
+    Returns ``(times, states)``: one state per distinct time, the one after every event
+    at that time (``{category: bytes}``, categories seen so far)."""
     live: dict[str, int] = {}
     times, states = [], []
 

@@ -1,32 +1,42 @@
-"""The course seed's reference figures (DESIGN.md's reference table), in one place.
+"""The course's reference run: the figures the course measured on an RTX 5070 Ti with Qwen2.5-0.5B
+(DESIGN.md's reference table), in one place.
 
-The seed measured these on an RTX 5070 Ti with Qwen2.5-0.5B. A chapter may quote them *as the
-course's reference*, beside this book's own runs, never as its own measurement: ``SeedReference.
-summary()`` says so in its wording, and ``report.provenance_box`` shows it beside a cached GPU
-record of the same experiment. Pages without a seed figure have no entry.
+A chapter may quote them as *the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B)*, beside this book's
+own runs, never as its own measurement: ``SeedReference.summary()`` and ``SeedReference.source`` say so in
+their wording, and ``report.provenance_box`` shows the summary beside a cached GPU record of the same
+experiment. Experiments the reference run did not measure have no entry. (The Python names keep the word
+"seed", the course material the figures come from; readers see "the course's reference run".)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+PHRASE = "the course's reference run"  # what readers read: never "the seed's", which reads like a random seed
+
 
 @dataclass(frozen=True)
 class SeedReference:
-    """One row of the seed's reference table."""
+    """One row of the course's reference table (one experiment of the reference run)."""
 
     semantic_id: str  # the experiment it is a reference for
-    run_label: str  # the seed's run label
+    run_label: str  # the reference run's label
     compared: str  # what against what, in words
     peak_saving: float  # fraction by which the candidate lowered the peak (0.337 = 33.7 %)
     median_ratio: float  # candidate's median step / baseline's median step
-    decision: str | None  # the seed's decision (accept | tune | reject), None where it gives none
+    decision: str | None  # the reference run's decision (accept | tune | reject), None where it gives none
     strategy: str | None = None  # the book's strategy (bench.strategy name) it measured, None: not one strategy
-    peak_is_upper_bound: bool = False  # the seed says "down up to" this much
+    peak_is_upper_bound: bool = False  # the reference says "down up to" this much
     condition: str | None = None  # where the figures hold, e.g. "seq 256"
-    note: str | None = None  # a further statement of the seed, e.g. about short sequences
-    device: str = "RTX 5070 Ti"  # the seed's GPU
-    model: str = "Qwen2.5-0.5B"  # the seed's model
+    note: str | None = None  # a further statement of the reference, e.g. about short sequences
+    device: str = "RTX 5070 Ti"  # the reference run's GPU
+    model: str = "Qwen2.5-0.5B"  # the reference run's model
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from, for a table's source column: "the course's reference run (RTX 5070 Ti,
+        Qwen2.5-0.5B)"."""
+        return f"{PHRASE} ({self.device}, {self.model})"
 
     def time_phrase(self) -> str:
         r = self.median_ratio
@@ -37,14 +47,14 @@ class SeedReference:
         return f"median step {'up' if r > 1 else 'down'} about {abs(r - 1):.1%}"
 
     def summary(self) -> str:
-        """One sentence, e.g. ``the seed's reference (RTX 5070 Ti, Qwen2.5-0.5B, run label b2s512_default2):
-        checkpointing every layer vs plain: allocated peak down about 33.7 %, median step up about 19.2 %,
-        decision accept``."""
+        """One sentence, e.g. ``the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B, run label
+        b2s512_default2): gradient checkpointing vs plain saving: peak down about 33.7%, median step up about
+        19.2%, decision accept``."""
         parts = [f"peak down {'up to ' if self.peak_is_upper_bound else ''}about {self.peak_saving:.1%}",
                  self.time_phrase()]
         if self.decision:
             parts.append(f"decision {self.decision}")
-        head = f"the seed's reference ({self.device}, {self.model}, run label {self.run_label}): {self.compared}"
+        head = f"{PHRASE} ({self.device}, {self.model}, run label {self.run_label}): {self.compared}"
         return (f"{head}{f' at {self.condition}' if self.condition else ''}: {', '.join(parts)}"
                 + (f"; {self.note}" if self.note else ""))
 
@@ -63,10 +73,10 @@ SEED: dict[str, SeedReference] = {r.semantic_id: r for r in [
 
 
 def seed_reference(semantic_id: str) -> SeedReference | None:
-    """The seed's reference for an experiment, or None where the seed gives none."""
+    """The course's reference run's figures for an experiment, or None where it measured none."""
     return SEED.get(semantic_id)
 
 
 def for_strategy(name: str) -> SeedReference | None:
-    """The seed's reference that measured the strategy ``name``, or None."""
+    """The course's reference figures that measured the strategy ``name``, or None."""
     return next((r for r in SEED.values() if r.strategy == name), None)

@@ -93,7 +93,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
        "fixed-model, fixed-data training baseline", "throughput and quality", True),
     Experiment("TRAIN-PROFILING-DIAGNOSIS", "Part 02 · 74", "74", "bp_mech.projects.profiling",
        "book/projects/74-profiling-diagnosis.md", "lifecycle ledger and trace fields",
-       "dominant state, critical path, candidate attribution", True),
+       "dominant state, hot-spot list (operators by self time), candidate attribution", True),
 ]}
 
 
@@ -246,7 +246,10 @@ def status(e: Experiment, root: Path, results_dir: Path) -> str:
     fresh = [r for r in recs if not provenance.is_stale(r, e.module)]
     cpu = any(r.evidence_level == "cpu-mechanism" for r in fresh)
     gpu = [r for r in recs if r.evidence_level == "gpu-measured"]
-    text = "complete CPU mechanism" if cpu else "CPU mechanism (no current CPU record cached)"
+    stale_cpu = any(r.evidence_level == "cpu-mechanism" for r in recs)
+    text = ("complete CPU mechanism" if cpu else
+            "CPU mechanism (cached CPU records are stale: code changed since)" if stale_cpu else
+            "CPU mechanism (no CPU record cached)")
     if e.gpu:
         if not gpu:
             text += "; no GPU record cached yet"

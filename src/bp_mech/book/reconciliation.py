@@ -1,0 +1,51 @@
+"""The course's reference figure beside the book's ledger (Part 02 · 11, 19, 42, mixed precision): the
+table of ``experiments.reference_gap``, computed at build time, as a chapter shows it."""
+
+from __future__ import annotations
+
+from bp_mech.book.report import markdown_table
+from bp_mech.experiments.reference_gap import DEFINITIONS, Gap, reference_gap
+
+# what each single definition of ``bench.definitions`` means, in a reader's words
+MEANING = {
+    "a": "steady state, moments resident (the book's step)",
+    "b": "first step: the update allocates AdamW's moments",
+    "c": "forward + backward only, no optimizer",
+    "d": "outputs (logits) kept alive through backward",
+    "e": "fp16 weights and AdamW state, no fp32 master",
+    "e-bf16": "bf16 weights and AdamW state, no fp32 master",
+    "g": "PyTorch's default AdamW on CUDA (foreach)",
+}
+
+
+def meaning(label: str) -> str:
+    """A definition's label ("a", "b+d", ...) in words: its parts' meanings joined by "and".
+
+    >>> meaning("b+g")
+    "first step: the update allocates AdamW's moments and PyTorch's default AdamW on CUDA (foreach)"
+    """
+    return " and ".join(MEANING[part] for part in label.split("+"))
+
+
+def gap_rows(gap: Gap) -> list[dict]:
+    """One row per definition: its meaning, the predicted saving of the peak and of the peak's
+    increment (f), and whether either lies within the tolerance of the reference."""
+    tol = gap.tolerance_pp / 100
+    rows = []
+    for r in gap.rows:
+        hit = [x for x, ok in (("peak", r.within), ("increment (f)", r.increment_within)) if ok]
+        rows.append({"definition": r.definition, "the step it measures": meaning(r.definition),
+                     "predicted saving": f"{r.saving:.1%}", "(f) increment saving": f"{r.increment_saving:.1%}",
+                     "reference": f"{gap.reference_saving:.1%}",
+                     f"within ±{tol:.0%}": ", ".join(hit) or "no"})
+    return rows
+
+
+def gap_table(gap: Gap):
+    """``gap_rows`` as a Markdown table (renders in the book)."""
+    return markdown_table(gap_rows(gap))
+
+
+def reconcile(semantic_id: str, definitions=None) -> Gap:
+    """``reference_gap`` of one course reference at its workload, every definition by default."""
+    return reference_gap(semantic_id, list(definitions or DEFINITIONS))

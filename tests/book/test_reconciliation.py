@@ -1,0 +1,27 @@
+"""The reconciliation table: each row is the fake-tensor ledger's own saving under its definition."""
+
+from bp_mech.bench.definitions import StepDefinition
+from bp_mech.bench.lifecycle import Session
+from bp_mech.bench.step import StepOptions
+from bp_mech.bench.strategy import parse
+from bp_mech.bench.workload import parse_workload
+from bp_mech.book.reconciliation import gap_rows, meaning
+from bp_mech.experiments.reference_gap import Case, reference_gap
+
+TINY = Case("TRAIN-CHECKPOINT", "tiny-b2s64", ("checkpoint-all",))
+
+
+def test_rows_are_the_ledgers_savings_and_flag_only_what_is_within_tolerance():
+    gap = reference_gap("TRAIN-CHECKPOINT", ["a", "c"], workers=1, case=TINY)
+    options = StepOptions().for_device("cuda")
+    s = Session(parse_workload("tiny-b2s64"), fake=True, options=options)
+    for label, d in (("a", StepDefinition()), ("c", StepDefinition("none"))):
+        plain, ckpt = s.step(parse("plain"), d), s.step(parse("checkpoint-all"), d)
+        row = next(r for r in gap.rows if r.definition == label)
+        assert row.saving == 1 - ckpt.peak / plain.peak
+        assert row.increment_saving == 1 - ckpt.increment / plain.increment
+        assert row.within == (abs(row.saving - gap.reference_saving) <= gap.tolerance_pp / 100)
+    shown = gap_rows(gap)
+    assert [r["definition"] for r in shown] == ["a", "c"]
+    assert shown[1]["the step it measures"] == meaning("c")
+    assert all(r["reference"] == f"{gap.reference_saving:.1%}" for r in shown)
