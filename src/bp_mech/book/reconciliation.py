@@ -27,17 +27,26 @@ def meaning(label: str) -> str:
     return " and ".join(MEANING[part] for part in label.split("+"))
 
 
+def pct(x: float) -> str:
+    """A saving as a percentage to one decimal; a saving that rounds to zero is "0.0%", never "-0.0%".
+
+    >>> pct(0.1394), pct(-0.00002), pct(-0.02)
+    ('13.9%', '0.0%', '-2.0%')
+    """
+    return f"{x if round(x, 3) else 0.0:.1%}"
+
+
 def gap_rows(gap: Gap) -> list[dict]:
     """One row per definition: its meaning, the predicted saving of the peak and of the peak's
     increment (f), and whether either lies within the tolerance of the reference."""
-    tol = gap.tolerance_pp / 100
+    tol = gap.tolerance_pp
     rows = []
     for r in gap.rows:
         hit = [x for x, ok in (("peak", r.within), ("increment (f)", r.increment_within)) if ok]
         rows.append({"definition": r.definition, "the step it measures": meaning(r.definition),
-                     "predicted saving": f"{r.saving:.1%}", "(f) increment saving": f"{r.increment_saving:.1%}",
-                     "reference": f"{gap.reference_saving:.1%}",
-                     f"within ±{tol:.0%}": ", ".join(hit) or "no"})
+                     "predicted saving": pct(r.saving), "(f) increment saving": pct(r.increment_saving),
+                     "reference": pct(gap.reference_saving),
+                     f"within ±{tol:g} point{'' if tol == 1 else 's'}": ", ".join(hit) or "no"})
     return rows
 
 
