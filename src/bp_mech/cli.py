@@ -3,7 +3,8 @@
 Bad input (unknown ID, profile or mode, a shape the model cannot take, ``real_gpu`` without
 CUDA, a corrupt record, a pretrained model missing from the offline cache) prints one line on
 stderr and exits with status 2. In a suite, a failing experiment prints its full traceback and
-the next one runs; the exit status is then 1.
+the next one runs; the exit status is then 1. ``plan`` exits 0 when a strategy fits the budget and 1
+when none does (the plan is printed all the same, with what would fit instead).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from bp_mech import RESULTS_DIR, ROOT
+from bp_mech.bench.step import ADAMW_IMPLS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.bench.workload import WorkloadError
 from bp_mech.experiments.runner import UsageError, options_of, progress_bar, run_one, run_suite, source_of
@@ -138,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--profile", default="TRAIN-CPU")
     f.add_argument("--require-passed", action="store_true")
     f.set_defaults(fn=cmd_conformance)
-    pl = sub.add_parser("plan", help="which memory strategies fit a budget: a fake-tensor step per strategy")
+    pl = sub.add_parser("plan", help="which memory strategies fit a budget: a fake-tensor step per strategy",
+                        epilog="exit status: 0 when a strategy fits the budget; 1 when none does (the plan is "
+                               "printed all the same, with what would fit instead); 2 for bad input")
     pl.add_argument("--config", help="a Hugging Face causal-LM config.json (or its directory)")
     pl.add_argument("--workload", help="or a workload ID, e.g. qwen05-b2s512 (its batch and seq unless given)")
     pl.add_argument("--batch", type=int, help="sequences per step")
@@ -147,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-name", help="use cached GPU records of this device only (e.g. H200)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--workers", type=int, help="processes tracing the strategies (default: CPUs, at most 4)")
+    pl.add_argument("--keep-outputs", action="store_true",
+                    help="plan the hand-written loop whose outputs (the logits) stay alive through backward "
+                         "(out = model(**batch); out.loss.backward()); default: dropped before it, as Trainer does")
+    pl.add_argument("--optimizer-impl", choices=("default", *ADAMW_IMPLS), default="default",
+                    help="AdamW's implementation: default (what PyTorch picks on CUDA: foreach), foreach, fused, "
+                         "or for-loop (foreach=False, fused=False)")
     pl.set_defaults(fn=cmd_plan)
     q = sub.add_parser("preflight", help="check a profile's environment")
     q.add_argument("--profile", required=True)

@@ -1,7 +1,8 @@
 """``bp-mech plan`` (``bp_mech.planner.plan``), validated rather than asserted: at tiny size the fake-tensor peak
 of every strategy and combination equals the tracked-CPU peak of the real step within 2 % (in fact to
 the GradScaler's two 4-byte scalars, which only a real fp16 step holds), for every validated family;
-the decision rule; the command's output and its one-line errors (exit 2)."""
+the decision rule; the command's output and its one-line errors (exit 2). Exit codes 0/1/2 and the loop and
+AdamW options: test_plan_options.py."""
 
 import json
 
@@ -150,8 +151,8 @@ def test_a_workload_id_gives_the_model_and_shape(capsys):
     (dict(model_type="not-a-model"), (), "unknown architecture 'not-a-model'"),
     (dict(model_type="t5"), (), "unknown architecture 't5'"),
     ({}, ("--seq", "300"), "exceeds the config's max_position_embeddings 256"),
-    ({}, ("--budget", "500MiB"), "no strategy fits"),
     ({}, ("--budget", "lots"), "cannot read the budget"),
+    ({}, ("--budget", "0GiB"), "must be more than 0 bytes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, changes, args, message):
     base = {"--batch": "2", "--seq": "32", "--budget": "1GiB"}

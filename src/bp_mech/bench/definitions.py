@@ -47,7 +47,7 @@ class StepDefinition:
         keep_outputs: keep the model's outputs alive as a training loop's ``out`` variable does.
         weights: None (the workload's float32 weights) or "float16" / "bfloat16": model and AdamW state in
             that dtype, no float32 master copy.
-        adamw: None (the session's ``StepOptions.adamw``), "fused" or "foreach".
+        adamw: None (the session's ``StepOptions.adamw``), "fused", "foreach" or "for-loop".
 
     Example:
         >>> StepDefinition().name, StepDefinition("first", keep_outputs=True, adamw="foreach").name
@@ -59,7 +59,7 @@ class StepDefinition:
     moments: str = "resident"  # resident (a) | first (b) | none (c)
     keep_outputs: bool = False  # (d) the outputs live on as a loop's ``out`` variable
     weights: str | None = None  # (e) float16 | bfloat16: the model and AdamW in it; None: the workload's
-    adamw: str | None = None  # (g) fused | foreach; None: the session's options
+    adamw: str | None = None  # (g) fused | foreach | for-loop; None: the session's options
 
     def __post_init__(self):
         if self.moments not in MOMENTS:

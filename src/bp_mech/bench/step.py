@@ -225,7 +225,9 @@ def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | 
 
 # --- how the step is run, beyond the strategy ------------------------------------------------------
 
-ADAMW_IMPLS = ("fused", "foreach")  # AdamW implementations (torch.optim.AdamW's flags)
+ADAMW_IMPLS = ("fused", "foreach", "for-loop")  # AdamW implementations (torch.optim.AdamW's flags)
+_ADAMW_FLAGS = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+                "for-loop": dict(foreach=False, fused=False)}
 AUTOCAST_POLICIES = ("cpu", "cuda")  # whose autocast op lists a step follows (``StepOptions.autocast``)
 
 
@@ -233,7 +235,8 @@ AUTOCAST_POLICIES = ("cpu", "cuda")  # whose autocast op lists a step follows (`
 class StepOptions:
     """How a step is run besides its memory strategy: the optimizer and the offload's threshold."""
 
-    adamw: str | None = None  # "fused" | "foreach"; None: workload.make_adamw's for the device (fused on CUDA)
+    adamw: str | None = None  # "fused" | "foreach" | "for-loop"; None: make_adamw's for the device
+    # (fused on CUDA)
     offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
     lr: float = 1e-4  # AdamW learning rate (memory does not depend on it)
     autocast: str | None = None  # whose autocast policy fp16/bf16 follow: "cpu" | "cuda"; None: the device's
@@ -258,8 +261,10 @@ class StepOptions:
 
 
 def make_optimizer(params, options: StepOptions, device, adamw: str | None = None) -> torch.optim.AdamW:
-    """AdamW of ``adamw`` (None: ``options.for_device(device).adamw``) at ``options.lr``."""
+    """AdamW of ``adamw`` (None: ``options.for_device(device).adamw``) at ``options.lr``: "fused" (one kernel
+    per parameter group), "foreach" (PyTorch's default on CUDA: each operation over all tensors at once) or
+    "for-loop" (``foreach=False, fused=False``: one tensor at a time)."""
     impl = adamw or options.for_device(device).adamw
     if impl not in ADAMW_IMPLS:
         raise ValueError(f"unknown AdamW implementation {impl!r}; known: {', '.join(ADAMW_IMPLS)}")
-    return torch.optim.AdamW(params, lr=options.lr, **{impl: True})
+    return torch.optim.AdamW(params, lr=options.lr, **_ADAMW_FLAGS[impl])

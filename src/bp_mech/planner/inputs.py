@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 from bp_mech.bench.workload import WorkloadError
 
 FAMILIES = ("qwen2", "llama", "mistral", "phi3", "gemma")  # model types validated against tracked-CPU peaks
@@ -22,12 +24,24 @@ class PlanError(WorkloadError):
     """A plan that cannot be made: unknown architecture, a shape the config cannot take, a bad budget."""
 
 
+def default_adamw(device="cuda") -> str:
+    """The AdamW implementation PyTorch picks on ``device`` when neither ``foreach`` nor ``fused`` is given
+    (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach on the devices with foreach kernels
+    (CUDA), else the for-loop one (the CPU)."""
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
+
+    return "foreach" if torch.device(device).type in _get_foreach_kernels_supported_devices() else "for-loop"
+
+
 def parse_size(text: str) -> int:
     """``"8GiB"`` -> 8589934592; decimal (GB) and binary (GiB) units, or plain bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m[2].lower() not in _UNITS:
         raise PlanError(f"cannot read the budget {text!r}; write e.g. 8GiB, 80GB or 512MiB")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+    size = int(float(m[1]) * _UNITS[m[2].lower()])
+    if size <= 0:
+        raise PlanError(f"the budget must be more than 0 bytes, got {text!r}")
+    return size
 
 
 def transformers_version() -> str:

@@ -2,11 +2,12 @@
 
 Part 02 · 43's ledger as a tool. The model is built from its Transformers config under
 ``FakeTensorMode`` at full size (no memory is allocated); one steady-state training step (the one
-``bench.step.train_step``, AdamW with its moments, as on the GPU: fused, CUDA's offload threshold) is
-traced per strategy of ``bench.strategy.CANDIDATES`` with the storage tracker (``bench.lifecycle.
-Session``: one fake model for all). For each: the ledger per lifecycle stage, the peak, whether it
-fits, and what it costs in time (``planner.costs``: counted, not assumed; the measured ratio of a
-cached GPU record of the same strategy beside it).
+``bench.step.train_step``, AdamW with its moments, as on the GPU: fused unless ``options`` name another
+implementation, as ``bp-mech plan --optimizer-impl`` does; CUDA's offload threshold; the outputs dropped
+before backward unless ``definition.keep_outputs``) is traced per strategy of ``bench.strategy.CANDIDATES``
+with the storage tracker (``bench.lifecycle.Session``: one fake model for all). For each: the ledger per
+lifecycle stage, the peak, whether it fits, and what it costs in time (``planner.costs``: counted, not
+assumed; the measured ratio of a cached GPU record of the same strategy beside it).
 
 Decision rule: a strategy fits when ``needs(peak) <= budget``, ``needs`` being the allocator's slack on
 the peak plus the CUDA context (``headroom``); the recommended one is the fitting one with the least
@@ -29,7 +30,7 @@ from bp_mech.bench import lifecycle
 from bp_mech.bench.definitions import STEADY, StepDefinition
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.step import StepOptions
-from bp_mech.bench.strategy import CANDIDATES, Strategy, parse
+from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 
@@ -120,6 +121,7 @@ class Plan:
     evidence_level: str = "estimated"
     memory_source: str = "fake-tensor"
     definition: StepDefinition = STEADY  # which step was traced (``bench.definitions``; default: the steady state)
+    outputs_saving: int | None = None  # plain's peak with the outputs kept through backward minus with them dropped
 
     def to_dict(self) -> dict:
         return dict(dataclasses.asdict(self), headroom=dict(context_bytes=CONTEXT_BYTES, allocator_slack=ALLOCATOR_SLACK))
@@ -201,7 +203,9 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
     """The ``Plan`` of ``config`` at (batch, seq) for ``budget`` bytes; ``workers``: processes that trace
     the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``);
     ``definition``: the step traced (``bench.definitions.StepDefinition``, e.g. the first step, whose
-    update allocates AdamW's moments; default: the steady state)."""
+    update allocates AdamW's moments, or ``keep_outputs=True``: the hand-written loop whose ``out`` keeps the
+    logits alive through backward; default: the steady state, outputs dropped). With plain among the
+    candidates, its step is traced once more in the other loop: ``Plan.outputs_saving``."""
     t0, threads = time.perf_counter(), torch.get_num_threads()
     check_shape(config, batch, seq)
     torch.set_num_threads(1)  # fake tensors compute nothing: intra-op threads would only spin
@@ -215,6 +219,8 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
         todo = [s for s in candidates if s.name not in skipped]
         traced = (progress or (lambda it, **kw: it))(ledgers(sess, todo, workers), desc="strategies", total=len(todo))
         rows = [_row(led, s, budget, flops, link, cached) for s, led in zip(todo, traced)]
+        plain = next((r for r in rows if r.strategy == PLAIN.name), None)
+        other = plain and sess.step(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs)).peak
     finally:
         torch.set_num_threads(threads)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
@@ -225,6 +231,8 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
              dict(plain_forward_flops=flops.total, flops_per_s=ASSUMED_FLOPS["cuda"]["float32"], link_bytes_per_s=link,
                   overlap="none (upper bound)"), rows, skipped, best and best.strategy, None, errors,
              definition=definition)
+    if plain is not None:  # what dropping the outputs before backward saves (the other loop: one more trace)
+        p.outputs_saving = plain.peak - other if definition.keep_outputs else other - plain.peak
     if best is None and rows:
         p.fits_instead = fits_instead(config, batch, seq, budget, min(rows, key=lambda r: r.needs), options,
                                       definition)

@@ -1,13 +1,18 @@
 """``bp-mech plan``'s output and command: the plan of ``bp_mech.planner.plan`` as a table (bytes per lifecycle
-stage, the peak, what fits, the counted time cost) or JSON, and its one-line errors (exit 2)."""
+stage, the peak, what fits, the counted time cost) or JSON. Exit status (``run``): 0 when a candidate fits;
+1 when none does (the plan is printed all the same, with what would fit instead: ``Plan.fits_instead``, and
+that line on stderr); 2 for bad input (a ``PlanError``: one line, no traceback)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
+from bp_mech.bench.definitions import StepDefinition
+from bp_mech.bench.step import StepOptions
 from bp_mech.bench.tracking import fmt_bytes
 from bp_mech.ledger import STAGES
-from bp_mech.planner.inputs import GiB, PlanError, load_config, parse_size
+from bp_mech.planner.inputs import GiB, PlanError, default_adamw, load_config, parse_size
 from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
 
 
@@ -28,10 +33,10 @@ def format_text(p: Plan) -> str:
 
     lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
              f"batch {p.batch} x seq {p.seq}, budget {fmt_bytes(p.budget)} — estimated (fake tensors, "
-             f"{p.options.adamw} AdamW){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
+             f"{adamw_text(p)}){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
              f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {fmt_bytes(CONTEXT_BYTES)} "
              "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
-             f"step (upper bound); {unit} per stage:", ""]
+             f"step (upper bound); {unit} per stage:", loop_line(p), ""]
     head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
     rows = [[r.strategy, *(num(r.stages[x]) for x in STAGES), num(r.peak), num(r.needs),
              "yes" if r.fits else "no", f"{r.cost.extra:+.0%}",
@@ -57,8 +62,30 @@ def format_text(p: Plan) -> str:
         big = best.peak / 200  # lines of at least 0.5 % of the peak
         lines.append("  at its peak: " + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in best.peak_ledger.items()
                                                   if v >= big))
+    if p.recommended is None and p.fits_instead is not None:
+        lines.append("\n" + no_fit_message(p))
     lines.append(f"({len(p.rows)} strategies traced in {p.elapsed_s:.1f} s)")
     return "\n".join(lines)
+
+
+def adamw_text(p: Plan) -> str:
+    """The AdamW implementation the plan traced, and whether it is PyTorch's default on CUDA."""
+    impl = p.options.adamw
+    return f"{impl} AdamW" + (", PyTorch's default on CUDA" if impl == default_adamw("cuda") else
+                              f", not PyTorch's default on CUDA ({default_adamw('cuda')})")
+
+
+LOOPS = {False: "outputs dropped before backward (Trainer's compute_loss)",
+         True: "outputs kept through backward (out = model(**batch); out.loss.backward(), as in Accelerate's examples)"}
+
+
+def loop_line(p: Plan) -> str:
+    """Which loop was planned, and what dropping the outputs before backward saves on the plain step."""
+    line = f"loop: {LOOPS[p.definition.keep_outputs]}"
+    if p.outputs_saving is not None:
+        line += (f"; dropping the outputs saves {fmt_bytes(p.outputs_saving)} of the plain step's peak"
+                 + ("" if p.definition.keep_outputs else " (--keep-outputs plans the loop that keeps them)"))
+    return line
 
 
 def no_fit_message(p: Plan) -> str:
@@ -74,9 +101,13 @@ def no_fit_message(p: Plan) -> str:
             f"(with headroom){alt}")
 
 
+NO_FIT = 1  # the exit status when no candidate fits (bad input is a PlanError: 2)
+
+
 def run(a, progress=None) -> int:
-    """``bp-mech plan`` (argparse namespace from cli.py): print the plan (text or ``--json``); a budget no
-    strategy meets prints it too, then raises PlanError (one line, exit 2)."""
+    """``bp-mech plan`` (argparse namespace from cli.py): print the plan (text or ``--json``); 0 when a
+    candidate fits, ``NO_FIT`` (1) when none does (the plan printed all the same, with what would fit
+    instead, and that line on stderr); bad input raises ``PlanError`` (one line, exit 2)."""
     from bp_mech.bench.workload import parse_workload, qwen2_config
 
     if bool(a.config) == bool(a.workload):
@@ -89,8 +120,13 @@ def run(a, progress=None) -> int:
         w = parse_workload(a.workload)
         config, batch, seq = qwen2_config(w.arch), a.batch or w.batch, a.seq or w.seq
     workers = a.workers if getattr(a, "workers", None) else default_workers()
-    p = plan(config, batch, seq, parse_size(a.budget), a.device_name, progress=progress, workers=workers)
+    definition = StepDefinition(keep_outputs=bool(getattr(a, "keep_outputs", False)))
+    impl = getattr(a, "optimizer_impl", None) or "default"
+    options = StepOptions(adamw=default_adamw("cuda") if impl == "default" else impl).for_device("cuda")
+    p = plan(config, batch, seq, parse_size(a.budget), a.device_name, options=options, progress=progress,
+             workers=workers, definition=definition)
     print(json.dumps(p.to_dict(), indent=1, default=str) if a.json else format_text(p))
     if p.recommended is None:
-        raise PlanError(no_fit_message(p))
+        print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)
+        return NO_FIT
     return 0
