@@ -135,6 +135,21 @@ def timing_threads(device, threads: int | None = CPU_TIMING_THREADS):
         torch.set_num_threads(before)
 
 
+def matmul_flops(n: int = 1024, repeats: int = 7, threads: int = 1, clock=time.perf_counter) -> float:
+    """The float32 matrix-product rate of this machine (FLOP/s): the fastest of ``repeats`` products of
+    two n x n matrices (2 n^3 FLOPs each, after one untimed warm-up) on ``threads`` intra-op threads,
+    timed on ``clock`` (``time.thread_time``: the thread's CPU time, as the CPU timing protocol)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    with timing_threads("cpu", threads):
+        torch.mm(a, b)
+        for _ in range(repeats):
+            t0 = clock()
+            torch.mm(a, b)
+            best = min(best, clock() - t0)
+    return 2 * n**3 / best
+
+
 def time_interleaved(steps: dict[str, Callable[[int], object]], rounds: int, warmup: int, device="cpu",
                      threads: int | None = CPU_TIMING_THREADS, around: dict[str, Callable] | None = None,
                      progress=None) -> dict[str, Timing]:

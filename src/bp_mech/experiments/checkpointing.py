@@ -25,6 +25,7 @@ from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.rates import ASSUMED_BASIS
 from bp_mech.bench.step import StepOptions, make_optimizer, probe, train_step
 from bp_mech.bench.strategy import Strategy, configured, parse
+from bp_mech.bench.timing import matmul_flops
 from bp_mech.bench.workload import build_model, make_batches, parse_workload
 from bp_mech.experiments.dry_run import same_weights_modes, schedule
 from bp_mech.experiments import decision, harness
@@ -133,15 +134,4 @@ def step_work(workload: str = "tiny-b2s64",
 def matmul_rate(n: int = 512, repeats: int = 20) -> float:
     """FLOP/s of an n x n float32 matmul on one intra-op thread, by that thread's CPU time (the
     clock and the thread count of the chapter's timing): what the step's FLOPs could run at."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        for _ in range(3):
-            a @ b
-        t0 = time.thread_time()
-        for _ in range(repeats):
-            a @ b
-        return 2 * n**3 * repeats / (time.thread_time() - t0)
-    finally:
-        torch.set_num_threads(threads)
+    return matmul_flops(n, repeats, threads=1, clock=time.thread_time)

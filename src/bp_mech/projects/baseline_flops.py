@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bp_mech.bench.timing import timing_threads
+from bp_mech.bench.timing import matmul_flops
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,7 @@ def matmul_throughput(n: int = 1024, repeats: int = 7, threads: int = 1) -> floa
         >>> matmul_throughput(n=64, repeats=2) > 0
         True
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    with timing_threads("cpu", threads):
-        torch.mm(a, b)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return matmul_flops(n, repeats, threads)
 
 
 SIZES = (64, 128, 256, 512, 1024)  # the square products that probe the machine: in cache to out
