@@ -5,7 +5,7 @@
 ``ForwardCounter`` (``src/bp_mech/bench/counters.py``).
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -28,3 +28,30 @@ def count_forward_calls(modules: list[nn.Module],
         for h in handles:
             h.remove()
     return counts
+
+
+def choose_checkpoint_layers(saved_bytes: list[int], input_bytes: list[int],
+                             budget: int) -> list[int]:
+    # checkpointing layer l saves A_l - H_l bytes, whichever other layers are chosen:
+    # the k largest savings are the most k layers can save, so take them in that order
+    need = sum(saved_bytes) - budget  # bytes that must go
+    if sum(input_bytes) > budget:
+        raise ValueError(f"even checkpointing every layer keeps {sum(input_bytes)} B "
+                         f"> budget {budget} B")
+    order = sorted(range(len(saved_bytes)),
+                   key=lambda i: saved_bytes[i] - input_bytes[i], reverse=True)
+    chosen = []
+    for i in order:
+        if need <= 0:
+            break
+        chosen.append(i)
+        need -= saved_bytes[i] - input_bytes[i]
+    return sorted(chosen)
+
+
+def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
+                        layers: int, every: int, element_bytes: int) -> int:
+    H = batch * seq * width * element_bytes  # one (batch, seq, width) tensor
+    A = H + 2 * expansion * H  # the first Linear's input, SiLU's input, the second's
+    checkpointed = sum(1 for i in range(layers) if every > 0 and i % every == 0)
+    return checkpointed * H + (layers - checkpointed) * A

@@ -1,7 +1,31 @@
 """Answers for Part 02 · 43: the package's own ledger formulas are the reference solution.
 
-Read them in ``src/bp_mech/ledger.py`` (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
-``block_saved_bytes``); the chapter shows them in its collapsed "answer" blocks.
+Read them in ``src/bp_mech/state_bytes.py`` (``param_bytes``, ``grad_bytes``,
+``adam_state_bytes``, ``block_saved_bytes``); the chapter shows them folded after each
+exercise. The variant (``gelu_mlp_saved_bytes``) and the prediction
+(``predict_forward_bytes``) are written here.
 """
 
-from bp_mech.ledger import adam_state_bytes, block_saved_bytes, grad_bytes, param_bytes  # noqa: F401
+from bp_mech.ledger import (  # noqa: F401
+    adam_state_bytes,
+    block_saved_bytes,
+    grad_bytes,
+    param_bytes,
+)
+
+
+def gelu_mlp_saved_bytes(hidden: int, intermediate: int, batch: int, seq: int,
+                         bytes_per_value: int = 4) -> int:
+    """x (saved by the up projection, for its weight's gradient), h (saved by GELU,
+    whose derivative is taken at h) and g = GELU(h) (saved by the down projection):
+    three storages, n (C + 2 I) values. The output y is saved by nobody."""
+    n = batch * seq
+    return int(n * (hidden + 2 * intermediate) * bytes_per_value)
+
+
+def predict_forward_bytes(cfg, batch: int, seq: int) -> int:
+    """W + 2W + L blocks + the final norm + the fp32 log-probabilities."""
+    n, C, V = batch * seq, cfg.hidden_size, cfg.vocab_size
+    W = param_bytes(cfg)
+    saved = cfg.num_hidden_layers * block_saved_bytes(cfg, batch, seq)
+    return int(3 * W + saved + 4 * n * (3 * C + 1) + 4 * n * V)

@@ -1,7 +1,27 @@
 """Answers for Part 02 · 76: the package's own decision functions are the reference solution.
 
 Read them in ``src/bp_mech/projects/pareto.py`` (``pareto_front``, ``choose_for_budget``);
-the chapter shows them in its collapsed "answer" blocks.
+the chapter shows them folded after their exercises. The variant
+(``leanest_within_slowdown``) and the prediction (``predict_checkpoint_plan_peak``) are
+written here.
 """
 
 from bp_mech.projects.pareto import choose_for_budget, pareto_front  # noqa: F401
+
+
+def leanest_within_slowdown(points: dict[str, tuple[float, float]], reference: str,
+                            max_slowdown: float) -> str:
+    """The least (peak, time, name) among the candidates within the slowdown."""
+    if not max_slowdown >= 0:
+        raise ValueError(f"max_slowdown must be >= 0, got {max_slowdown}")
+    limit = points[reference][1] * (1 + max_slowdown)  # KeyError: no such reference
+    within = [n for n, (_, t) in points.items() if t <= limit]
+    return min(within, key=lambda n: (points[n][0], points[n][1], n))
+
+
+def predict_checkpoint_plan_peak(cfg, batch: int, seq: int) -> int:
+    """Part 02 · 43's formula ledger, with the GPU's AdamW (fused)."""
+    from bp_mech.bench.strategy import parse
+    from bp_mech.ledger import theoretical
+
+    return int(theoretical(cfg, batch, seq, parse("checkpoint-all"), "cuda").peak)

@@ -9,6 +9,14 @@ Check your solutions with ``bp-mech check 09`` (or
 float64 autograd on fresh random inputs, with a relative tolerance of 1e-10, at every shape the
 docstrings allow ("..." is any number of leading dimensions: 2-D, 3-D and 4-D inputs are tried) and
 at inputs large enough that a formula which overflows (exp of a large number) gives NaN.
+
+The contract every function here is held to (explored on drawn shapes, seeds, layouts):
+
+- the inputs are not modified (no in-place update of x, W, dy, logits or targets);
+- non-contiguous inputs (a transposed or sliced view of a larger storage) give the same
+  result;
+- the returned tensors are new: none shares its storage with an input;
+- float32 inputs give float32 results (within 1e-4 of the float64 reference).
 """
 
 import torch
@@ -25,7 +33,8 @@ def linear_backward(x: torch.Tensor, W: torch.Tensor, dy: torch.Tensor):
         dy: upstream gradient, shape (..., out).
 
     Returns:
-        (dx, dW, db) with shapes (..., in), (out, in), (out,).
+        (dx, dW, db) with shapes (..., in), (out, in), (out,), in the dtype of x; new
+        tensors (the module docstring's contract: inputs unchanged, any strides).
     """
     raise NotImplementedError("ex09: linear_backward")
 
@@ -40,7 +49,8 @@ def silu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         dy: upstream gradient, same shape.
 
     Returns:
-        dx, same shape as x.
+        dx, same shape and dtype as x, finite for any finite x (even |x| = 1000); a new
+        tensor, x and dy unchanged, any strides.
     """
     raise NotImplementedError("ex09: silu_backward")
 
@@ -62,7 +72,8 @@ def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
         eps: the epsilon inside the square root.
 
     Returns:
-        (dx, dw) with shapes (..., C) and (C,).
+        (dx, dw) with shapes (..., C) and (C,), in the dtype of x; finite for a zero row
+        (eps keeps r finite); new tensors, inputs unchanged, any strides.
     """
     raise NotImplementedError("ex09: rmsnorm_backward")
 
@@ -85,7 +96,8 @@ def swiglu_mlp_backward(x: torch.Tensor, Wg: torch.Tensor, Wu: torch.Tensor,
         dy: upstream gradient, shape (..., C).
 
     Returns:
-        (dx, dWg, dWu, dWd) with the shapes of x, Wg, Wu, Wd.
+        (dx, dWg, dWu, dWd) with the shapes and dtype of x, Wg, Wu, Wd; new tensors,
+        inputs unchanged, any strides.
     """
     raise NotImplementedError("ex09: swiglu_mlp_backward")
 
@@ -107,6 +119,61 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor,
             is also a class id, or one past the vocabulary).
 
     Returns:
-        dlogits, shape (N, V).
+        dlogits, shape (N, V), dtype of logits; finite for logits of size 1000 (subtract
+        the row maximum); a new tensor: logits and targets unchanged (do not mask the
+        targets in place), any strides.
     """
     raise NotImplementedError("ex09: cross_entropy_backward")
+
+
+def layernorm_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                       dy: torch.Tensor, eps: float = 1e-5):
+    """Backward of LayerNorm, ``y = w * (x - mean(x)) / sqrt(var(x) + eps) + b``.
+
+    LayerNorm: Ba, Kiros & Hinton, 2016 (``torch.nn.functional.layer_norm``). Unlike
+    RMSNorm it subtracts the row mean and has a bias; var is the biased variance
+    (divide by C, not C - 1).
+
+    Math: per row, mu = mean(x), r = (mean((x - mu)^2) + eps)^(-1/2),
+    xhat = (x - mu) * r and g = dy * w. Then
+        dx = r * (g - mean(g) - xhat * mean(g * xhat))   (mu and r both depend on x)
+        dw = sum over all rows of dy * xhat,   db = sum over all rows of dy
+
+    Args:
+        x: input, shape (..., C).
+        w, b: gain and bias, shape (C,).
+        dy: upstream gradient, shape (..., C).
+        eps: added to the variance.
+
+    Returns:
+        (dx, dw, db) with shapes (..., C), (C,), (C,), in the dtype of x. Accurate for
+        rows with a large common offset (x = 10^4 + noise: compute the variance from
+        x - mu, not as mean(x^2) - mu^2) and finite for constant rows (eps decides);
+        new tensors, inputs unchanged, any strides.
+    """
+    raise NotImplementedError("ex09: layernorm_backward")
+
+
+def predict_mlp_saved_bytes(batch: int, seq: int, hidden: int, inter: int,
+                            dtype: torch.dtype) -> int:
+    """Predict the bytes autograd saves for one forward of the Qwen2 MLP.
+
+    The MLP is ``transformers``' ``Qwen2MLP``, ``down(silu(gate(x)) * up(x))``, with
+    hidden size C = ``hidden``, intermediate size I = ``inter``, its weights and the
+    input x of shape (batch, seq, C) in ``dtype``, x requiring grad. Count the
+    activations only: the distinct storages autograd keeps for the backward, the weights
+    excluded (they are kept anyway). Use the chapter's table: what each op's backward
+    needs from the forward.
+
+    The check measures it with ``torch.autograd.graph.saved_tensors_hooks``
+    (``bp_mech.bench.counters.SavedBytesCounter``) on the real module, and compares
+    exactly: a byte count has no noise.
+
+    Args:
+        batch, seq, hidden, inter: B, T, C, I.
+        dtype: the dtype of x and the weights (its ``itemsize`` bytes per element).
+
+    Returns:
+        the number of bytes, a Python int.
+    """
+    raise NotImplementedError("ex09: predict_mlp_saved_bytes")

@@ -12,6 +12,18 @@ ch10 --impl exercises``). The checks compare against float64 autograd through Py
 and transformers' own functions on fresh random inputs (relative tolerance 1e-10), with
 no, one and two leading dimensions where "..." allows them, and measure the memory of
 your blockwise backward.
+
+The contract every function here is held to (explored on drawn shapes, seeds, layouts):
+
+- the inputs are not modified (no in-place scaling of q, no reuse of dO or dP as a
+  buffer);
+- non-contiguous inputs (a transposed or sliced view of a larger storage, as k is after
+  a transpose) give the same result;
+- the returned tensors are new: none shares its storage with an input, even when the
+  answer equals an input (``gqa_reduce`` with ``kv_heads`` equal to H);
+- float32 inputs give float32 results (within 1e-4 of the float64 reference);
+- where scores are computed, they may reach 1e3 in size: the results stay finite and
+  exact (never exp of a raw score).
 """
 
 import torch
@@ -29,7 +41,8 @@ def softmax_backward(P: torch.Tensor, dP: torch.Tensor) -> torch.Tensor:
         dP: upstream gradient with respect to P, shape (..., n).
 
     Returns:
-        dS, the gradient with respect to the scores S, shape (..., n).
+        dS, the gradient with respect to the scores S, shape (..., n), dtype of P; a new
+        tensor (P and dP unchanged), any strides.
     """
     raise NotImplementedError("ex10: softmax_backward")
 
@@ -54,7 +67,9 @@ def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dO: upstream gradient with respect to O, shape (T, d).
 
     Returns:
-        (dq, dk, dv), each of shape (T, d).
+        (dq, dk, dv), each of shape (T, d) and of the dtype of q; finite and exact for
+        scores of size 1e3 (a stable softmax); new tensors, inputs unchanged, any
+        strides.
     """
     raise NotImplementedError("ex10: attention_head_backward")
 
@@ -74,7 +89,9 @@ def gqa_reduce(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
         kv_heads: Hkv, a divisor of H.
 
     Returns:
-        the gradient with respect to the KV tensor, shape (B, Hkv, T, d).
+        the gradient with respect to the KV tensor, shape (B, Hkv, T, d), dtype of dx;
+        a new tensor even when Hkv = H (then equal to dx, but not dx itself), dx
+        unchanged, any strides.
     """
     raise NotImplementedError("ex10: gqa_reduce")
 
@@ -109,7 +126,9 @@ def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block: tile edge, a positive int.
 
     Returns:
-        (dq, dk, dv), each of shape (..., T, d).
+        (dq, dk, dv), each of shape (..., T, d) and of the dtype of q; finite and exact
+        for scores of size 1e3 (use exp(S - L), never exp(S) / exp(L)); new tensors,
+        inputs unchanged, any strides.
     """
     raise NotImplementedError("ex10: blockwise_backward")
 
@@ -130,6 +149,55 @@ def rope_backward(dy: torch.Tensor, cos: torch.Tensor,
         cos, sin: the rotary tables, broadcastable to dy (e.g. (T, d)).
 
     Returns:
-        dx, shape of dy.
+        dx, shape and dtype of dy; a new tensor, dy, cos and sin unchanged, any strides.
     """
     raise NotImplementedError("ex10: rope_backward")
+
+
+def sliding_window_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 dO: torch.Tensor, window: int):
+    """Backward of one causal head under a sliding-window mask (as in Mistral).
+
+    Query i sees the ``window`` most recent keys, itself included:
+        visible[i, j] = (i - window < j <= i)
+    so window = 1 sees only itself and window >= T is the plain causal mask. Otherwise
+    the head is ``attention_head_backward``'s:
+        S = scale * q k^T, S[i, j] = -inf where not visible, P = softmax(S), O = P v
+    and its backward needs no new formula: masked entries have P = 0, hence dS = 0.
+
+    Args:
+        q, k, v: query, key, value, shape (..., T, d) each.
+        dO: upstream gradient with respect to O, shape (..., T, d).
+        window: the number of keys each query sees, a positive int.
+
+    Returns:
+        (dq, dk, dv), each of shape (..., T, d) and of the dtype of q; finite and exact
+        for scores of size 1e3; new tensors, inputs unchanged, any strides.
+    """
+    raise NotImplementedError("ex10: sliding_window_head_backward")
+
+
+def predict_eager_saved_bytes(batch: int, heads: int, seq: int, head_dim: int,
+                              dtype: torch.dtype) -> int:
+    """Predict the bytes autograd saves for one eager causal attention forward.
+
+    q, k, v of shape (B, H, T, d) in ``dtype``, each requiring grad, and the forward
+
+        S = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)   # True above the diagonal
+        P = torch.softmax(S.masked_fill(mask, float("-inf")), dim=-1)
+        O = P @ v
+
+    Count the distinct storages autograd keeps for the backward (a storage saved twice
+    counts once; a bool takes one byte). The check measures it with
+    ``torch.autograd.graph.saved_tensors_hooks`` (``SavedBytesCounter``) and compares
+    exactly: a byte count has no noise.
+
+    Args:
+        batch, heads, seq, head_dim: B, H, T, d.
+        dtype: the dtype of q, k, v (its ``itemsize`` bytes per element).
+
+    Returns:
+        the number of bytes, a Python int.
+    """
+    raise NotImplementedError("ex10: predict_eager_saved_bytes")

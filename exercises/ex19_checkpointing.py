@@ -3,15 +3,20 @@
 1. ``CheckpointedBlock``: checkpoint a block from scratch, with a counter of the block's real
    executions (the forward and the recompute in backward).
 2. ``count_forward_calls``: measure, with module hooks, how often each module runs in one step.
+3. ``choose_checkpoint_layers`` (variant): a selective policy, the fewest layers to checkpoint
+   so that the saved bytes fit a budget.
+4. ``predict_saved_bytes`` (predict, then measure): the saved bytes of checkpointing every
+   ``every``-th layer of an MLP stack, by the chapter's per-layer formula.
 
 Check your solutions with ``bp-mech check 19`` (or
 ``pytest tests/test_exercises.py -m ch19 --impl exercises``). The checks compare against plain
 float64 autograd (gradients to 1e-12), against the bytes a plain block keeps alive after forward
-(tracked CPU storages: the block's output and at most 1 KiB more), and against counters that the
-checks place inside the modules themselves.
+(tracked CPU storages: the block's output and at most 1 KiB more), against counters that the
+checks place inside the modules themselves, against a brute force over every set of layers, and
+against saved bytes measured with counting-only ``saved_tensors_hooks``.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,6 +50,12 @@ class CheckpointedBlock(nn.Module):
     assumed. Under ``torch.no_grad()`` there is nothing to recompute: just run the
     block.
 
+    Contract (checked): the input ``x`` is left as it was (values and
+    ``requires_grad``); a non-contiguous ``x`` (a slice, a transpose) gives the same
+    output and gradients; ``calls`` is a Python ``int``; two blocks share no counter
+    (each counts its own executions); an exception raised by ``block`` propagates
+    unchanged (same type), it is not swallowed.
+
     Args (constructor):
         block: a module mapping ``x`` (..., C) to ``y`` (..., C'), with parameters.
 
@@ -75,7 +86,8 @@ def count_forward_calls(modules: list[nn.Module],
     counts. Hooks fire on every ``module(...)`` call, including the recompute
     ``torch.utils.checkpoint`` runs during backward, so a checkpointed module counts 2
     and a plain one 1. Calling this twice must give the same counts (no hook left
-    behind, no counter carried over).
+    behind, no counter carried over). An exception raised by ``step`` propagates
+    unchanged (same type, not swallowed), after the hooks are removed.
 
     Args:
         modules: the modules to count, a list or an ``nn.ModuleList`` (e.g. the decoder
@@ -84,6 +96,72 @@ def count_forward_calls(modules: list[nn.Module],
         step: a function running one training step (forward and backward).
 
     Returns:
-        A list of ints, one per module, in the order of ``modules``.
+        A ``list`` of Python ``int`` (not tensors, not floats), one per module, in the
+        order of ``modules``.
     """
     raise NotImplementedError("ex19: count_forward_calls")
+
+
+def choose_checkpoint_layers(saved_bytes: list[int], input_bytes: list[int],
+                             budget: int) -> list[int]:
+    """The fewest layers to checkpoint so that the saved bytes fit in ``budget``.
+
+    Math: layer l saves ``A_l = saved_bytes[l]`` bytes for backward when it runs
+    plainly; checkpointed, it keeps only its input, ``H_l = input_bytes[l]`` bytes
+    (``0 <= H_l <= A_l``), and runs once more in backward. For a set S of
+    checkpointed layers the step keeps
+
+        M(S) = sum over l not in S of A_l  +  sum over l in S of H_l.
+
+    Return a set S with M(S) <= budget and as few layers as possible (fewest
+    recomputes). Among sets of that size any one is accepted.
+
+    Contract (checked, against a brute force over every set of layers and against
+    saved bytes measured on a tiny model):
+        * the layers come back as a ``list`` of distinct Python ``int`` in
+          ``range(len(saved_bytes))``, ascending; ``[]`` when the plain step fits;
+        * exact integer arithmetic: byte counts may be far above 2**53 (a float
+          sum rounds them);
+        * ``M(S) <= budget`` (a step exactly at the budget fits);
+        * no set fits (``sum(input_bytes) > budget``): raise ``ValueError``;
+        * ``saved_bytes`` and ``input_bytes`` are not modified (no in-place sort).
+
+    Args:
+        saved_bytes: ``A_l`` per layer, ints >= 0.
+        input_bytes: ``H_l`` per layer, ints with ``0 <= H_l <= A_l``.
+        budget: the bytes the saved activations may hold, an int >= 0.
+
+    Returns:
+        The indices of the layers to checkpoint, ascending.
+
+    Raises:
+        ValueError: even checkpointing every layer exceeds ``budget``.
+    """
+    raise NotImplementedError("ex19: choose_checkpoint_layers")
+
+
+def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
+                        layers: int, every: int, element_bytes: int) -> int:
+    """Predict the bytes saved for backward when every ``every``-th layer of an MLP
+    stack is checkpointed (the chapter's per-layer formula, no measurement).
+
+    The workload (the check builds it and measures it): an input ``x`` of shape
+    ``(batch, seq, width)``, then ``layers`` blocks, each
+    ``Linear(width, expansion * width) -> SiLU -> Linear(expansion * width, width)``,
+    all with ``element_bytes`` bytes per element (4: float32, 8: float64); the loss is
+    ``out.sum()``. Layer ``i`` is checkpointed (``torch.utils.checkpoint``,
+    non-reentrant) when ``every > 0`` and ``i % every == 0`` (``every=3``: layers 0,
+    3, 6, ...); ``every=0`` checkpoints none.
+
+    What counts (the measurement is a counting-only ``saved_tensors_hooks`` pass,
+    ``bp_mech.bench.counters.SavedBytesCounter.bytes``): the distinct non-parameter
+    storages autograd saves outside the checkpointed regions, each once. A ``Linear``
+    saves its input (and its weight, a parameter: not counted); ``SiLU`` saves its
+    input; a checkpointed layer saves only its input. With ``H`` the bytes of one
+    ``(batch, seq, width)`` tensor that is ``M = sum_l A_l or H``.
+
+    Returns:
+        The saved bytes, a Python ``int``; the check wants it exact (a tracker's
+        byte count has no noise).
+    """
+    raise NotImplementedError("ex19: predict_saved_bytes")

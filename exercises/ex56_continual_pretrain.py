@@ -1,5 +1,5 @@
-"""Exercises for Part 02 · 56 — continual pretraining: the per-token holdout loss, and a training state
-that resumes bit for bit.
+"""Exercises for Part 02 · 56 — continual pretraining: the per-token holdout loss, a training state
+that resumes bit for bit, and a replay mix of old-domain rows that resumes too.
 
 The trainer the state exercises work on is the package's
 ``bp_mech.continual_pretrain.Trainer``. Its attributes:
@@ -49,7 +49,12 @@ def token_loss(model, batches) -> float:
             may differ between batches); move them to the model's device.
 
     Returns:
-        L as a Python float (accumulate in float64).
+        L as a Python float (exactly ``float``, not a tensor; accumulate in float64).
+
+    Contract (checked): the model's weights and the batches are not modified; logits
+    that are a non-contiguous view give the same loss; logits of magnitude 1e3 give a
+    finite loss (a log-softmax, not log(softmax)); a batch whose labels are all -100
+    adds nothing; an exception raised by the model propagates (it is not swallowed).
     """
     raise NotImplementedError("ex56: token_loss")
 
@@ -69,6 +74,10 @@ def capture_state(trainer) -> dict:
 
     Returns:
         A dict that ``restore_state`` can put back.
+
+    Contract (checked): the trainer is not modified; no tensor of the dict shares
+    storage with the live model or optimizer, and training on afterwards leaves every
+    value of the dict as it was captured.
     """
     raise NotImplementedError("ex56: capture_state")
 
@@ -88,5 +97,84 @@ def restore_state(trainer, state: dict) -> None:
     Args:
         trainer: the fresh ``bp_mech.continual_pretrain.Trainer``.
         state: what ``capture_state`` returned.
+
+    Returns:
+        None.
+
+    Contract (checked): every piece is put back (weights, AdamW state, scaler, clock,
+    data position and generator, global RNG); ``state`` is left as it was, also after
+    the restored trainer trains on (so that another trainer can be restored from it);
+    an error of a piece that does not fit (a state of another model) propagates.
     """
     raise NotImplementedError("ex56: restore_state")
+
+
+class ReplayStream:
+    """Training batches that replay old-domain rows among the new-domain ones.
+
+    Continual pretraining mixes a fraction q = replay / period of rows of the old
+    (general) text into the new domain's batches, to limit forgetting. The mix is
+    deterministic. Number the rows of the run g = 0, 1, 2, ... (row i of batch number
+    ``position`` is g = position * batch + i). Row g is an old-domain row iff
+
+        floor((g + 1) * replay / period) > floor(g * replay / period),
+
+    so that after n rows exactly floor(n * replay / period) were replayed, spread
+    evenly (integer arithmetic: no float rounding). Each row is the next batch of the
+    stream it comes from: ``old.next()`` for a replayed row, ``new.next()`` otherwise,
+    in row order.
+
+    Args:
+        new: a ``TextStream`` of the new domain, with batch 1.
+        old: a ``TextStream`` of the old domain, with batch 1 and the same seq T.
+        batch: rows per batch, B >= 1.
+        replay: replayed rows per ``period`` rows, an int, 0 <= replay <= period.
+        period: an int >= 1.
+
+    Raises:
+        ValueError: if batch < 1, period < 1 or replay is not in [0, period].
+
+    Attributes:
+        position: batches drawn so far (a Python int, starts at 0).
+
+    Contract (checked): the rows equal a reference drawn row by row from copies of the
+    two streams; ``state_dict()`` is a copy (drawing on changes nothing in it) with
+    ``position`` a Python int; ``load_state_dict`` into a stream built from other seeds
+    continues bit for bit and keeps no reference into the dict it is given.
+    """
+
+    def __init__(self, new, old, batch: int, replay: int, period: int) -> None:
+        raise NotImplementedError("ex56: ReplayStream.__init__")
+
+    def next(self) -> dict:
+        """The next batch; advances ``position`` by one.
+
+        Returns:
+            ``{"input_ids": x, "labels": x.clone(), "replayed": r}``: x (B, T) int64,
+            r (B,) bool, True where the row is an old-domain row.
+        """
+        raise NotImplementedError("ex56: ReplayStream.next")
+
+    def state_dict(self) -> dict:
+        """``{"position": int, "new": new.state_dict(), "old": old.state_dict()}``, a
+        copy."""
+        raise NotImplementedError("ex56: ReplayStream.state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a ``state_dict``: the next batch is the one the saved stream
+        would draw. Copies; ``state`` is not modified."""
+        raise NotImplementedError("ex56: ReplayStream.load_state_dict")
+
+
+def predict_replay_tokens(updates: int, batch: int, seq: int, replay: int,
+                          period: int) -> int:
+    """Predict: the old-domain tokens a ``ReplayStream`` has put into the first
+    ``updates`` batches (each of ``batch`` rows of ``seq`` tokens, replay/period mix).
+
+    The check measures it: it draws ``updates`` batches from a reference replay mix
+    and counts the tokens that came from the old text. Exact (a count).
+
+    Returns:
+        The count, a Python int.
+    """
+    raise NotImplementedError("ex56: predict_replay_tokens")

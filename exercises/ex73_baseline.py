@@ -32,10 +32,15 @@ def shard_rows(batch: dict, rank: int, world_size: int) -> dict:
         world_size: P, the number of processes.
 
     Returns:
-        A dict with the same keys, each tensor of shape (E / P, ...).
+        A dict with the same keys, each tensor of shape (E / P, ...) (a view of the
+        batch's rows is fine).
 
     Raises:
-        ValueError: if E is not divisible by P, or rank is out of range.
+        ValueError: if P < 1, E is not divisible by P, or rank is not in [0, P).
+
+    Contract (checked): the rows are Accelerate's, for every E, P and rank; the batch
+    is not modified; non-contiguous tensors (a slice, a transposed layout) give the
+    same rows; tensors of other trailing shapes ((E,), (E, T, C)) are split alike.
     """
     raise NotImplementedError("ex73: shard_rows")
 
@@ -61,5 +66,58 @@ def loss_divisor(local_counts, world_size: int, all_reduce) -> torch.Tensor:
 
     Returns:
         D = N / P, a 0-dim floating-point tensor.
+
+    Contract (checked): D = N / P exactly for any counts (a rank may hold no target
+    at all); ``local_counts`` is not modified; ``all_reduce`` is called exactly once;
+    an exception it raises (a failed collective) propagates.
     """
     raise NotImplementedError("ex73: loss_divisor")
+
+
+def sequence_weights(local_labels, world_size: int, all_reduce) -> list:
+    """Per-row loss weights for the per-*sequence* mean across processes.
+
+    Math: another reduction than the token mean. Every row (sequence) s with n_s >= 1
+    target tokens weighs the same, whatever its length:
+
+        L_seq = (1 / R) sum_{s : n_s > 0} S_s / n_s,
+
+    S_s the row's summed token loss, n_s its target count (``labels[s, 1:] != -100``),
+    R the number of rows with at least one target in the whole update (every
+    micro-batch, every rank). Rank r back-propagates sum_{j, i} w_{j,i} S_{j,i} over
+    its rows; DDP averages over the P ranks, so w_s = P / (R n_s), and w_s = 0 for a
+    row without target. R needs one all-reduce (this rank's count of rows with a
+    target).
+
+    Args:
+        local_labels: this rank's labels, one (B_j, T) int64 tensor per micro-batch.
+        world_size: P, the number of processes.
+        all_reduce: callable, tensor -> the sum of that tensor over all ranks (a new
+            tensor). Call it exactly once.
+
+    Returns:
+        A list of (B_j,) float64 tensors, one per micro-batch: the weight of each row.
+
+    Raises:
+        ValueError: if no row of any rank has a target (R = 0).
+
+    Contract (checked): the ranks' averaged gradient is float64 autograd's of L_seq;
+    rows without target get weight exactly 0 (no NaN); the labels are not modified;
+    non-contiguous labels give the same weights.
+    """
+    raise NotImplementedError("ex73: sequence_weights")
+
+
+def predict_rank_tokens(pads, seq: int, world_size: int) -> list:
+    """Predict: the target tokens each rank holds of one batch, before sharding it.
+
+    The batch has E = len(pads) rows of ``seq`` tokens; row i is right-padded with
+    pads[i] positions (labels -100 on its last pads[i] positions, 0 <= pads[i] <=
+    seq). The check builds that batch, shards it with Accelerate's
+    ``BatchSamplerShard(split_batches=True)`` over ``world_size`` processes and
+    counts each rank's targets (exact: counts).
+
+    Returns:
+        A list of ``world_size`` Python ints, rank 0 first.
+    """
+    raise NotImplementedError("ex73: predict_rank_tokens")

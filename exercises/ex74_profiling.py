@@ -2,7 +2,9 @@
 
 Three pieces of the diagnosis: what a remedy saves at the peak once the ledger lines it removes are
 known, the rule that attributes the logits line to the chunked loss, and the replay of the
-profiler's memory timeline that gives the bytes of each category at each instant.
+profiler's memory timeline that gives the bytes of each category at each instant; then a variant
+(the hot-spot list's self times, from the nesting of the profiler's intervals) and a prediction
+(what the chunked loss removes from the logits line, before measuring it).
 
 Check your solutions with ``bp-mech check 74`` (or
 ``pytest tests/test_exercises.py -m ch74 --impl exercises``). The checks compare with references
@@ -33,6 +35,12 @@ def predicted_saving(stages: dict, change: dict) -> int:
 
     Returns:
         The saving in bytes, an int (negative if the remedy makes the peak larger).
+
+    Contract: ``stages`` and ``change`` are not modified; the result is a Python
+    ``int`` (not a float, a bool or a numpy integer); the order of the stages and of
+    the classes in either dict does not matter; a class that ``change[s]`` names and
+    ``stages[s]`` lacks still counts (a new line at that stage); an empty ``change``
+    saves 0; an empty ``stages`` (no peak) raises ``ValueError``.
     """
     raise NotImplementedError("ex74: predicted_saving")
 
@@ -72,6 +80,12 @@ def chunked_loss_changes(rows: dict, tokens: int, vocab: int, hidden: int,
     Returns:
         ``{point: {"logits_loss": bytes <= 0}}`` for every point of ``rows``, and at
         ``backward_peak`` also ``"gradients": 4 V C`` where its logits line shrinks.
+
+    Contract: ``rows`` is not modified; every point of ``rows`` is in the result (a
+    point other than ``forward_peak`` and ``backward_peak`` keeps the 12 n bytes only)
+    and no other; each value is a Python ``int`` (the result can be written to JSON);
+    a point has exactly the keys above (no ``"gradients"`` where the line does not
+    shrink); a row needs only its ``logits_loss`` (other classes may be missing).
     """
     raise NotImplementedError("ex74: chunked_loss_changes")
 
@@ -103,5 +117,73 @@ def live_by_category(events, categories: dict) -> tuple:
         ``(times, states)``: the distinct times in order, and for each the live bytes
         as ``{category: bytes}`` (a category never seen may be missing; one seen may
         hold 0).
+
+    Contract: ``events`` and ``categories`` are not modified (a missing version is
+    read as ``"unknown"``, not written into the dict); the result is a tuple of two
+    lists of equal length; each state is its own dict (a snapshot: changing one
+    changes no other) of Python ``int`` bytes; no events give ``([], [])``; an
+    unknown action raises ``ValueError``.
     """
     raise NotImplementedError("ex74: live_by_category")
+
+
+def self_time_by_name(intervals) -> dict:
+    """The self time of each operator name, from the profiler's nested intervals.
+
+    A hot-spot list ranks operators by *self* time: an interval's duration minus the
+    durations of its direct children. Each interval is ``(name, thread, start, end)``,
+    half-open ``[start, end)``, in the profiler's microseconds (floats). Within one
+    thread intervals nest: two are disjoint or one contains the other. Interval b is
+    a child of a when a is the innermost interval of b's thread that contains it:
+    ``a.start <= b.start``, ``b.end <= a.end`` and ``b.start < a.end`` (so an
+    interval of zero length is nobody's parent, and one at a's end is not a's). An
+    interval of another thread is never a child, whatever its times.
+
+        self(a) = (end_a - start_a) - sum of (end_b - start_b) over a's children b
+        self(name) = sum of self(a) over the intervals a called name
+
+    Args:
+        intervals: a list of ``(name, thread, start, end)`` tuples in any order; no two
+            intervals of positive length in one thread have the same start and end.
+
+    Returns:
+        ``{name: self time}``: every name of ``intervals`` (0.0 where its intervals
+        are all covered by their children), each value a Python ``float``.
+
+    Contract: ``intervals`` is not modified (not even sorted in place); the order of
+    the intervals does not matter; no intervals give ``{}``; the result can be written
+    to JSON.
+    """
+    raise NotImplementedError("ex74: self_time_by_name")
+
+
+def predict_logits_line_saving(tokens: int, vocab: int, hidden: int,
+                               chunk: int) -> int:
+    """Predict, then measure: the bytes a chunked loss removes from the logits & loss
+    line at the backward's peak of a plain float32 step whose peak is the log-softmax
+    backward.
+
+    From the chapter's formulas alone (no ledger is given), n = ``tokens``,
+    V = ``vocab``, C = ``hidden``: the plain line at that moment is what the
+    chapter's known lines put there (the saved log-softmax output and the two (n, V)
+    buffers of its backward); the chunked loss's line is what the rule of
+    ``chunked_loss_changes`` keeps at ``backward_peak`` (per-token bytes, dh, and the
+    larger of its two moments, with c = min(``chunk``, n) and its k). Return the first
+    minus the second. The check measures both lines on small Qwen2 models (every
+    storage tracked) and accepts an error of at most 4 c C + 64 bytes: the (c, C)
+    product of dh's chunk and the loss's scalars, which the formulas leave out.
+
+    Args:
+        tokens: n, tokens per forward (B T).
+        vocab: V.
+        hidden: C.
+        chunk: tokens per chunk.
+
+    Returns:
+        The bytes removed from the line, a Python ``int`` (negative when the chunked
+        loss's line would be the larger one).
+
+    Contract: exactly the chapter's formulas (also checked on drawn settings, where
+    one chunk may cover every token or C may be large).
+    """
+    raise NotImplementedError("ex74: predict_logits_line_saving")

@@ -129,3 +129,12 @@ def tiny():
 
     w = parse_workload("tiny-b2s32")
     return build_model(w), make_batches(w, 2)
+
+
+@pytest.fixture(autouse=True)
+def _mutants_unshrunk(monkeypatch):
+    """A mutant only has to be rejected: hypothesis's shrinking of its counterexample is skipped in tests
+    (``bp_mech.checks.properties.SHRINK``); a learner's ``bp-mech check`` still shrinks."""
+    from bp_mech.checks import properties
+
+    monkeypatch.setattr(properties, "SHRINK", False)

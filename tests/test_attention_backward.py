@@ -8,11 +8,12 @@ import types
 
 import pytest
 import torch
+from conftest import ROOT, load_solution
 
 from bp_mech import attention_backward, attention_framework, attention_strategies
-from bp_mech.experiments import attention_backward as experiment
 from bp_mech.bench.tracking import PeakMemory
 from bp_mech.checks import ex10
+from bp_mech.experiments import attention_backward as experiment
 
 CFG = attention_strategies.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
 
@@ -98,7 +99,10 @@ def test_whole_qwen2_attention_layer(strategy):
 
 def test_eager_qwen2_attention_with_explicit_mask():
     """transformers' eager path with an explicit additive causal mask (no is_causal flag)."""
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import (
+        Qwen2Attention,
+        Qwen2RotaryEmbedding,
+    )
 
     from bp_mech.bench.workload import qwen2_config
 
@@ -136,9 +140,16 @@ def test_qwen2_attention_has_biases_on_qkv_only(arch):
 # --- the exercise checks catch the classic mistakes ------------------------------------
 
 ANSWERS = types.SimpleNamespace(
-    softmax_backward=attention_backward.softmax_backward, gqa_reduce=attention_backward.gqa_reduce, blockwise_backward=attention_backward.blockwise_backward,
+    softmax_backward=attention_backward.softmax_backward, gqa_reduce=attention_backward.gqa_reduce,
+    blockwise_backward=attention_backward.blockwise_backward,
     rope_backward=attention_backward.rope_backward,
-    attention_head_backward=lambda q, k, v, dO: attention_backward.attention_backward(q, k, v, attention_backward.attention_forward(q, k, v)[1], dO))
+    attention_head_backward=lambda q, k, v, dO: attention_backward.attention_backward(
+        q, k, v, attention_backward.attention_forward(q, k, v)[1], dO))
+
+
+_ANSWER_FILE = load_solution(ROOT / "answers", "ex10_attention_backward")  # the variant and the prediction
+ANSWERS.sliding_window_head_backward = _ANSWER_FILE.sliding_window_head_backward
+ANSWERS.predict_eager_saved_bytes = _ANSWER_FILE.predict_eager_saved_bytes
 
 
 def mutant(**overrides):
@@ -190,7 +201,7 @@ def _per_head_full_matrix_backward(q, k, v, o, lse, dO, block):  # one head at a
 
 
 def _blockwise_4d_only(q, k, v, o, lse, dO, block):
-    B, H, T, d = q.shape  # the classic unpacking: right for (B, H, T, d) only
+    _B, _H, _T, _d = q.shape  # the classic unpacking: right for (B, H, T, d) only
     return attention_backward.blockwise_backward(q, k, v, o, lse, dO, block)
 
 
@@ -260,3 +271,4 @@ def test_the_per_head_full_matrix_mutant_is_right_in_value():
 @pytest.mark.parametrize("check", ex10.CHECKS, ids=lambda c: c.__name__)
 def test_checks_pass_on_the_package(check):
     check(ANSWERS)
+

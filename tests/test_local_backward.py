@@ -4,17 +4,17 @@ catch the classic mistakes. The run, its records and the conformance row:
 tests/experiments/test_local_backward.py."""
 
 import math
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import mutant
 
 from bp_mech import local_backward
-from bp_mech.experiments import local_backward as experiment
 from bp_mech.checks import ex09
+from bp_mech.experiments import local_backward as experiment
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.usefixtures("one_thread")]  # one thread: hypothesis's shrinking
 
 
 @pytest.mark.parametrize("op", list(experiment.OPS))
@@ -69,7 +69,7 @@ def test_dropped_term_error_falls_as_one_over_sqrt_width():
 def test_block_backward_is_the_composition_of_local_backwards():
     x, w, Wg, Wu, Wd = experiment.make_inputs("mlp_block", (1, 4, 8), 16, 10)
     dy = torch.randn_like(x, dtype=torch.float64)
-    dx, dw, *_ = local_backward.mlp_block_backward(x, w, Wg, Wu, Wd, dy)
+    dx, _, *_ = local_backward.mlp_block_backward(x, w, Wg, Wu, Wd, dy)
     dh, *_ = local_backward.swiglu_mlp_backward(local_backward.rmsnorm_forward(x, w), Wg, Wu, Wd, dy)
     assert torch.allclose(dx, dy + local_backward.rmsnorm_backward(x, w, dh)[0], rtol=0, atol=0)
 
@@ -77,11 +77,8 @@ def test_block_backward_is_the_composition_of_local_backwards():
 # --- the exercise checks catch the classic mistakes (mutants of a correct solution) ---
 
 def _solutions(**overrides):
-    names = ["linear_backward", "silu_backward", "rmsnorm_backward", "swiglu_mlp_backward", "cross_entropy_backward"]
-    m = types.SimpleNamespace(**{n: getattr(local_backward, n) for n in names})
-    for k, v in overrides.items():
-        setattr(m, k, v)
-    return m
+    """The answers (the package's backwards, the variant and the prediction) with some replaced."""
+    return mutant("ex09_local_backward", **overrides)
 
 
 def test_checks_pass_on_a_correct_solution():
@@ -128,7 +125,7 @@ def _rmsnorm_without_eps(x, w, dy, eps=1e-6):  # xhat = x / rms(x): a zero row g
 
 
 def _mlp_assumes_3d(x, Wg, Wu, Wd, dy):
-    dx, dWg, dWu, dWd = local_backward.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
+    dx, dWg, dWu, _ = local_backward.swiglu_mlp_backward(x, Wg, Wu, Wd, dy)
     h = local_backward.silu_forward(x @ Wg.T) * (x @ Wu.T)
     return dx, dWg, dWu, torch.einsum("btc,bti->ci", dy, h)
 
@@ -176,3 +173,4 @@ def test_checks_catch_the_classic_mistakes(check, mutant):
 def test_a_crash_is_reported_as_a_one_line_mismatch_naming_the_input():
     with pytest.raises(AssertionError, match=r"^linear_backward: raised \w+ at x shape \(7, 5\)"):
         ex09.check_linear_backward(_solutions(linear_backward=_linear_assumes_3d))
+

@@ -3,11 +3,10 @@ the answer, or a hand-written wrong offload) is caught."""
 
 import pytest
 import torch
+from conftest import ROOT, load_solution
 
 from bp_mech import offload
 from bp_mech.checks import ex42
-from conftest import ROOT, load_solution
-
 
 # --- the package's offload passes the exercise checks; the checks catch the mistakes ------
 
@@ -18,7 +17,13 @@ class _PackageOffload(offload.ActivationOffload):
         self.pack, self.unpack = self._pack, self._unpack
 
 
-@pytest.mark.parametrize("check", ex42.CHECKS, ids=lambda c: c.__name__)
+# the package's offload stands for CountingOffload, but its counters cover the last forward only (it
+# resets them on entry), where CountingOffload's accumulate: the __contract check is not its contract
+PACKAGE_CHECKS = [c for c in ex42.CHECKS if c.__name__.startswith("check_CountingOffload")
+                  and not c.__name__.endswith("__contract")]
+
+
+@pytest.mark.parametrize("check", PACKAGE_CHECKS, ids=lambda c: c.__name__)
 def test_package_offload_passes_the_ex42_checks(check):
     check(type("Sol", (), {"CountingOffload": _PackageOffload}))
 
@@ -124,7 +129,7 @@ class _HandsOutTheHostCopy(_ANSWER):  # no copy back: backward writes into the h
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        host, dtype, offset, size, stride, device = packed
+        host, dtype, offset, size, stride, _device = packed
         self.h2d_bytes += host.numel()
         return torch.empty(0, dtype=dtype).set_(host.untyped_storage(), offset, size, stride)
 

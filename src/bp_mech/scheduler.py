@@ -16,12 +16,8 @@ warmup, stable or decay. ``UpdateClock`` does that; ``NaiveClock`` is the common
 (``scheduler.step()`` after every optimizer call) and shifts every boundary earlier by the number
 of skips before it.
 
-Skip detection uses public ``torch.amp.GradScaler`` API only (``scaler_step``): ``update()``
-multiplies the scale by ``backoff_factor < 1`` exactly when the step found inf/NaN, which is exactly
-when the update was skipped (a plain optimizer is then not called; a fused AdamW is called with
-``found_inf`` and skips inside); so a smaller ``get_scale()`` after ``update()`` means "skipped"
-(Accelerate's ``AcceleratedOptimizer.step_was_skipped`` does the same). The experiment (a real
-GradScaler run with injected skips, both clocks) is ``bp_mech.experiments.scheduler``.
+Skip detection (``scaler_step``) uses public ``GradScaler`` API only: the scale shrinks in
+``update()`` iff the update was skipped. The experiment is ``bp_mech.experiments.scheduler``.
 """
 
 from __future__ import annotations
@@ -119,22 +115,22 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
         cfg: the schedule.
 
     Returns:
-        The learning rate of update ``update``.
+        The learning rate of update ``update`` (a Python float); ValueError if update < 0.
 
     Example:
         >>> wsd_lr(1, WSDConfig(base_lr=0.5, warmup=2))
         0.25
     """
-    return cfg.base_lr * wsd_factor(update, cfg)
+    if update < 0:
+        raise ValueError(f"update must be >= 0, got {update}")
+    return float(cfg.base_lr * wsd_factor(update, cfg))
 
 
 class UpdateClock:
     """The LR clock of a training loop: advances only when an update was applied.
 
-    ``lr`` is the learning rate of the *next* update, ``wsd_lr(position)``; before any
-    call it is ``wsd_lr(0)`` (as ``LambdaLR`` right after construction).
-    ``step(applied)`` is called once per optimizer call; with an optimizer attached it
-    writes ``lr`` into every param group.
+    ``lr`` is the rate of the *next* update, ``wsd_lr(position)`` (``wsd_lr(0)`` before
+    any call, as ``LambdaLR``). ``step(applied)`` is called once per optimizer call.
 
     Args:
         cfg: the schedule.
@@ -191,6 +187,17 @@ class UpdateClock:
         self._apply()
         return self.lr
 
+    def state_dict(self) -> dict:
+        """``{"updates": int, "skipped": int}``: a new, JSON-serialisable dict."""
+        return {"updates": self.updates, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s counts; ValueError (clock unchanged) on a bad one."""
+        if not all(type(state.get(k)) is int and state[k] >= 0 for k in ("updates", "skipped")):
+            raise ValueError(f"need non-negative int updates and skipped, got {state!r}")
+        self.updates, self.skipped = state["updates"], state["skipped"]
+        self._apply()
+
     def _apply(self) -> None:
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -199,9 +206,6 @@ class UpdateClock:
 
 class NaiveClock(UpdateClock):
     """The bug: reads the schedule at the number of optimizer *calls*, skips included.
-
-    Args:
-        cfg, optimizer: as for ``UpdateClock``.
 
     Example:
         >>> clock = NaiveClock(WSDConfig(base_lr=1.0, warmup=2))
@@ -218,11 +222,9 @@ class NaiveClock(UpdateClock):
 def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """``scaler.step(optimizer)``, ``scaler.update()``; True if the update was applied.
 
-    Public API only: the scale shrinks in ``update()`` iff the step found inf/NaN, which
-    is iff the update was skipped. How it is skipped depends on the optimizer: a plain
-    one (SGD, foreach AdamW) is not called; a fused AdamW is called with the scaler's
-    ``found_inf`` and its kernel leaves the parameters, moments and step count as they
-    were. A disabled scaler always steps (scale 1.0).
+    Public API only: the scale shrinks in ``update()`` iff the update was skipped (a
+    plain optimizer is then not called; a fused AdamW is called with ``found_inf`` and
+    skips inside, leaving parameters, moments and step count). A disabled scaler steps.
 
     Args:
         scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``; enabled, it

@@ -5,9 +5,9 @@ classic mistakes; tests/checks/test_exercises.py shows that they pass on the ans
 """
 
 import pytest
+from conftest import ROOT, load_solution
 
 from bp_mech.checks import cases
-from conftest import ROOT, load_solution
 
 
 @pytest.mark.parametrize("name, check", list(cases()))

@@ -7,9 +7,9 @@ import textwrap
 import pytest
 import torch
 
+from bp_mech.checks import CHAPTERS
 from bp_mech.checks import runner as check
 from bp_mech.cli import main
-from bp_mech.checks import CHAPTERS
 
 CHAPTER_NUMBERS = [m.removeprefix("ch") for m, _, _ in CHAPTERS]  # "ch09" -> "09", "amp" -> "amp"
 
@@ -46,9 +46,11 @@ def test_answers_all_pass(chapter):
     assert check.format_report(lines).splitlines()[-1] == f"{len(lines)} of {len(lines)} functions pass, 0 not implemented yet, 0 failing"
 
 
-WRONG_SILU = """
+ANSWERS_09 = f"exec(open({str(check.ROOT / 'answers' / 'ex09_local_backward.py')!r}).read())  # every other function right"
+
+WRONG_SILU = f"""
     import torch
-    from bp_mech.local_backward import cross_entropy_backward, linear_backward, rmsnorm_backward, swiglu_mlp_backward
+    {ANSWERS_09}
 
 
     def silu_backward(x, dy):
@@ -65,11 +67,11 @@ def test_a_wrong_solution_fails_naming_function_and_mismatch(tmp_path):
     assert not bad.message.startswith("silu_backward")  # the line names the function once
     report = check.format_report(list(lines.values()))
     assert f"FAIL silu_backward: {bad.message}" in report.splitlines()
-    assert report.splitlines()[-1] == "4 of 5 functions pass, 0 not implemented yet, 1 failing"
+    assert report.splitlines()[-1] == "6 of 7 functions pass, 0 not implemented yet, 1 failing"
 
 
-CRASHING = """
-    from bp_mech.local_backward import cross_entropy_backward, linear_backward, silu_backward, swiglu_mlp_backward
+CRASHING = f"""
+    {ANSWERS_09}
 
 
     def rmsnorm_backward(x, w, dy, eps=1e-6):
@@ -130,7 +132,7 @@ def test_a_missing_function_is_named(tmp_path):
 def test_a_file_that_does_not_import_fails_every_function(tmp_path):
     (tmp_path / "ex12_scheduler_clock.py").write_text("def wsd_lr(update, cfg)\n    return 1.0\n")
     lines = check.check_chapter("12", tmp_path)
-    assert [x.function for x in lines] == ["wsd_lr", "UpdateClock"]
+    assert [x.function for x in lines] == ["wsd_lr", "UpdateClock", "cosine_restarts_lr", "predict_decay_entry"]
     assert all(x.status == "FAIL" and "SyntaxError" in x.message and "(line 1)" in x.message for x in lines)
 
 
@@ -146,15 +148,18 @@ def test_sample_output_is_the_command_and_the_stub_report():
     out = check.sample_output("12")
     assert out.splitlines() == ["$ bp-mech check 12", "TODO wsd_lr: not implemented yet",
                                 "TODO UpdateClock: not implemented yet",
-                                "0 of 2 functions pass, 2 not implemented yet, 0 failing"]
+                                "TODO cosine_restarts_lr: not implemented yet",
+                                "TODO predict_decay_entry: not implemented yet",
+                                "0 of 4 functions pass, 4 not implemented yet, 0 failing"]
 
 
 def test_cli_lines_and_exit_codes(tmp_path, capsys):
     assert main(["check", "12"]) == 1
     assert capsys.readouterr().out.splitlines()[0] == "TODO wsd_lr: not implemented yet"
     assert main(["check", "12", "--dir", "answers"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["PASS wsd_lr", "PASS UpdateClock",
-                                                    "2 of 2 functions pass, 0 not implemented yet, 0 failing"]
+    assert capsys.readouterr().out.splitlines() == ["PASS wsd_lr", "PASS UpdateClock", "PASS cosine_restarts_lr",
+                                                    "PASS predict_decay_entry",
+                                                    "4 of 4 functions pass, 0 not implemented yet, 0 failing"]
     (tmp_path / "ex09_local_backward.py").write_text(textwrap.dedent(WRONG_SILU))
     assert main(["check", "09", "--dir", str(tmp_path)]) == 1
     assert "FAIL silu_backward: " in capsys.readouterr().out
@@ -173,7 +178,7 @@ def test_cli_bad_input_is_one_line_and_status_2(argv, words, capsys, tmp_path, m
 
 
 def test_verbose_shows_pytest_output():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "bp_mech", "check", "12", "-v", *a],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "bp_mech", "check", "12", "-v", *a],
                                     capture_output=True, text=True, timeout=300)
     stubs, answers = run(), run("--dir", "answers")
     assert stubs.returncode == 1 and "NotImplementedError" in stubs.stdout and "FAILED" in stubs.stdout

@@ -1,6 +1,20 @@
 """Exercise checks, one module per chapter. ``CHAPTERS`` maps each to its marker and file."""
 
-from bp_mech.checks import ex09, ex10, ex11, ex12, ex19, ex42, ex43, ex55, ex56, ex73, ex74, ex76, ex_amp
+from bp_mech.checks import (
+    ex09,
+    ex10,
+    ex11,
+    ex12,
+    ex19,
+    ex42,
+    ex43,
+    ex55,
+    ex56,
+    ex73,
+    ex74,
+    ex76,
+    ex_amp,
+)
 
 # (pytest marker, checks module, exercise file name without .py)
 CHAPTERS = [

@@ -4,13 +4,22 @@ Each ``check_*`` takes the solutions module and raises AssertionError on a wrong
 fresh random tensors with every leading shape the docstrings allow (2-D, 3-D and 4-D), a square
 weight so that a missing transpose gives wrong numbers rather than a shape error, rows where RMSNorm's
 eps decides, ``ignore_index`` at values other than -100, and inputs large enough that a formula
-without a stable softmax or sigmoid overflows.
+without a stable softmax or sigmoid overflows. The contract around the numbers (inputs unchanged,
+strided views, no aliasing, float32 in float32 out), the LayerNorm variant and the saved-bytes
+prediction: ``ex09_contract``.
 """
 
 import torch
 import torch.nn.functional as F
 
-from bp_mech.checks.common import assert_all_close, assert_close, autograd_grads, call, randn64
+from bp_mech.checks import ex09_contract
+from bp_mech.checks.common import (
+    assert_all_close,
+    assert_close,
+    autograd_grads,
+    call,
+    randn64,
+)
 
 TOL = 1e-10  # float64: hand-written and autograd agree to rounding
 REF = "float64 autograd"
@@ -122,4 +131,5 @@ def check_cross_entropy_backward__large_logits(m):
 
 CHECKS = [check_linear_backward, check_silu_backward, check_silu_backward__large_inputs, check_rmsnorm_backward,
           check_rmsnorm_backward__tiny_rows, check_swiglu_mlp_backward, check_cross_entropy_backward,
-          check_cross_entropy_backward__ignore_index, check_cross_entropy_backward__large_logits]
+          check_cross_entropy_backward__ignore_index, check_cross_entropy_backward__large_logits,
+          *ex09_contract.CHECKS]  # the contract, the LayerNorm variant and the saved-bytes prediction

@@ -5,7 +5,9 @@ and transformers' ``repeat_kv`` / ``rotate_half`` / ``apply_rotary_pos_emb``; th
 backward's memory through ``bp_mech.bench.tracking.PeakMemory`` (tracked CPU storages), against ONE head's
 (T, T) score matrix. Head widths d > 1 make a missing 1/sqrt(d) visible; H/Hkv > 1 with several KV
 groups (and H = Hkv) makes a wrong GQA reduction visible; short sequences and row 0 make an
-off-by-one causal mask visible; "..." is tried as no, one and two leading dimensions.
+off-by-one causal mask visible; "..." is tried as no, one and two leading dimensions. The contract
+around the numbers, scores of size 1e3, the sliding-window variant and the saved-bytes prediction:
+``ex10_contract``.
 """
 
 import math
@@ -13,7 +15,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bp_mech.checks.common import assert_all_close, assert_close, autograd_grads, call, randn64
+from bp_mech.checks import ex10_contract
+from bp_mech.checks.common import (
+    assert_all_close,
+    assert_close,
+    autograd_grads,
+    call,
+    randn64,
+)
 
 TOL = 1e-10  # float64: hand-written and autograd agree to rounding
 REF = "float64 autograd"
@@ -52,7 +61,7 @@ def check_gqa_reduce(m):
     for seed, (H, Hkv) in enumerate([(6, 2), (6, 3), (4, 1), (14, 2), (5, 5)]):  # the last: plain MHA, n = 1
         g = torch.Generator().manual_seed(30 + seed)
         x, dx = randn64(g, 2, Hkv, 5, 3), randn64(g, 2, H, 5, 3)
-        want = autograd_grads(lambda x: repeat_kv(x, H // Hkv), [x], dx)[0]
+        want = autograd_grads(lambda x, n=H // Hkv: repeat_kv(x, n), [x], dx)[0]
         at = f"H={H}, Hkv={Hkv}, dx shape {tuple(dx.shape)}"
         got = call("gqa_reduce", m.gqa_reduce, dx.clone(), Hkv, at=at)
         assert_close("gqa_reduce", "dkv", got, want, tol=TOL, ref="float64 autograd of transformers' repeat_kv", at=at)
@@ -104,11 +113,12 @@ def check_rope_backward(m):
         ang = pos[..., None] * 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
         x, dy = randn64(g, *x_shape), randn64(g, *x_shape)
-        want = autograd_grads(lambda x: x * cos + rotate_half(x) * sin, [x], dy)[0]  # apply_rotary_pos_emb's formula
+        want = autograd_grads(lambda x, c=cos, s=sin: x * c + rotate_half(x) * s, [x], dy)[0]  # apply_rotary_pos_emb's
         at = f"dy shape {x_shape}, cos/sin shape {tuple(cos.shape)}"
         got = call("rope_backward", m.rope_backward, dy.clone(), cos, sin, at=at)
         assert_close("rope_backward", "dx", got, want, tol=TOL, ref="float64 autograd of transformers' RoPE", at=at)
 
 
 CHECKS = [check_softmax_backward, check_attention_head_backward, check_gqa_reduce, check_blockwise_backward,
-          check_blockwise_backward__memory, check_rope_backward]
+          check_blockwise_backward__memory, check_rope_backward,
+          *ex10_contract.CHECKS]  # the contract, the sliding-window variant and the saved-bytes prediction

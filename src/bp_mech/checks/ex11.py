@@ -7,72 +7,42 @@ different numbers of target tokens and a mean of micro-batch means gives wrong n
 supervised fine-tuning batches also mask prompt tokens in the labels only (the inputs there are
 real tokens, so a count taken from the inputs is wrong), hold token id 0 as a real target, and put
 a micro-batch with no target at all. Logits come in float64, float32, bfloat16 and float16.
+The contract checks (drawn by hypothesis) and the shared cases are in ``ex11_contract``; the
+variant's values and the prediction's measurement are checked here.
 """
 
-from types import SimpleNamespace
-
 import torch
-import torch.nn.functional as F
+from hypothesis import strategies as st
 
 from bp_mech.checks.common import assert_close, assert_value, call, describe
-
-TOL = 1e-10  # float64: accumulation and the full batch agree to rounding
-TOL_HALF = 1e-5  # 16-bit logits: a float32 computation differs from float64 by float32 rounding only
-V, C, E, T = 29, 12, 8, 10  # vocab, width, effective batch, sequence length
-PAD = V - 1  # the pad input id; real tokens are 0 .. V - 2 (0 included)
-PADS = [0, 6, 1, 8, 3, 0, 7, 2]  # padded tail per row: uneven for k = 2 and k = 4
-PROMPTS = [3, 0, 2, 1, 5, 4, 3, 8]  # prompt tokens masked in the labels; rows 6 and 7 have no target left
-REF = "F.cross_entropy over the whole batch"
-
-
-class ToyLM(torch.nn.Module):
-    """A small float64 causal LM: embedding, running mean over earlier positions, tanh mixer, head."""
-
-    def __init__(self, seed: int = 0, freeze_embedding: bool = False):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-        self.emb = torch.nn.Parameter(r(V, C) * 0.5, requires_grad=not freeze_embedding)
-        self.mix = torch.nn.Parameter(r(C, C) / C ** 0.5)
-        self.head = torch.nn.Parameter(r(V, C) / C ** 0.5)
-
-    def forward(self, input_ids):
-        h = self.emb[input_ids]  # (B, T, C)
-        t = h.shape[1]
-        causal = torch.tril(torch.ones(t, t, dtype=h.dtype)) / torch.arange(1, t + 1, dtype=h.dtype)[:, None]
-        h = h + torch.tanh((causal @ h) @ self.mix.T)
-        return SimpleNamespace(logits=h @ self.head.T)  # (B, T, V)
+from bp_mech.checks.ex11_contract import (  # the shared cases live there (it must not import this module)
+    PAD,
+    PADS,
+    PROMPTS,
+    REF,
+    TOL,
+    TOL_HALF,
+    E,
+    T,
+    ToyLM,
+    V,
+    _backward_contract,
+    _torch_count,
+    check_accumulated_backward__contract,
+    check_accumulated_backward_per_sequence__contract,
+    check_count_targets__contract,
+    check_micro_batch_loss__contract,
+    check_split__contract,
+    full_batch_loss,
+    measure_naive_weights,
+    one_thread,
+    padded_batch,
+    per_sequence_loss,
+)
+from bp_mech.checks.properties import assert_type, explore
 
 
-def padded_batch(seed: int = 0, pads=PADS, prompts=None) -> dict:
-    """Right padding (input PAD, label -100) and, with ``prompts``, prompt tokens masked in the labels only."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V - 1, (E, T), generator=g)
-    ids[0, 4] = 0  # token id 0 is a real token and a real target
-    labels = ids.clone()
-    for r, p in enumerate(pads):
-        if p:
-            ids[r, T - p:] = PAD
-            labels[r, T - p:] = -100
-    for r, p in enumerate(prompts or ()):
-        labels[r, :p] = -100  # the input keeps the prompt token; only the label is masked
-    return {"input_ids": ids, "labels": labels}
-
-
-def full_batch_loss(logits, labels):
-    """The reference: torch's token mean over the shifted, non-ignored targets of the whole batch."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="mean")
-
-
-def _torch_count(labels) -> int:
-    """Targets as torch counts them: the ratio of its summed and its mean cross-entropy (0 when none)."""
-    z = torch.randn(*labels.shape, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    args = (z[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
-    total = F.cross_entropy(*args, reduction="sum")
-    return 0 if total == 0 else round((total / F.cross_entropy(*args)).item())
-
-
+@one_thread
 def check_split(m):
     b = padded_batch(1)
     b = {**b, "attention_mask": (b["input_ids"] != PAD).long(), "row_id": torch.arange(E),
@@ -96,7 +66,7 @@ def check_split(m):
             continue
         except NotImplementedError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise AssertionError(f"split: raised {type(e).__name__}, expected ValueError at k={bad}, {E} rows") from e
         raise AssertionError(f"split: no ValueError at k={bad}, {E} rows (k < 1 or E % k != 0 must raise)")
 
@@ -110,6 +80,7 @@ def _count_case(m, labels, at):
                               f"(labels[:, 1:] != -100) at {at}")
 
 
+@one_thread
 def check_count_targets(m):
     for seed, pads in ((2, PADS), (3, [0] * E), (4, [T - 2] * E)):
         labels = padded_batch(seed, pads)["labels"]
@@ -117,6 +88,7 @@ def check_count_targets(m):
         _count_case(m, labels, f"labels shape {tuple(labels.shape)}, padding {pads}")
 
 
+@one_thread
 def check_count_targets__prompt_masked(m):
     b = padded_batch(5, PADS, PROMPTS)
     _count_case(m, b["labels"], f"labels with prompts {PROMPTS} masked (inputs there are real tokens), "
@@ -135,6 +107,7 @@ def _shares(m, z, labels, n, k, at):
     return parts
 
 
+@one_thread
 def check_micro_batch_loss(m):
     for seed, prompts in ((5, None), (6, PROMPTS)):
         g = torch.Generator().manual_seed(seed)
@@ -156,6 +129,7 @@ def check_micro_batch_loss(m):
                          ref="float64 autograd of the full-batch mean", at=at)
 
 
+@one_thread
 def check_micro_batch_loss__half_precision(m):
     b = padded_batch(7, PADS, PROMPTS)
     g = torch.Generator().manual_seed(7)
@@ -198,17 +172,64 @@ def _accumulation_case(m, seed, b, label, freeze=False):
                          ref="float64 autograd of the full-batch mean", at=at)
 
 
+@one_thread
 def check_accumulated_backward(m):
     for seed in (6, 7):
         _accumulation_case(m, seed, padded_batch(seed), f"uneven right padding {PADS}")
 
 
+@one_thread
 def check_accumulated_backward__prompt_masked(m):
     b = padded_batch(8, PADS, PROMPTS)
     _accumulation_case(m, 8, b, f"prompts {PROMPTS} masked in the labels only, padding {PADS}, the last "
                                 f"micro-batch (k=4) without any target, embedding frozen", freeze=True)
 
 
-CHECKS = [check_split, check_count_targets, check_count_targets__prompt_masked, check_micro_batch_loss,
-          check_micro_batch_loss__half_precision, check_accumulated_backward,
-          check_accumulated_backward__prompt_masked]
+@one_thread
+def check_accumulated_backward_per_sequence(m):
+    fn = "accumulated_backward_per_sequence"
+    for seed, k, prompts in ((6, 2, None), (7, 4, None), (8, 4, PROMPTS)):  # the last: a micro-batch w/o target
+        _backward_contract(m, fn, per_sequence_loss, (seed, k, PADS, prompts, False))
+    b = padded_batch(9, [T] * E)
+    at = f"a batch of {E} rows without any target"
+    try:
+        m.accumulated_backward_per_sequence(ToyLM(9), b, 2)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{fn}: raised {type(e).__name__}, expected ValueError at {at}") from e
+    raise AssertionError(f"{fn}: no ValueError at {at} (R = 0: the per-sequence mean is undefined)")
+
+
+@one_thread
+def check_predict_naive_weights(m):
+    fn = "predict_naive_weights"
+
+    def body(counts):
+        at = f"counts {counts}"
+        before = list(counts)
+        got = call(fn, m.predict_naive_weights, counts, at=at)
+        assert counts == before, f"{fn}: counts was modified in place (now {counts}) at counts {before}"
+        assert_type(fn, "the prediction", got, list, at)
+        assert len(got) == len(counts) and all(type(w) is float for w in got), (
+            f"{fn}: returned {got!r}, expected a list of {len(counts)} Python floats at {at}")
+        want = measure_naive_weights(counts)
+        for j, (w, x) in enumerate(zip(got, want)):
+            assert abs(w - x) <= 1e-9 * x, (f"{fn}: predicted w_{j} = {w:.6g}, the measured ratio of the naive to "
+                                            f"the token-weighted gradient is {x:.6g} at {at}")
+        for bad in ([], [3, 0]):
+            try:
+                m.predict_naive_weights(bad)
+            except ValueError:
+                continue
+            raise AssertionError(f"{fn}: no ValueError at counts {bad}")
+    explore(st.lists(st.integers(1, 9), min_size=1, max_size=5), body)
+
+
+CHECKS = [check_split, check_split__contract, check_count_targets, check_count_targets__prompt_masked,
+          check_count_targets__contract, check_micro_batch_loss, check_micro_batch_loss__half_precision,
+          check_micro_batch_loss__contract, check_accumulated_backward, check_accumulated_backward__prompt_masked,
+          check_accumulated_backward__contract, check_accumulated_backward_per_sequence,
+          check_accumulated_backward_per_sequence__contract, check_predict_naive_weights]

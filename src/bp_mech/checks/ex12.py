@@ -13,8 +13,16 @@ import random
 import torch
 from transformers import get_wsd_schedule
 
-from bp_mech.scheduler import WSDConfig
 from bp_mech.checks.common import call
+from bp_mech.checks.ex12_contract import (
+    check_cosine_restarts_lr,
+    check_cosine_restarts_lr__contract,
+    check_predict_decay_entry,
+    check_UpdateClock__contract,
+    check_UpdateClock__state_dict,
+    check_wsd_lr__contract,
+)
+from bp_mech.scheduler import WSDConfig
 
 REL_TOL = 1e-12  # float64 arithmetic; a different but equivalent formula differs by ulps only
 
@@ -135,5 +143,7 @@ def check_UpdateClock__random_skips(m):
         _drive(m, cfg, flags, f"random skips #{i} of {cfg}")
 
 
-CHECKS = [check_wsd_lr, check_wsd_lr__zero_length_phases, check_UpdateClock, check_UpdateClock__skips_at_boundaries,
-          check_UpdateClock__random_skips]
+CHECKS = [check_wsd_lr, check_wsd_lr__zero_length_phases, check_wsd_lr__contract, check_UpdateClock,
+          check_UpdateClock__skips_at_boundaries, check_UpdateClock__random_skips, check_UpdateClock__contract,
+          check_UpdateClock__state_dict, check_cosine_restarts_lr, check_cosine_restarts_lr__contract,
+          check_predict_decay_entry]

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bp_mech.bench.tracking import PeakMemory
+from bp_mech.checks import ex19_contract
 from bp_mech.checks.common import assert_close, call
 
 TOL = 1e-12  # float64: the recompute repeats the same operations
@@ -136,7 +137,7 @@ def check_count_forward_calls(m):
         modules = layers if kind == "list" else nn.ModuleList(layers)
         x = torch.randn(3, 8, requires_grad=True)
 
-        def step():  # layers 0 and 2 checkpointed (non-reentrant): they run again in backward; layer 1 runs twice
+        def step(x=x, layers=layers):  # layers 0 and 2 checkpointed (non-reentrant): they run again in backward; layer 1 runs twice
             h = x
             for i, layer in enumerate(layers):
                 h = checkpoint(layer, h, use_reentrant=False) if i % 2 == 0 else layer(h)
@@ -163,5 +164,6 @@ def check_count_forward_calls(m):
     assert not any(_hooks_left(layers)), f"{fn}: hooks left on the modules {_hooks_left(layers)} when step raised"
 
 
+# the contract, the variant and the prediction (ex19_contract.py)
 CHECKS = [check_CheckpointedBlock, check_CheckpointedBlock__memory, check_CheckpointedBlock__counts,
-          check_count_forward_calls]
+          check_count_forward_calls, *ex19_contract.CHECKS]

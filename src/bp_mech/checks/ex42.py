@@ -15,27 +15,14 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bp_mech.checks.common import assert_close, call
+from bp_mech.checks.ex42_contract import (  # the toy model: one copy
+    MIN_BYTES,
+    _params,
+    _toy,
+)
 
 TOL = 1e-12  # float64: offloading copies bytes, the arithmetic is unchanged
-MIN_BYTES = 1024
 FN = "CountingOffload"
-
-
-def _params(seed):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) / s[0] ** 0.5).requires_grad_()  # noqa: E731
-    W1, W2, b = r(32, 128), r(64, 32), r(32)
-    scale = torch.full((1,), 0.7, dtype=torch.float64, requires_grad=True)  # 8 bytes: stays resident
-    x = torch.randn(4, 16, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    return [W1, W2, b], scale, x
-
-
-def _toy(x, W1, W2, b, scale):
-    h = x @ W1  # (B, T, 128); saves x and W1
-    a, gate = h.chunk(2, -1)  # two views of h's storage
-    y = torch.sigmoid(a) * gate  # sigmoid saves its output; mul saves it and `gate`, a view of h
-    z = (y @ W2 + b).tanh() * scale  # saves y, W2, tanh's output, scale
-    return z.pow(2).sum()  # saves z
 
 
 def _reference_counts(params, scale, x):
@@ -99,7 +86,7 @@ def check_CountingOffload__parameters(m):
         for i, W in enumerate(params):
             views = (("itself", W), ("detached", W.detach()), ("a flat view", W.view(-1)), ("transposed", W.t()))
             for kind, v in views:
-                out = call(FN, lambda: hooks.unpack(hooks.pack(v)), at=f"parameter {i} ({kind}), {at}")
+                out = call(FN, lambda h=hooks, v=v: h.unpack(h.pack(v)), at=f"parameter {i} ({kind}), {at}")
                 assert out is v, f"{FN}: parameter {i} ({kind}) came back as a copy, it must stay where it is at {at}"
         assert (hooks.d2h_bytes, hooks.h2d_bytes) == (0, 0), (
             f"{FN}: parameters counted as moved, d2h_bytes={hooks.d2h_bytes}, h2d_bytes={hooks.h2d_bytes} at {at}")
@@ -195,6 +182,9 @@ def check_CountingOffload__unpacked_twice(m):
         f"{FN}: h2d_bytes is {hooks.h2d_bytes}, expected {2 * n} (each unpack copies the storage back) at {at}")
 
 
+from bp_mech.checks import ex42_contract  # noqa: E402
+
+# then the contract, the variant and the prediction (ex42_contract.py)
 CHECKS = [check_CountingOffload, check_CountingOffload__bytes, check_CountingOffload__parameters,
           check_CountingOffload__min_bytes, check_CountingOffload__storage_freed, check_CountingOffload__views,
-          check_CountingOffload__unpacked_twice]
+          check_CountingOffload__unpacked_twice, *ex42_contract.CHECKS]

@@ -195,7 +195,11 @@ def check_update_ratio__low_precision(m):
         _ratio_case(m, before, after, f"{str(dtype)[6:]} tensors of shapes {SHAPES} (computed in float64)")
 
 
+from bp_mech.checks import ex55_contract as _c
+
 CHECKS = [check_global_grad_norm, check_global_grad_norm__iterables, check_global_grad_norm__half_precision,
-          check_clip_coefficient, check_clip_coefficient__eps, check_clip_by_global_norm_,
-          check_clip_by_global_norm___iterables, check_clip_by_global_norm___eps, check_update_ratio,
-          check_update_ratio__low_precision]
+          _c.check_global_grad_norm__contract, check_clip_coefficient, check_clip_coefficient__eps,
+          _c.check_clip_coefficient__contract, check_clip_by_global_norm_, check_clip_by_global_norm___iterables,
+          check_clip_by_global_norm___eps, _c.check_clip_by_global_norm___contract, check_update_ratio,
+          check_update_ratio__low_precision, _c.check_update_ratio__contract, _c.check_clip_per_group_,
+          _c.check_clip_per_group___contract, _c.check_predict_first_update_norm]

@@ -8,7 +8,12 @@
   update ``AT`` the solution captures its state, and the check takes its own snapshot. A fresh trainer
   (another init, another data seed, the global RNG moved) restores the state; its clock, data position,
   generator, GradScaler, global RNG, AdamW state and weights must equal the snapshot, and training on must
-  give the uninterrupted run's losses and weights bit for bit (CPU, same kernels).
+  give the uninterrupted run's losses and weights bit for bit (CPU, same kernels). The contract around it:
+  capturing changes nothing in the trainer; training on (the captured trainer, then the restored one)
+  changes nothing in the captured dict; ``restore_state`` returns None and lets the error of a state that
+  does not fit (another model config) propagate.
+
+The explored contract of ``token_loss`` and the replay-mix exercises are in ``ex56_contract``.
 """
 
 import copy
@@ -18,6 +23,9 @@ import torch
 
 from bp_mech.bench.timing import timing_threads
 from bp_mech.checks.common import assert_value, call
+from bp_mech.checks.ex56_contract import CHECKS as CONTRACT
+from bp_mech.checks.ex56_contract import _fingerprint, _same
+from bp_mech.checks.properties import assert_type
 
 TOL = 1e-6  # float32 logits, cross-entropy summed in float32 per batch: relative to a float64 reference
 AT, UPDATES = 4, 8  # the update the state is captured at; the run's end
@@ -85,8 +93,9 @@ def _setup():
     ids = tokenize(load_text("domain"))
     cfg = cpt.TrainConfig(updates=UPDATES, lr=3e-3, warmup=3, decay=3, growth_interval=2, seed=7)
 
-    def trainer(seed):
-        return cpt.Trainer(build_model(w.replace(seed=seed)), cfg, cpt.TextStream(ids, w.batch, w.seq, cfg.seed + seed))
+    def trainer(seed, **config):
+        return cpt.Trainer(build_model(w.replace(seed=seed), **config), cfg,
+                           cpt.TextStream(ids, w.batch, w.seq, cfg.seed + seed))
 
     return cpt, trainer
 
@@ -104,10 +113,10 @@ def _tensors(x):
 
 
 def _snapshot(t) -> dict:
-    return dict(weights={k: v.clone() for k, v in t.model.state_dict().items()},
-                optimizer=copy.deepcopy(t.optimizer.state_dict()), scaler=t.scaler.state_dict(),
-                clock=(t.clock.updates, t.clock.skipped), position=t.data.position,
-                generator=t.data.generator.get_state(), rng=torch.get_rng_state())
+    return {"weights": {k: v.clone() for k, v in t.model.state_dict().items()},
+                "optimizer": copy.deepcopy(t.optimizer.state_dict()), "scaler": t.scaler.state_dict(),
+                "clock": (t.clock.updates, t.clock.skipped), "position": t.data.position,
+                "generator": t.data.generator.get_state(), "rng": torch.get_rng_state()}
 
 
 def check_capture_state__a_copy_of_everything(m):
@@ -122,6 +131,7 @@ def _check_capture(m):
     snap = _snapshot(t)
     state = call("capture_state", m.capture_state, t, at=f"update {AT}")
     assert isinstance(state, dict), f"capture_state: returned {type(state).__name__}, expected a dict"
+    _unchanged_trainer(snap, _snapshot(t))
     live = {x.untyped_storage().data_ptr(): name for name, x in t.model.state_dict().items()}
     live.update({s[k].untyped_storage().data_ptr(): f"AdamW's {k} of parameter {i}"
                  for i, s in t.optimizer.state.items() for k in s if torch.is_tensor(s[k])})
@@ -139,6 +149,16 @@ def _check_capture(m):
             raise AssertionError(f"capture_state: {what} at update {AT} is nowhere in the state (it is not captured)")
 
 
+def _unchanged_trainer(before, after):
+    for what, key in (("the clock's (updates, skipped)", "clock"), ("the data position", "position"),
+                      ("the GradScaler's state", "scaler")):
+        assert after[key] == before[key], f"capture_state: modified the trainer: {what} {before[key]} -> {after[key]}"
+    for what, key in (("the data stream's generator state", "generator"), ("torch's global RNG state", "rng")):
+        assert torch.equal(after[key], before[key]), f"capture_state: modified the trainer: {what} changed"
+    for k, v in before["weights"].items():
+        assert torch.equal(after["weights"][k], v), f"capture_state: modified the trainer: the weight {k} changed"
+
+
 def check_restore_state__resume_bit_for_bit(m):
     with timing_threads("cpu"):
         _check_restore(m)
@@ -151,10 +171,14 @@ def _check_restore(m):
     torch.manual_seed(1234)  # the global RNG at the capture
     snap = _snapshot(ref)
     state = call("capture_state", m.capture_state, ref, at=f"update {AT}")
+    kept = _fingerprint(state)
     want = [r["loss"] for r in cpt.train(ref, UPDATES)]
+    assert _same(kept, _fingerprint(state)), (f"capture_state: the captured state changed when the trainer trained "
+                                              f"on from update {AT} (it holds a live object or tensor, not a copy)")
     torch.manual_seed(999)  # a new process: another global RNG state, another init, another data seed
     fresh = trainer(1)
-    call("restore_state", m.restore_state, fresh, state, at=f"the state of update {AT}")
+    out = call("restore_state", m.restore_state, fresh, state, at=f"the state of update {AT}")
+    assert_type("restore_state", "the return value", out, type(None), f"the state of update {AT}")
     got = _snapshot(fresh)
     at = f"after restoring the state of update {AT} into a fresh trainer"
     for what, key, hint in (("the clock's (updates, skipped)", "clock", "the update clock"),
@@ -176,6 +200,18 @@ def _check_restore(m):
                          f"{diff:.3g} over updates {AT + 1}..{UPDATES} (bit for bit expected on the CPU)")
     for (k, a), b in zip(fresh.model.state_dict().items(), ref.model.state_dict().values()):
         assert torch.equal(a, b), f"restore_state: the weight {k} after update {UPDATES} differs from the uninterrupted run's"
+    assert _same(kept, _fingerprint(state)), (f"restore_state: the state changed when the restored trainer trained on "
+                                              f"(it kept references into the state: copy) {at}")
+    other = trainer(2, num_hidden_layers=1)  # a trainer of another model config: the state does not fit
+    try:
+        m.restore_state(other, state)
+    except NotImplementedError:
+        raise
+    except Exception:  # noqa: BLE001 (any error of the framework is right: it propagated)
+        return
+    raise AssertionError(f"restore_state: the state of update {AT} (2 layers) was restored into a 1-layer model "
+                         "without an error (let load_state_dict's error propagate; do not swallow it)")
 
 
-CHECKS = [check_token_loss, check_capture_state__a_copy_of_everything, check_restore_state__resume_bit_for_bit]
+CHECKS = [check_token_loss, check_capture_state__a_copy_of_everything, check_restore_state__resume_bit_for_bit,
+          *CONTRACT]

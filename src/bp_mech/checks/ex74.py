@@ -11,12 +11,26 @@
 * ``live_by_category``: ``torch.profiler``'s own memory timeline (``MemoryProfileTimeline``'s
   ``_coalesce_timeline``) of a real training step (an MLP with AdamW, profiled with
   ``profile_memory``), on the same microsecond clock; bytes must match exactly.
+
+Each function's contract is explored too (``..._contract``, hypothesis): ``predicted_saving`` and
+``chunked_loss_changes`` here (brute force and the rule written from the docstring), ``live_by_category``
+in ``ex74_contract`` (with the real measurements); the variant and the prediction in ``ex74_variant``.
 """
 
-import functools
 import random
 
+from bp_mech.checks import ex74_variant as variant
 from bp_mech.checks.common import call
+from bp_mech.checks.ex74_contract import (
+    CHUNK_CASES,
+    check_live_by_category__contract,
+    measured,
+    profiled,
+    raises,
+    short,
+    unmodified,
+)
+from bp_mech.checks.properties import assert_json, assert_type, explore
 
 POINTS = ("forward_peak", "load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
 CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
@@ -77,32 +91,17 @@ def check_predicted_saving__random(m):
 # --- chunked_loss_changes --------------------------------------------------------------------------
 
 CHUNK_TOL = 0.01  # of the plain peak: the per-token and (chunk, hidden)-sized bytes the rule leaves out
-# (hidden, vocab, batch, seq, chunk, tied): several chunks with two chunks' logits the larger moment; one
-# chunk for all tokens (untied); several chunks with one chunk's dz^T h product the larger moment
-CHUNK_CASES = [(16, 1024, 2, 48, 24, True), (16, 768, 1, 40, 64, False), (32, 2048, 2, 32, 16, True)]
-
-
-@functools.lru_cache(maxsize=None)
-def _measured(case):
-    """(plain rows, chunked rows) of one real step each, every storage tracked (tracked-cpu)."""
-    from transformers import Qwen2Config
-
-    from bp_mech.bench.lifecycle import ConfigWorkload, Session
-    from bp_mech.projects.diagnosis import ledger_rows
-    from bp_mech.bench.strategy import PLAIN, Strategy
-
-    C, V, B, T, chunk, tied = case
-    cfg = Qwen2Config(hidden_size=C, intermediate_size=2 * C, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, tie_word_embeddings=tied, max_position_embeddings=256,
-                      use_cache=False)
-    session = Session(ConfigWorkload(cfg, B, T), "cpu")
-    return ledger_rows(session.ledger(PLAIN)), ledger_rows(session.ledger(Strategy(chunked_loss=chunk)))
 
 
 def check_chunked_loss_changes(m):
+    toy = {p: {"logits_loss": 12 * 64 * 100 if "backward" in p else 8 * 64 * 100} for p in POINTS}
+    at = "a hand-made ledger (n=64, V=100, C=8, chunk=16), before the measured steps"
+    got = call("chunked_loss_changes", m.chunked_loss_changes, toy, 64, 100, 8, 16, at=at)
+    assert got == _rule(toy, 64, 100, 8, 16), f"chunked_loss_changes: returned {short(got)}, the rule gives " \
+                                              f"{short(_rule(toy, 64, 100, 8, 16))} for {at}"
     for case in CHUNK_CASES:
         C, V, B, T, chunk, tied = case
-        plain, chunked = _measured(case)
+        plain, chunked = measured(case)
         at = f"n={B * T} tokens, V={V}, C={C}, chunk={chunk} ({'tied' if tied else 'untied'} embeddings)"
         got = call("chunked_loss_changes", m.chunked_loss_changes, {p: dict(r) for p, r in plain.items()}, B * T, V,
                    C, chunk, at=at)
@@ -129,9 +128,9 @@ def check_live_by_category__hand_made(m):
               (7, "increment_version", "g", 0, 16), (7, "increment_version", "w", 0, 64), (9, "destroy", "x", 0, 32),
               (9, "create", "t", 0, 8), (11, "destroy", "g", 1, 16), (11, "destroy", "t", 0, 8)]
     want_t = [-1, 5, 7, 9, 11]
-    want = [dict(parameter=64), dict(parameter=64, activation=32, autograd_detail=16),
-            dict(parameter=64, activation=32, gradient=16), dict(parameter=64, gradient=16, unknown=8),
-            dict(parameter=64)]
+    want = [{"parameter": 64}, {"parameter": 64, "activation": 32, "autograd_detail": 16},
+            {"parameter": 64, "activation": 32, "gradient": 16}, {"parameter": 64, "gradient": 16, "unknown": 8},
+            {"parameter": 64}]
     _compare(m, events, cats, want_t, want, "a hand-made timeline (an in-place write turns autograd detail into a "
                                             "gradient; two events at one time; a storage with no category)")
 
@@ -151,49 +150,106 @@ def _compare(m, events, cats, want_t, want, what):
                 f"{ref.get(cat, 0)} ({s.get(cat, 0) - ref.get(cat, 0):+d}) for {what}")
 
 
-@functools.lru_cache(maxsize=1)
-def _profiled_timeline():
-    """A real step (MLP, AdamW foreach) under the profiler: (events, categories) in the exercise's format on a
-    microsecond clock, and torch's own coalesced timeline (times, {category: bytes} per time)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline, TensorKey
-
-    torch.manual_seed(74)
-    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 10))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    x, y = torch.randn(32, 48), torch.randint(0, 10, (32,))
-
-    def step():
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # AdamW's moments exist before the profiled steps
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        step()
-        step()
-    mp = prof._memory_profile()
-    events, cats = [], {}
-    for t, action, (key, version), nbytes in mp.timeline:
-        if key.device.type != "cpu":
-            continue
-        events.append((t if t == -1 else int(t / 1000), action.name.lower(), key, version, nbytes))
-        for v in (version, version + 1):
-            c = mp._categories.get(key, v) if isinstance(key, TensorKey) else None
-            cats[(key, v)] = c.name.lower() if c is not None else "unknown"
-    names = {i + 1: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
-    times, sizes = MemoryProfileTimeline(mp)._coalesce_timeline("cpu")  # it dates the pre-existing state (-1) at
-    if events[0][0] == -1:  # the first event's time: the exercise keeps -1
-        times = [-1] + times[1:]
-    return events, cats, times, [{names[i]: v for i, v in enumerate(row) if i} for row in sizes]
-
-
 def check_live_by_category__profiled_step(m):
-    events, cats, times, ref = _profiled_timeline()
-    _compare(m, events, cats, times, ref, "the memory timeline of a profiled training step (MLP + AdamW), against "
-                                          "torch.profiler's own")
+    call("live_by_category", m.live_by_category, [(-1, "preexisting", "w", 0, 8)], {}, at="one storage")
+    ref = profiled()
+    _compare(m, ref["events"], ref["categories"], ref["times"], ref["states"],
+             "the memory timeline of a profiled training step (MLP + AdamW), against torch.profiler's own")
 
 
-CHECKS = [check_predicted_saving__classic_cases, check_predicted_saving__random, check_chunked_loss_changes,
-          check_live_by_category__hand_made, check_live_by_category__profiled_step]
+# --- the contracts of the three (explored) -----------------------------------------------------------
+
+
+def _ledgers():
+    """(stages, change): one to seven points, each row any subset of the classes (a change may name a class
+    its row lacks), bytes up to 2**40."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        seed, k, scale = d(st.integers(0, 2**32 - 1)), d(st.integers(1, len(POINTS))), d(st.sampled_from([1, 2**30]))
+        rng = random.Random(seed)
+        stages = {s: {c: rng.randrange(0, 1000) * scale for c in rng.sample(CLASSES, rng.randint(0, 4))}
+                  for s in rng.sample(POINTS, k)}
+        picked = set(rng.sample(list(stages), rng.randint(0, k)))  # listed in the ledger's order, as remedies do
+        change = {s: {c: rng.randrange(-1000, 1000) * scale for c in rng.sample(CLASSES, rng.randint(0, 3))}
+                  for s in stages if s in picked}
+        return stages, change
+    return draw()
+
+
+def check_predicted_saving__contract(m):
+    fn = "predicted_saving"
+    raises(fn, m.predicted_saving, ({}, {}), ValueError, "an empty ledger (no peak)", "stages {}, change {}")
+
+    def body(case):
+        stages, change = case
+        at = f"stages {short(stages, 160)}, change {short(change, 120)}"
+        got = unmodified(fn, m.predicted_saving, stages, change, names=("stages", "change"), at=at)
+        assert_type(fn, "the saving", got, int, at)
+        assert_json(fn, "the saving", got, at)
+        want = _saving(stages, change)
+        assert got == want, (f"{fn}: returned {got} bytes, the largest stage total before minus the largest after "
+                             f"(a class the change adds counts) is {want} at {at}")
+        flipped = {s: dict(reversed(r.items())) for s, r in reversed(stages.items())}
+        again = call(fn, m.predicted_saving, flipped, change, at=at)
+        assert again == got, f"{fn}: {got} bytes in one order of the stages, {again} in reverse order at {at}"
+    two_changes = ({POINTS[0]: {CLASSES[0]: 100}, POINTS[1]: {CLASSES[0]: 500}, POINTS[2]: {CLASSES[0]: 300}},
+                   {POINTS[1]: {CLASSES[0]: -400}, POINTS[2]: {CLASSES[0]: -250}})  # changes at two points
+    explore(_ledgers(), body, corners=(two_changes,))
+
+
+def _rule(rows, n, V, C, chunk):
+    """The chunked loss's rule as the docstring states it (written here, not imported)."""
+    c = min(chunk, n)
+    k = 1 if c >= n else 2
+    keep = {"forward_peak": 12 * n + k * 4 * c * V,
+            "backward_peak": 12 * n + 4 * n * C + max(k * 4 * c * V, 4 * c * V + 4 * V * C)}
+    out = {}
+    for p, r in rows.items():
+        out[p] = {"logits_loss": min(0, keep.get(p, 12 * n) - r["logits_loss"])}
+        if p == "backward_peak" and out[p]["logits_loss"] < 0:
+            out[p]["gradients"] = 4 * V * C
+    return out
+
+
+def check_chunked_loss_changes__contract(m):
+    from hypothesis import strategies as st
+
+    fn = "chunked_loss_changes"
+
+    @st.composite
+    def settings(d):
+        seed, n, V, C, chunk = (d(st.integers(0, 2**32 - 1)), d(st.integers(1, 256)), d(st.integers(1, 4096)),
+                                d(st.integers(1, 64)), d(st.integers(1, 300)))
+        rng = random.Random(seed)
+        rows = {p: dict({c: rng.randrange(0, 10**6) for c in rng.sample(CLASSES, rng.randint(0, 3))},
+                        logits_loss=rng.choice([0, 4, rng.randrange(0, 20 * n * V + 1)]))
+                for p in rng.sample(POINTS, rng.randint(1, len(POINTS)))}
+        return rows, n, V, C, chunk
+
+    def body(case):
+        rows, n, V, C, chunk = case
+        at = f"n={n}, V={V}, C={C}, chunk={chunk}, rows {short(rows, 160)}"
+        got = unmodified(fn, m.chunked_loss_changes, rows, n, V, C, chunk, names=("rows", "n", "V", "C", "chunk"),
+                         at=at)
+        want = _rule(rows, n, V, C, chunk)
+        assert isinstance(got, dict) and set(got) == set(want), (
+            f"{fn}: returned the points {sorted(got) if isinstance(got, dict) else short(got, 60)}, expected every "
+            f"point of rows and no other, {sorted(want)} at {at}")
+        for p, lines in want.items():
+            assert isinstance(got[p], dict) and set(got[p]) == set(lines), (
+                f"{fn}: at {p} returned the keys {short(got[p], 80)}, expected exactly {sorted(lines)} at {at}")
+            for line, v in lines.items():
+                assert_type(fn, f"the {line} change at {p}", got[p][line], int, at)
+                assert got[p][line] == v, f"{fn}: the {line} change at {p} is {got[p][line]}, the rule's {v} at {at}"
+        assert_json(fn, "the changes", got, at)
+    explore(settings(), body)
+
+
+CHECKS = [check_predicted_saving__classic_cases, check_predicted_saving__random, check_predicted_saving__contract,
+          check_chunked_loss_changes, check_chunked_loss_changes__contract,
+          check_live_by_category__hand_made, check_live_by_category__profiled_step, check_live_by_category__contract,
+          variant.check_self_time_by_name__profiled_step, variant.check_self_time_by_name__brute_force,
+          variant.check_self_time_by_name__contract,
+          variant.check_predict_logits_line_saving, variant.check_predict_logits_line_saving__contract]

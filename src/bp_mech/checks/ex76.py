@@ -8,20 +8,11 @@ times and equal points are common; hand-made sets hold each classic mistake on i
 
 import random
 
+from bp_mech.checks import ex76_contract
 from bp_mech.checks.common import call
+from bp_mech.checks.ex76_contract import _front  # the brute-force reference
 
 GIB = 2**30
-
-
-def _dominated(p, points) -> bool:
-    """Is point ``p`` dominated by any point of ``points`` (brute force)?"""
-    return any(q[0] <= p[0] and q[1] <= p[1] and (q[0] < p[0] or q[1] < p[1]) for q in points)
-
-
-def _front(points: dict) -> list:
-    """Reference: the undominated names, ordered by (peak, time, name)."""
-    kept = [n for n, p in points.items() if not _dominated(p, points.values())]
-    return sorted(kept, key=lambda n: (points[n][0], points[n][1], n))
 
 
 def _random_points(rng: random.Random, n: int) -> dict:
@@ -139,4 +130,4 @@ def check_choose_for_budget__random(m):
 
 
 CHECKS = [check_pareto_front__classic_cases, check_pareto_front__random, check_choose_for_budget__headroom,
-          check_choose_for_budget__ties, check_choose_for_budget__random]
+          check_choose_for_budget__ties, check_choose_for_budget__random, *ex76_contract.CHECKS]

@@ -16,28 +16,13 @@ import random
 
 import torch
 
+from bp_mech.checks import ex_amp_contract as _contract
+from bp_mech.checks import ex_amp_variant as _variant
 from bp_mech.checks.common import assert_close, assert_value, call, describe
+from bp_mech.checks.ex_amp_contract import GradScalerReference
 
 SCALE_TOL = 1e-6  # GradScaler keeps S in a float32 tensor; a float32-rounded S differs by < 6e-8
 GRAD_TOL = 1e-5  # float32 gradients against a float64 reference
-
-
-class GradScalerReference:
-    """A one-parameter SGD under torch's GradScaler; ``step(found_inf)`` -> (skipped, scale, tracker)."""
-
-    def __init__(self, **kw) -> None:
-        self.p = torch.zeros(1, requires_grad=True)
-        self.opt = torch.optim.SGD([self.p], lr=1.0)
-        self.scaler = torch.amp.GradScaler("cpu", **kw)
-
-    def step(self, found_inf: bool):
-        self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(self.p.sum() * (math.inf if found_inf else 1.0)).backward()
-        before = self.p.detach().clone()
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        state = self.scaler.state_dict()
-        return torch.equal(before, self.p.detach()), state["scale"], state["_growth_tracker"]
 
 
 # (GradScaler kwargs, found_inf pattern)
@@ -176,4 +161,5 @@ def check_unscale_and_clip___overflow(m):
 
 
 CHECKS = [check_DynamicLossScaler, check_DynamicLossScaler__random_patterns, check_DynamicLossScaler__top_of_range,
-          check_unscale_and_clip_, check_unscale_and_clip___eps, check_unscale_and_clip___overflow]
+          _contract.check_DynamicLossScaler__contract, check_unscale_and_clip_, check_unscale_and_clip___eps,
+          check_unscale_and_clip___overflow, *_contract.CHECKS[1:], *_variant.CHECKS]

@@ -29,7 +29,7 @@ import sys
 import textwrap
 import traceback
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from bp_mech import ROOT
@@ -287,7 +287,7 @@ def exit_code(lines: list[Line]) -> int:
     return 0 if lines and all(line.status == "PASS" for line in lines) else 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def sample_output(chapter: str) -> str:
     """What ``bp-mech check NN`` prints on the untouched stubs of ``exercises/``, after its command line
     (a chapter prints it at build time)."""

@@ -274,14 +274,17 @@ class Attribution:
         return d if changes else {k: v for k, v in d.items() if k != "changes"}
 
 
-def attribution(remedy: Remedy, rows: dict[str, dict[str, int]], w, device) -> Attribution:
+def attribution(remedy: Remedy, rows: dict, w, device) -> Attribution:
     """The ``Attribution`` of ``remedy`` on the measured plain ledger ``rows``."""
     change = line_changes(remedy, rows, w, device)
     point = peak_point(rows)
-    after = {p: {c: rows[p][c] + change.get(p, {}).get(c, 0) for c in CLASSES} for p in rows}
-    saving = predicted_saving(rows, change)
-    return Attribution(remedy.name, remedy.line, CLASS_LABELS[remedy.line], rows[point][remedy.line], point, saving,
-                       -sum(change.get(point, {}).values()), sum(rows[point].values()) - saving, peak_point(after),
+    after = {p: {c: rows[p][c] + change.get(p, {}).get(c, 0) for c in CLASSES}
+             for p in rows}
+    saving = predicted_saving(rows, change)  # the peak taken again, over every stage
+    naive = -sum(change.get(point, {}).values())  # as if the peak stayed at `point`
+    return Attribution(remedy.name, remedy.line, CLASS_LABELS[remedy.line],
+                       rows[point][remedy.line], point, saving, naive,
+                       sum(rows[point].values()) - saving, peak_point(after),
                        remedy.how, change)
 
 

@@ -131,9 +131,10 @@ def live_by_category(events, categories: dict
 
 
 def timeline_events(mp, device) -> tuple[list[tuple], dict]:
-    """The memory profiler's timeline on ``device`` as ``live_by_category``'s input: events with the
-    action's name in lower case, and the category (lower case, ``unknown`` where it has none) of
-    every (storage, version) they touch. A destroyed storage's size is positive here."""
+    """The memory profiler's timeline on ``device`` as ``live_by_category``'s input:
+    events with the action's name in lower case, and the category (lower case,
+    ``unknown`` where it has none) of every (storage, version) they touch. A destroyed
+    storage's size is positive here."""
     from torch.profiler._memory_profiler import TensorKey
 
     dev = torch.device(device).type

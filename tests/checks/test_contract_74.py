@@ -1,0 +1,273 @@
+"""Part 02 · 74: every property the checks hold a solution to rejects a solution that breaks exactly it.
+
+Each mutant is the answer with one mistake (``conftest.mutant``); the classic mistakes of the first three
+exercises are in ``tests/projects/test_profiling.py``.
+"""
+
+import numpy as np
+import pytest
+from conftest import load_solution, mutant
+
+from bp_mech import ROOT
+from bp_mech.checks import ex74, ex74_variant
+from bp_mech.projects import diagnosis, step_profile
+
+EX = "ex74_profiling"
+ANSWER = load_solution(ROOT / "answers", EX)
+saving, rule, replay = diagnosis.predicted_saving, diagnosis.chunked_loss_changes, step_profile.live_by_category
+self_time, predict = ANSWER.self_time_by_name, ANSWER.predict_logits_line_saving
+
+
+# --- predicted_saving -----------------------------------------------------------------------------------
+
+def _applies_in_place(stages, change):  # the remedy written into the caller's ledger
+    out = saving(stages, change)
+    for s, ch in change.items():
+        for c, v in ch.items():
+            stages[s][c] = stages[s].get(c, 0) + v
+    return out
+
+
+def _by_position(stages, change):  # walks both dicts in step: right only in the order they were given
+    it = iter(change.items())
+    cur, after = next(it, None), []
+    for s, row in stages.items():
+        add = 0
+        if cur is not None and cur[0] == s:
+            add, cur = sum(cur[1].values()), next(it, None)
+        after.append(sum(row.values()) + add)
+    return max(sum(r.values()) for r in stages.values()) - max(after)
+
+
+def _row_classes_only(stages, change):  # a class the change adds to a row is dropped
+    return saving(stages, {s: {c: v for c, v in ch.items() if c in stages[s]} for s, ch in change.items()})
+
+
+def _empty_is_zero(stages, change):  # max(..., default=0): an empty ledger "saves" 0
+    return saving(stages, change) if stages else 0
+
+
+PREDICTED = [
+    ("modifies-stages", _applies_in_place, "stages was modified in place"),
+    ("float", lambda s, c: float(saving(s, c)), "the saving is a float, expected an int"),
+    ("numpy-int", lambda s, c: np.int64(saving(s, c)), "the saving is an int64, expected an int"),
+    ("order", _by_position, "in reverse order"),
+    ("added-class-dropped", _row_classes_only, "a class the change adds counts"),
+    ("empty-ledger-zero", _empty_is_zero, "for an empty ledger .no peak., expected ValueError"),
+]
+
+
+@pytest.mark.parametrize("name, f, message", PREDICTED, ids=[p[0] for p in PREDICTED])
+def test_predicted_saving_contract_rejects(name, f, message):
+    with pytest.raises(AssertionError, match=message):
+        ex74.check_predicted_saving__contract(mutant(EX, predicted_saving=f))
+
+
+# --- chunked_loss_changes -------------------------------------------------------------------------------
+
+def _writes_rows(rows, n, V, C, chunk):  # the new line written into the caller's ledger
+    out = rule(rows, n, V, C, chunk)
+    for p, ch in out.items():
+        rows[p]["logits_loss"] += ch["logits_loss"]
+    return out
+
+
+def _always_dw(rows, n, V, C, chunk):  # dW booked at the backward's peak even where nothing shrinks
+    out = rule(rows, n, V, C, chunk)
+    if "backward_peak" in out:
+        out["backward_peak"].setdefault("gradients", 0)
+    return out
+
+
+def _nonzero_points(rows, n, V, C, chunk):  # points with no change left out
+    return {p: ch for p, ch in rule(rows, n, V, C, chunk).items() if any(ch.values())}
+
+
+CHUNKED = [
+    ("modifies-rows", _writes_rows, "rows was modified in place"),
+    ("float", lambda *a: {p: {k: float(v) for k, v in ch.items()} for p, ch in rule(*a).items()}, "expected an int"),
+    ("numpy-int", lambda *a: {p: {k: np.int64(v) for k, v in ch.items()} for p, ch in rule(*a).items()},
+     "expected an int"),
+    ("dW-where-nothing-shrinks", _always_dw, "expected exactly"),
+    ("every-class", lambda rows, *a: {p: {**dict.fromkeys(rows[p], 0), **ch} for p, ch in rule(rows, *a).items()},
+     "expected exactly"),
+    ("points-left-out", _nonzero_points, "expected every point of rows and no other"),
+    ("needs-every-class", lambda rows, *a: (sum(rows[p]["gradients"] for p in rows), rule(rows, *a))[1],
+     "raised KeyError"),
+]
+
+
+@pytest.mark.parametrize("name, f, message", CHUNKED, ids=[p[0] for p in CHUNKED])
+def test_chunked_loss_changes_contract_rejects(name, f, message):
+    with pytest.raises(AssertionError, match=message):
+        ex74.check_chunked_loss_changes__contract(mutant(EX, chunked_loss_changes=f))
+
+
+# --- live_by_category -----------------------------------------------------------------------------------
+
+def _fills_categories(events, categories):  # a missing version written into the caller's dict
+    for _, _, key, version, _ in events:
+        for v in (version, version + 1):
+            categories.setdefault((key, v), "unknown")
+    return replay(events, categories)
+
+
+def _consumes_events(events, categories):  # the caller's list used as a queue
+    out = replay(list(events), categories)
+    while events:
+        events.pop(0)
+    return out
+
+
+def _shared_states(events, categories):  # an unchanged state appended as the same dict object
+    times, states = replay(events, categories)
+    for i in range(1, len(states)):
+        if states[i] == states[i - 1]:
+            states[i] = states[i - 1]
+    return times, states
+
+
+def _float_bytes(events, categories):
+    times, states = replay(events, categories)
+    return times, [{c: float(v) for c, v in s.items()} for s in states]
+
+
+def _first_time(events, categories):  # events[0] read before the loop: no events crash
+    events[0][0]
+    return replay(events, categories)
+
+
+def _unknown_ignored(events, categories):  # an action it does not know is skipped, not reported
+    return replay([e for e in events if e[1] in ("preexisting", "create", "increment_version", "destroy")],
+                  categories)
+
+
+def _version_kept(events, categories):  # an in-place write adds the new version, keeps the old
+    return replay([e if e[1] != "increment_version" else (e[0], "create", e[2], e[3] + 1, e[4]) for e in events],
+                  categories)
+
+
+LIVE = [
+    ("modifies-categories", _fills_categories, "categories was modified in place"),
+    ("consumes-events", _consumes_events, "events was modified in place"),
+    ("shared-states", _shared_states, "two states are one dict object"),
+    ("float-bytes", _float_bytes, "expected an int"),
+    ("list-not-tuple", lambda e, c: list(replay(e, c)), "expected (a|the) tuple"),
+    ("empty-crashes", _first_time, "raised IndexError at no events"),
+    ("unknown-action-ignored", _unknown_ignored, "expected ValueError"),
+    ("increment-keeps-old-version", _version_kept, "the storages alive then"),
+]
+
+
+@pytest.mark.parametrize("name, f, message", LIVE, ids=[p[0] for p in LIVE])
+def test_live_by_category_contract_rejects(name, f, message):
+    with pytest.raises(AssertionError, match=message):
+        ex74.check_live_by_category__contract(mutant(EX, live_by_category=f))
+
+
+# --- self_time_by_name (variant) ------------------------------------------------------------------------
+
+def _total_time(intervals):  # inclusive time: the children not subtracted
+    out = {}
+    for name, _, s, e in intervals:
+        out[name] = out.get(name, 0.0) + float(e - s)
+    return out
+
+
+def _all_descendants(intervals):  # every contained interval subtracted, grandchildren twice
+    out = {name: 0.0 for name, _, _, _ in intervals}
+    for i, (name, th, s, e) in enumerate(intervals):
+        inner = sum(e2 - s2 for j, (_, th2, s2, e2) in enumerate(intervals)
+                    if j != i and th2 == th and s <= s2 and e2 <= e and s2 < e and (s2, e2) != (s, e))
+        out[name] += float(e - s - inner)
+    return out
+
+
+def _one_thread(intervals):  # nesting read across threads
+    return self_time([(n, 0, s, e) for n, _, s, e in intervals])
+
+
+def _sorts_in_place(intervals):
+    intervals.sort(key=lambda iv: (iv[2], -iv[3]))
+    return self_time(intervals)
+
+
+def _no_sort(intervals):
+    out, by = {n: 0.0 for n, _, _, _ in intervals}, {}
+    for iv in intervals:
+        by.setdefault(iv[1], []).append(iv)
+    for ivs in by.values():
+        stack = []
+        for name, _, s, e in ivs:
+            while stack and (s >= stack[-1][1] or e > stack[-1][1]):
+                done = stack.pop()
+                out[done[0]] += done[2]
+            if stack:
+                stack[-1][2] -= e - s
+            stack.append([name, e, float(e - s)])
+        for name, _, own in stack:
+            out[name] += own
+    return out
+
+
+def _empty_crashes(intervals):
+    min(iv[2] for iv in intervals)
+    return self_time(intervals)
+
+
+SELF = [
+    (ex74_variant.check_self_time_by_name__brute_force, "total-time", _total_time, "the brute force"),
+    (ex74_variant.check_self_time_by_name__brute_force, "all-descendants", _all_descendants, "the brute force"),
+    (ex74_variant.check_self_time_by_name__brute_force, "threads-ignored", _one_thread, "the brute force"),
+    (ex74_variant.check_self_time_by_name__brute_force, "zero-names-dropped",
+     lambda ivs: {k: v for k, v in self_time(ivs).items() if v}, "expected every name"),
+    (ex74_variant.check_self_time_by_name__profiled_step, "total-time-toy", _total_time, "for the intervals"),
+    (ex74_variant.check_self_time_by_name__profiled_step, "whole-microseconds",
+     lambda ivs: self_time([(n, th, float(round(s)), float(round(e))) for n, th, s, e in ivs]), "key_averages"),
+    (ex74_variant.check_self_time_by_name__contract, "sorts-in-place", _sorts_in_place,
+     "intervals was modified in place"),
+    (ex74_variant.check_self_time_by_name__contract, "assumes-sorted", _no_sort, "depends on the order"),
+    (ex74_variant.check_self_time_by_name__contract, "numpy-float",
+     lambda ivs: {k: np.float64(v) for k, v in self_time(ivs).items()}, "expected a float"),
+    (ex74_variant.check_self_time_by_name__contract, "empty-crashes", _empty_crashes, "raised ValueError at no"),
+]
+
+
+@pytest.mark.parametrize("check, name, f, message", SELF, ids=[p[1] for p in SELF])
+def test_self_time_by_name_checks_reject(check, name, f, message):
+    with pytest.raises(AssertionError, match=message):
+        check(mutant(EX, self_time_by_name=f))
+
+
+def test_the_unsorted_walk_passes_on_the_given_order():
+    """The order property is the only one the assumes-sorted mutant breaks."""
+    ex74_variant.check_self_time_by_name__brute_force(mutant(EX, self_time_by_name=_no_sort))
+
+
+# --- predict_logits_line_saving (predict, then measure) -------------------------------------------------
+
+def _formula(**kw):
+    def f(n, V, C, chunk):
+        c = chunk if kw.get("no_min") else min(chunk, n)
+        k = 1 if kw.get("k1") or c >= n else 2
+        plain = (16 if kw.get("logits_too") else 12) * n * V
+        dh = 0 if kw.get("no_dh") else 4 * n * C
+        return plain - (12 * n + dh + max(k * 4 * c * V, 4 * c * V + 4 * V * C))
+    return f
+
+
+PREDICT = [
+    (ex74_variant.check_predict_logits_line_saving, "one-chunk-alive", _formula(k1=True), "the measured steps"),
+    (ex74_variant.check_predict_logits_line_saving, "logits-counted", _formula(logits_too=True), "the measured steps"),
+    (ex74_variant.check_predict_logits_line_saving, "no-dh", _formula(no_dh=True), "the measured steps"),
+    (ex74_variant.check_predict_logits_line_saving__contract, "chunk-not-capped", _formula(no_min=True),
+     "the chapter's formulas give"),
+    (ex74_variant.check_predict_logits_line_saving__contract, "float", lambda *a: float(predict(*a)),
+     "expected an int"),
+]
+
+
+@pytest.mark.parametrize("check, name, f, message", PREDICT, ids=[p[1] for p in PREDICT])
+def test_predict_logits_line_saving_checks_reject(check, name, f, message):
+    with pytest.raises(AssertionError, match=message):
+        check(mutant(EX, predict_logits_line_saving=f))
