@@ -159,7 +159,8 @@ def predict_recovery_step(overflows: int, growth_interval: int,
     0, 1, ..., ``overflows`` - 1 overflow; every later step is finite. After which
     step's update is the scale back at S0 (or above) for the first time? Work it out
     from the update rule, with pencil and paper: how many backoffs, how many growths
-    undo them, and how many finite steps each growth takes. The check runs a real GradScaler.
+    undo them, and how many finite steps each growth takes. The check runs a real
+    GradScaler.
 
     Args:
         overflows: the number k >= 1 of overflow steps in a row at the start.

@@ -157,7 +157,8 @@ def _tiles(T: int, block: int):
 
 
 def blockwise_forward(q, k, v, block: int, scale=None):
-    """O and L = logsumexp of each score row, one (block × block) tile at a time (online softmax).
+    """O and L = logsumexp of each score row, one (block × block) tile at a time
+    (online softmax).
 
     Args:
         q, k, v: queries, keys, values (..., T, d), one KV head per query head.
@@ -169,7 +170,8 @@ def blockwise_forward(q, k, v, block: int, scale=None):
     Example:
         >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64,
         ...                       generator=torch.Generator().manual_seed(0))
-        >>> (O, L), (O_ref, _, L_ref) = blockwise_forward(q, k, v, block=2), attention_forward(q, k, v)
+        >>> O, L = blockwise_forward(q, k, v, block=2)
+        >>> O_ref, _, L_ref = attention_forward(q, k, v)
         >>> torch.allclose(O, O_ref), torch.allclose(L, L_ref)
         (True, True)
     """
@@ -181,13 +183,14 @@ def blockwise_forward(q, k, v, block: int, scale=None):
         m = q.new_full(qi.shape[:-1], float("-inf"))  # running row max   (..., b)
         l = q.new_zeros(qi.shape[:-1])  # running sum of exp(s − m)        (..., b)
         acc = torch.zeros_like(qi)  # running (unnormalised) output        (..., b, d)
-        for j0, j1 in _tiles(min(T, i1), block):  # key tiles past the query tile are fully masked
+        for j0, j1 in _tiles(min(T, i1), block):  # later key tiles: fully masked
             s = (qi @ k[..., j0:j1, :].transpose(-2, -1)) * scale  # (..., b, b)
             s = s.masked_fill(~causal_mask(i1 - i0, j1 - j0, i0, j0, q.device),
                               float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p, c = torch.exp(s - m_new[..., None]), torch.exp(m - m_new)
-            l, acc, m = l * c + p.sum(-1), acc * c[..., None] + p @ v[..., j0:j1, :], m_new
+            l, m = l * c + p.sum(-1), m_new
+            acc = acc * c[..., None] + p @ v[..., j0:j1, :]
         o[..., i0:i1, :] = acc / l[..., None]
         lse[..., i0:i1] = m + torch.log(l)
     return o, lse

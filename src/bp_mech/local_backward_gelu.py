@@ -28,7 +28,7 @@ def gelu_forward(x):
 
 
 def gelu_backward(x, dy):
-    """The local backward of exact GELU: dy/dx = Phi(x) + x phi(x), phi the standard normal pdf.
+    """The local backward of exact GELU: dy/dx = Phi(x) + x phi(x), phi the normal pdf.
 
     Args:
         x: what ``gelu_forward`` received (any shape); dy: dL/dy, shaped like ``x``.
@@ -36,7 +36,8 @@ def gelu_backward(x, dy):
         dL/dx = dy (Phi(x) + x phi(x)), shaped like ``x``.
     Example:
         >>> x = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
-        >>> dy = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64); gelu_forward(x).backward(dy)
+        >>> dy = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        >>> gelu_forward(x).backward(dy)
         >>> torch.allclose(gelu_backward(x.detach(), dy), x.grad)
         True
     """

@@ -115,7 +115,7 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
         cfg: the schedule.
 
     Returns:
-        The learning rate of update ``update`` (a Python float); ValueError if update < 0.
+        The learning rate of update ``update``, a Python float; ValueError if < 0.
 
     Example:
         >>> wsd_lr(1, WSDConfig(base_lr=0.5, warmup=2))
@@ -192,9 +192,10 @@ class UpdateClock:
         return {"updates": self.updates, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s counts; ValueError (clock unchanged) on a bad one."""
-        if not all(type(state.get(k)) is int and state[k] >= 0 for k in ("updates", "skipped")):
-            raise ValueError(f"need non-negative int updates and skipped, got {state!r}")
+        """Restore ``state_dict()``'s counts; ValueError (clock unchanged) if bad."""
+        keys = ("updates", "skipped")
+        if not all(type(state.get(k)) is int and state[k] >= 0 for k in keys):
+            raise ValueError(f"need non-negative int {keys}, got {state!r}")
         self.updates, self.skipped = state["updates"], state["skipped"]
         self._apply()
 

@@ -45,7 +45,8 @@ __all__ = ["FORMAT", "FILES", "LATEST", "IDENTITY", "FIELDS", "TrainingStateErro
 # --- in memory --------------------------------------------------------------------------
 
 def clock_state(clock) -> dict:
-    """The update clock's state (``scheduler.UpdateClock`` has no ``state_dict``): applied and skipped updates.
+    """The update clock's counts, applied and skipped updates (what
+    ``UpdateClock.state_dict`` holds).
 
     Args:
         clock: a ``scheduler.UpdateClock``; its learning rate follows from ``updates``.

@@ -123,3 +123,23 @@ def test_every_included_object_exists(page):
                 found = [n for n in getattr(node, "body", []) if getattr(n, "name", None) == part]
                 assert found, f"{page.name}: {m.group(1)} defines no {obj}"
                 node = found[0]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_included_objects_fit_the_code_box(page):
+    """The browser test's ``long_code_lines`` for every ``:pyobject:`` include, in a second, not after a build."""
+    from browser_text import MAX_CODE_LINE
+
+    text, long = page.read_text(encoding="utf-8"), []
+    for m in re.finditer(r"^```\{literalinclude\}\s*(\S+)\n((?::[\w-]+:.*\n)*)", text, re.M):
+        obj = dict(re.findall(r"^:([\w-]+):[ \t]*(.*)$", m.group(2), re.M)).get("pyobject")
+        if not obj:
+            continue
+        source = (page.parent / m.group(1)).resolve().read_text(encoding="utf-8")
+        node = ast.parse(source)
+        for part in obj.split("."):
+            node = next(n for n in node.body if getattr(n, "name", None) == part)
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        long += [f"{obj}: {len(line.rstrip())} columns" for line in source.splitlines()[first - 1: node.end_lineno]
+                 if len(line.rstrip()) > MAX_CODE_LINE]
+    assert not long, f"{page.name} shows lines longer than {MAX_CODE_LINE} columns: {long}"

@@ -67,15 +67,17 @@ def loss_divisor(local_counts: Sequence[torch.Tensor], world_size: int,
     return all_reduce(n_local) / world_size
 
 
-def per_rank_divisor(local_counts: Sequence[torch.Tensor], world_size: int, all_reduce: AllReduce) -> torch.Tensor:
-    """The bug: this rank's own target count (a per-rank token mean); equal to ``loss_divisor``
-    only when every rank holds N / P target tokens."""
+def per_rank_divisor(local_counts: Sequence[torch.Tensor], world_size: int,
+                     all_reduce: AllReduce) -> torch.Tensor:
+    """The bug: this rank's own target count (a per-rank token mean); equal to
+    ``loss_divisor`` only when every rank holds N / P target tokens."""
     return torch.stack([torch.as_tensor(c) for c in local_counts]).sum().float()
 
 
 class ThreadAllReduce:
-    """A sum all-reduce among ``world_size`` threads (one per simulated rank): ``group.op(rank)`` is
-    rank ``rank``'s ``all_reduce``; each call blocks until every rank has made its own."""
+    """A sum all-reduce among ``world_size`` threads (one per simulated rank):
+    ``group.op(rank)`` is rank ``rank``'s ``all_reduce``; each call blocks until every
+    rank has made its own."""
 
     def __init__(self, world_size: int, timeout_s: float = 30.0) -> None:
         self.slots: list[torch.Tensor | None] = [None] * world_size
