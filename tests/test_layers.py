@@ -9,7 +9,8 @@ from pathlib import Path
 import bp_mech
 
 SRC = Path(bp_mech.__file__).parent
-INSTRUMENTS = {"bench.workload", "bench.tracking", "bench.counters"}  # what the mechanisms measure with
+# what the mechanisms measure with, and where they find a model's parts (bench.anatomy)
+INSTRUMENTS = {"bench.workload", "bench.tracking", "bench.counters", "bench.anatomy"}
 # lowest first; a module may import its own layer and the ones before it
 LAYERS = ["package", "instruments", "mechanisms", "bench", "records", "experiments", "planner", "projects", "book",
           "checks", "cli"]

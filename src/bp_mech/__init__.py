@@ -28,8 +28,13 @@ the mechanisms measure with (``bench.workload``, ``bench.tracking``, ``bench.cou
 mechanisms, the rest of the bench, records, experiments, planner, projects, book, checks, cli.
 """
 
+import logging
 from pathlib import Path
 
 __version__ = "0.1.0"
+# bitsandbytes (bp-mech plan's 8-bit AdamW; Transformers imports it wherever it is installed) warns on import
+# on any machine without its optional CPU kernels package, which nothing here uses: drop that one line
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "kernels-community" not in record.getMessage())
 ROOT = Path(__file__).resolve().parents[2]  # the repository this source tree sits in (src layout)
 RESULTS_DIR = ROOT / "book" / "results"  # the cached run records the book shows

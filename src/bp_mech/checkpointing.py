@@ -29,6 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
+from bp_mech.bench import anatomy
 from bp_mech.checkpointing_native import (  # noqa: F401  (re-exported)
     _Checkpointed, checkpoint_mlp, enable_native, native_checkpointing)
 
@@ -172,6 +173,37 @@ class CheckpointedBlock(nn.Module):
 EVERY_N_LAYERS = {"checkpoint-all": 1, "checkpoint-every2": 2}
 # what ``configure`` accepts
 CONFIGURATIONS = ("plain", "checkpoint-all", "checkpoint-every2", "checkpoint-mlp")
+
+
+def unsupported(model, candidate: str) -> str | None:
+    """Why configuration ``candidate`` cannot be applied to ``model``, or None when it can.
+
+    Transformers' checkpointing needs a model that supports it (``supports_gradient_checkpointing``);
+    ``checkpoint-mlp`` needs an MLP child in each decoder block (``bench.anatomy.mlp_name``: OPT's
+    ``fc1``/``fc2`` sit on the block itself).
+
+    Args:
+        model: a Transformers causal LM.
+        candidate: one of ``CONFIGURATIONS``.
+
+    Returns:
+        The reason, one line, or None.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> unsupported(build_model(parse_workload("tiny-b1s8")), "checkpoint-mlp") is None
+        True
+    """
+    if candidate in EVERY_N_LAYERS and not getattr(model, "supports_gradient_checkpointing", False):
+        return f"{type(model).__name__} does not support gradient checkpointing in Transformers"
+    if candidate == "checkpoint-mlp":
+        try:
+            blocks = anatomy.decoder_blocks(model)
+        except ValueError as e:
+            return str(e)
+        if anatomy.mlp_name(blocks[0]) is None:
+            return f"{type(blocks[0]).__name__} has no MLP child to checkpoint"
+    return None
 
 
 def configure(model, candidate: str):

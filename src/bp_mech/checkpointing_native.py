@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bp_mech.bench import anatomy
+
 
 class _Checkpointed(nn.Module):
     """Runs ``inner`` under ``torch.utils.checkpoint`` (non-reentrant) in training."""
@@ -37,7 +39,8 @@ class _Checkpointed(nn.Module):
 def checkpoint_mlp(model):
     """Selective checkpointing: only each decoder layer's MLP is recomputed in backward.
 
-    Each ``model.model.layers[i].mlp`` is wrapped in ``torch.utils.checkpoint``
+    Each decoder block's MLP (``bench.anatomy``; ``model.model.layers[i].mlp`` in
+    Qwen2) is wrapped in ``torch.utils.checkpoint``
     (non-reentrant, while the model trains) inside the ``with`` block, unwrapped after.
 
     Args:
@@ -56,14 +59,18 @@ def checkpoint_mlp(model):
         >>> type(model.model.layers[0].mlp).__name__
         'Qwen2MLP'
     """
-    layers = model.model.layers
+    layers = anatomy.decoder_blocks(model)
+    name = anatomy.mlp_name(layers[0])
+    if name is None:
+        raise ValueError(f"{type(layers[0]).__name__} has no MLP child "
+                         f"({', '.join(anatomy.MLP_NAMES)}) to checkpoint")
     for layer in layers:
-        layer.mlp = _Checkpointed(layer.mlp)
+        setattr(layer, name, _Checkpointed(getattr(layer, name)))
     try:
         yield model
     finally:
         for layer in layers:
-            layer.mlp = layer.mlp.inner
+            setattr(layer, name, getattr(layer, name).inner)
 
 
 def enable_native(model, every_n_layers: int = 1) -> None:
@@ -95,7 +102,7 @@ def enable_native(model, every_n_layers: int = 1) -> None:
         kwargs["every_n_layers"] = every_n_layers
     model.gradient_checkpointing_enable(**kwargs)
     if "every_n_layers" not in params:  # older Transformers: the same flags, by hand
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(anatomy.decoder_blocks(model)):
             layer.gradient_checkpointing = i % every_n_layers == 0
 
 

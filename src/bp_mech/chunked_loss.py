@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bp_mech.bench import anatomy
+
 IGNORE = -100  # label of a position that is not a target (padding), as in Transformers
 DEFAULT_CHUNK = 256  # tokens per chunk: qwen05's (256, 151936) float32 logits are 156 MB
 
@@ -137,7 +139,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 valid = t != IGNORE
                 dz[torch.arange(len(t), device=dz.device), t.clamp(min=0)] -= 1.0  # - onehot(y)
                 dz.mul_((valid * grad_total)[:, None])  # padding sends nothing back
-                dzl = dz if ctx.low is None else dz.to(ctx.low)
+                dzl = dz.to(w.dtype)  # the matmuls' dtype: autocast's, or half weights' own (no copy in float32)
                 if dh is not None:
                     dh[s:s + ctx.chunk] = dzl @ w  # (n, C)
                 if dw is not None:
@@ -232,23 +234,69 @@ class ChunkedHead(nn.Module):
 def _forward(model, head: ChunkedHead):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    trunk = anatomy.trunk(model)
+
     def forward(input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
         if labels is None:
             raise ValueError("under the chunked loss the model computes its loss only: pass labels")
-        hidden = model.model(input_ids=input_ids, **kwargs).last_hidden_state  # (B, T, C)
+        hidden = trunk(input_ids=input_ids, **kwargs).last_hidden_state  # (B, T, C)
         return CausalLMOutputWithPast(loss=head(hidden, labels, num_items_in_batch), logits=None)
     return forward
 
 
 @contextlib.contextmanager
 def _chunked(model, chunk: int):
-    head = ChunkedHead(model.lm_head, chunk)
-    model.lm_head, model.forward = head, _forward(model, head)  # (a tied weight stays the same Parameter)
+    head = ChunkedHead(anatomy.output_head(model), chunk)
+    model.set_output_embeddings(head)  # (a tied weight stays the same Parameter)
+    model.forward = _forward(model, head)
     try:
         yield model
     finally:
-        model.lm_head = head.linear
+        model.set_output_embeddings(head.linear)
         del model.forward  # the class's forward again
+
+
+# config fields of a model whose loss is not the cross-entropy of its head's plain logits
+_HEAD_CHANGES = {"final_logit_softcapping": "soft-caps its logits (final_logit_softcapping)",
+                 "logit_scale": "scales its logits (logit_scale)",
+                 "output_router_logits": "adds its router's auxiliary loss (output_router_logits)"}
+
+
+def unsupported(model) -> str | None:
+    """Why the chunked loss cannot stand in for ``model``'s loss, or None when it can.
+
+    It computes the cross-entropy of ``h W^T`` with ``h`` the trunk's last hidden states
+    (``anatomy.trunk``) and ``W`` the output head's weight (``anatomy.output_head``): a model that
+    soft-caps or scales its logits, adds an auxiliary loss, or has a head with a bias or no single
+    weight trains on another loss.
+
+    Args:
+        model: a Transformers causal LM.
+
+    Returns:
+        The reason, one line, or None.
+
+    Example:
+        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> unsupported(build_model(parse_workload("tiny-b1s8"))) is None
+        True
+    """
+    cfg = model.config.get_text_config()
+    for field, why in _HEAD_CHANGES.items():
+        if getattr(cfg, field, None):
+            return f"this model {why}; the chunked loss computes plain logits"
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        return f"this model divides its logits by logits_scaling={scaling}; the chunked loss computes plain logits"
+    try:
+        head = anatomy.output_head(model)
+    except ValueError as e:
+        return str(e)
+    if not isinstance(head, nn.Linear):
+        return f"its output head is a {type(head).__name__}, not one Linear"
+    if head.bias is not None:
+        return "its output head has a bias; the chunked loss supports an lm_head without bias"
+    return None
 
 
 def chunked(model, chunk: int | None = DEFAULT_CHUNK):
@@ -259,14 +307,15 @@ def chunked(model, chunk: int | None = DEFAULT_CHUNK):
     ``logits`` is None); after it, the model is as before. ``chunk=None``: off, ``nullcontext(model)``.
 
     Args:
-        model: a Transformers causal LM with ``model.model`` and ``lm_head`` (no bias, no logit soft-capping).
+        model: a Transformers causal LM whose loss is the cross-entropy of its head's plain logits
+            (``unsupported(model)`` is None).
         chunk: tokens per chunk (>= 1), or None for off.
 
     Returns:
         A context manager whose ``with`` value is ``model`` itself.
 
     Raises:
-        ValueError: ``chunk`` < 1, or a model that soft-caps its logits.
+        ValueError: ``chunk`` < 1, or a model whose loss it cannot stand in for (``unsupported``).
 
     Example:
         >>> from bp_mech.bench.workload import build_model, parse_workload
@@ -280,6 +329,7 @@ def chunked(model, chunk: int | None = DEFAULT_CHUNK):
         return contextlib.nullcontext(model)
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    if getattr(getattr(model, "config", None), "final_logit_softcapping", None):
-        raise ValueError("the chunked loss computes plain logits; this model soft-caps them (final_logit_softcapping)")
+    why = unsupported(model)
+    if why:
+        raise ValueError(why)
     return _chunked(model, chunk)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bp_mech import RESULTS_DIR, ROOT
-from bp_mech.bench.step import ADAMW_IMPLS
+from bp_mech.bench.step import ADAMW_IMPLS, OPTIMIZERS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.bench.workload import WorkloadError
 from bp_mech.experiments.runner import UsageError, options_of, progress_bar, run_one, run_suite, source_of
@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "printed all the same, with what would fit instead); 2 for bad input")
     pl.add_argument("--config", help="a Hugging Face causal-LM config.json (or its directory)")
     pl.add_argument("--workload", help="or a workload ID, e.g. qwen05-b2s512 (its batch and seq unless given)")
-    pl.add_argument("--batch", type=int, help="sequences per step")
-    pl.add_argument("--seq", type=int, help="tokens per sequence")
+    pl.add_argument("--batch", help="sequences per step, or max: per strategy the largest batch that fits")
+    pl.add_argument("--seq", help="tokens per sequence, or max: per strategy the largest sequence that fits")
     pl.add_argument("--budget", required=True, help="device memory, e.g. 8GiB, 80GB")
     pl.add_argument("--device-name", help="use cached GPU records of this device only (e.g. H200)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -155,8 +155,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan the hand-written loop whose outputs (the logits) stay alive through backward "
                          "(out = model(**batch); out.loss.backward()); default: dropped before it, as Trainer does")
     pl.add_argument("--optimizer-impl", choices=("default", *ADAMW_IMPLS), default="default",
-                    help="AdamW's implementation: default (what PyTorch picks on CUDA: foreach), foreach, fused, "
-                         "or for-loop (foreach=False, fused=False)")
+                    help="the optimizer's implementation: default (what PyTorch picks on CUDA: foreach), foreach, "
+                         "fused (AdamW, SGD), or for-loop (foreach=False, fused=False)")
+    # how the model is fine-tuned (bench.finetune) and with which optimizer
+    pl.add_argument("--dtype", choices=("float32", "bf16", "fp16"), default="float32",
+                    help="the weights' dtype, and so their gradients' and the optimizer state's: bf16 or fp16 without "
+                         "a float32 master copy (default float32)")
+    pl.add_argument("--freeze", metavar="PATTERN",
+                    help="freeze the parameters whose names match this regular expression (e.g. 'embed|layers\\.0\\.')")
+    pl.add_argument("--lora-rank", type=int, metavar="R", help="LoRA adapters of rank R through peft (the base frozen)")
+    pl.add_argument("--lora-targets", metavar="A,B,C",
+                    help="the modules LoRA adapts, e.g. q_proj,v_proj (default: peft's for the model type)")
+    pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                    help="adamw (default), sgd (momentum 0.9), adafactor (torch.optim.Adafactor) or adamw8bit "
+                         "(bitsandbytes' AdamW8bit)")
+    # several GPUs (planner.shard): rank 0's plan, traced in this process
+    pl.add_argument("--gpus", type=int, default=1, metavar="N", help="devices the step is spread over (default 1); "
+                    "--batch is then the batch per device")
+    pl.add_argument("--shard", choices=("fsdp2", "ddp"),
+                    help="with --gpus N: fully_shard on each decoder block and the root (fsdp2), or full replicas "
+                         "with gradient buckets (ddp)")
     pl.set_defaults(fn=cmd_plan)
     q = sub.add_parser("preflight", help="check a profile's environment")
     q.add_argument("--profile", required=True)

@@ -41,9 +41,11 @@ ALLOWED: dict[str, tuple[str, str]] = {  # what: (pattern, an example)
                              "qwen05-b2s512, tiny-b2s64, b2s512, the 0-update baseline"),
     "number format": (r"(?i:\b(?:fp|bf|float|bfloat|int|uint|tf)(?:8|16|32|64)\b)|\b(?:8|16|32|64)[- ]bits?\b",
                       "fp16, BF16, float32, TF32, 16-bit, 16 bits"),
-    "model name": (r"\bQwen2(?:\.5)?(?:-0\.5B)?\b|\b0\.5B\b", "Qwen2.5-0.5B, Qwen2, a 0.5B model"),
+    "model name": (r"\bQwen2(?:\.5)?(?:-0\.5B|-7B)?\b|\b0\.5B\b|\b7B\b|\bLlama-3-70B\b",
+                   "Qwen2.5-0.5B, Qwen2, a 0.5B model, Qwen2.5-7B, the 7B, Llama-3-70B"),
     "device name": (r"\bRTX \d{4}(?: Ti)?\b|\b[AHB]100\b|\bH200\b", "RTX 5070 Ti, H200"),
-    "technical term": (r"\b(?:[DH]2[DH]|P(?:50|95|99)|sha256|UTF-8)\b", "D2H and H2D, median and P95, sha256, UTF-8"),
+    "technical term": (r"\b(?:[DH]2[DH]|P(?:50|95|99)|sha256|UTF-8|FSDP2|ZeRO-[123])\b",
+                       "D2H and H2D, median and P95, sha256, UTF-8, FSDP2, ZeRO-3"),
 }
 ALLOWED_RE = re.compile("|".join(f"(?:{p})" for p, _ in ALLOWED.values()).replace(" ", r"\s+"))  # across line breaks
 DIGITS = re.compile(r"[^\s()\[\]{},;:\"'“”‘’*_]*\d[^\s()\[\]{},;:\"'“”‘’*_]*")  # a word with a digit in it

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bp_mech.bench.finetune import FineTune, apply as apply_finetune
+
 
 @dataclass(frozen=True)
 class ConfigWorkload:
@@ -23,6 +25,7 @@ class ConfigWorkload:
     seq: int  # tokens per sequence (T)
     dtype: str = "float32"  # master weights
     seed: int = 0  # random init and token ids (real runs)
+    finetune: FineTune | None = None  # frozen parameters or LoRA (``bench.finetune``); None: every parameter trains
 
 
 def build(w, device, fake: bool, dtype: str | None = None):
@@ -42,10 +45,15 @@ def build(w, device, fake: bool, dtype: str | None = None):
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(w.seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, w.dtype),
-                                                     attn_implementation="sdpa").train()
-            ids = torch.randint(0, min(256, config.vocab_size), (w.batch, w.seq), device=device)
+            # SDPA where the model supports it, else Transformers' fallback, eager (T x T scores)
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, w.dtype)).train()
+            vocab = config.get_text_config().vocab_size
+            ids = torch.randint(0, min(256, vocab), (w.batch, w.seq), device=device)
     finally:
         torch.set_default_dtype(prev)
+    with torch.random.fork_rng(devices=[]):  # (the adapters' init, from the workload's seed too)
+        torch.manual_seed(w.seed)
+        model = apply_finetune(model, getattr(w, "finetune", None))
     model.config.use_cache = False
+    model.config.get_text_config().use_cache = False
     return (model if fake else model.to(device)), {"input_ids": ids, "labels": ids.clone()}

@@ -1,7 +1,7 @@
 """What a training step does, counted rather than assumed: forward calls and saved tensors.
 
-* ``ForwardCounter`` counts forward calls of each decoder layer and of its attention and MLP with
-  module pre-hooks, which fire on every call, including the recompute ``torch.utils.checkpoint``
+* ``ForwardCounter`` counts forward calls of each decoder block and of its attention and MLP
+  (``bench.anatomy``) with module pre-hooks, which fire on every call, including the recompute ``torch.utils.checkpoint``
   runs in backward (Part 02 · 19);
 * ``SavedBytesCounter`` counts what autograd saves for backward with counting-only
   ``saved_tensors_hooks`` (Part 02 · 19 and 42).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from bp_mech.bench import anatomy
 
 
 class ForwardCounter:
@@ -23,11 +25,15 @@ class ForwardCounter:
     """
 
     def __init__(self, model):
-        layers = model.model.layers
-        # checkpoint_mlp's wrapper keeps the MLP as .inner
+        layers = anatomy.decoder_blocks(model)
+        # checkpoint_mlp's wrapper keeps the MLP as .inner; a block without attention
+        # counts none
         unwrap = lambda m: getattr(m, "inner", m)  # noqa: E731
-        self.modules = {"layer": list(layers), "attn": [l.self_attn for l in layers],
-                        "mlp": [unwrap(l.mlp) for l in layers]}
+        # (a block without an MLP child, like OPT's: its calls stand for the rest of the
+        # block beside attention)
+        self.modules = {"layer": list(layers),
+                        "attn": [anatomy.attention(b) for b in layers],
+                        "mlp": [unwrap(anatomy.mlp(b) or b) for b in layers]}
         # part -> calls per layer
         self.calls = {part: [0] * len(layers) for part in self.modules}
         self._handles = []
@@ -35,7 +41,9 @@ class ForwardCounter:
     def __enter__(self):
         for part, mods in self.modules.items():
             for i, m in enumerate(mods):
-                self._handles.append(m.register_forward_pre_hook(self._hook(part, i)))
+                if m is not None:
+                    hook = m.register_forward_pre_hook(self._hook(part, i))
+                    self._handles.append(hook)
         return self
 
     def _hook(self, part, i):

@@ -3,7 +3,7 @@
 ``LedgerObserver`` watches the one training step (``bench.step.train_step``) through its phases and
 fills a ``Ledger`` (``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and
 classified by the storage tracker (``bench.tracking.StorageTracker``): it opens the tracker's phases,
-marks the stages, names the logits/loss region (from ``lm_head`` on: under the chunked loss that is
+marks the stages, names the logits/loss region (from the output head on, ``anatomy.output_head``: under the chunked loss that is
 its ``ChunkedHead``) and the autograd nodes of that region, and promotes gradients and optimizer state
 as they appear.
 
@@ -22,10 +22,10 @@ from its config (``AutoModelForCausalLM.from_config``).
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import torch
 
+from bp_mech.bench import anatomy, fake_ops
 from bp_mech.bench.build import ConfigWorkload, build  # noqa: F401 (ConfigWorkload: lifecycle's name for it)
 from bp_mech.bench.counters import ForwardCounter
 from bp_mech.bench.cuda_autocast import cuda_policy
@@ -80,7 +80,8 @@ class LedgerObserver:
         def pre_hook(_mod, inputs):
             self.tr.region, self.lm_input_node = "loss", inputs[0].grad_fn
 
-        self.handles = [self.model.lm_head.register_forward_pre_hook(pre_hook)]
+        head = anatomy.output_head(self.model)
+        self.handles = [head.register_forward_pre_hook(pre_hook)]
         def relabel(p):
             self.tr.relabel(p.grad, "gradients")
 
@@ -141,40 +142,46 @@ class Session:
     """
 
     def __init__(self, w, device="cpu", fake: bool = False, options: StepOptions = StepOptions(),
-                 definition: StepDefinition = STEADY):
+                 definition: StepDefinition = STEADY, prepare=None, tracker=StorageTracker):
+        """``prepare``: None, or ``prepare(model) -> model`` applied (under the session's mode) right after the
+        model is built, before its optimizer is made (``planner.shard``: ``fully_shard`` or DDP). ``tracker``:
+        the storage tracker's class, called with the device for each step (``planner.shard.ShardTracker``
+        sees through DTensors and FSDP's storage resizes)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.fake, self.device = fake, torch.device("cpu" if fake else device)
         self.options, self.definition = options.for_device(self.device), definition
         self.mode = FakeTensorMode() if fake else None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}  # AdamW implementation -> its steady optimizer
+        self.tracker = tracker  # the storage tracker's class (StorageTracker's interface)
         with self.active():
             self.model, self.batch = build(w, self.device, fake, definition.weights)
+            self.model = self.model if prepare is None else prepare(self.model)
             self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.dtype = next(self.model.parameters()).dtype
         self.opt = self.optimizer(definition.adamw or self.options.adamw)
 
     def optimizer(self, impl: str):
-        """The session's AdamW of implementation ``impl``, made once; a fake one has its moments already
-        (one update on zero gradients: their shape does not depend on the gradients)."""
+        """The session's optimizer (``options.optimizer``: AdamW unless told otherwise) of implementation
+        ``impl``, made once over the parameters that train; a fake one has its state already (one update on
+        zero gradients: its shape does not depend on the gradients)."""
         if impl not in self.optimizers:
             with self.active():
                 opt = self.optimizers[impl] = make_optimizer(self.model.parameters(), self.options, self.device, impl)
-                if self.fake:
+                if self.fake:  # (frozen parameters get no gradient and no state)
                     for p in self.model.parameters():
-                        p.grad = torch.zeros_like(p)
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         return self.optimizers[impl]
 
     def active(self):
-        """The session's mode: ``FakeTensorMode`` (and the packed-sequence check off) when fake, else nothing."""
+        """The session's mode: ``FakeTensorMode`` and ``bench.fake_ops.patched()`` when fake, else nothing."""
         stack = contextlib.ExitStack()
         if self.fake:
-            from transformers import masking_utils
-
             stack.enter_context(self.mode)
-            stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+            stack.enter_context(fake_ops.patched())
         return stack
 
     def _uncached_hooks(self, hooks) -> None:
@@ -243,7 +250,7 @@ class Session:
             if resident and self.fake and d.keep_outputs:  # the last step's outputs, alive at the start
                 with ctx.micro_batches(batch) as micro, torch.no_grad(), ctx.forward():
                     held[:] = [model(**micro[-1])]  # (its loss's graph is gone, as after a backward)
-            tr = StorageTracker(device)
+            tr = self.tracker(device)
             for t in [*model.parameters(), *model.buffers()]:
                 tr.add(t, "parameters")
             tr.mark("load")
@@ -257,7 +264,8 @@ class Session:
                 loss = update([observe])
             finite = None if self.fake else bool(torch.isfinite(loss).all())
             attn, mlp = sum(calls.calls["attn"]), sum(calls.calls["mlp"])  # forwards of each, recomputes included
-            counts = Counts(recomputes=attn + mlp - 2 * s.micro_batches * len(calls.calls["attn"]), attn_calls=attn,
+            extra = sum(c - s.micro_batches for part in ("attn", "mlp") for c in calls.calls[part] if c)
+            counts = Counts(recomputes=extra, attn_calls=attn,
                             mlp_calls=mlp, d2h_bytes=ctx.d2h_bytes, h2d_bytes=ctx.h2d_bytes)
             scaled = ctx.scaler.is_enabled()
         snaps = {x: tr.marks[x][1] for x in ("load", "forward", "backward", "zero_grad")}

@@ -116,6 +116,13 @@ def parse(name: str) -> Strategy:
     return Strategy(**fields)
 
 
+def unsupported(model, s: Strategy) -> str | None:
+    """Why strategy ``s`` does not apply to ``model`` (its checkpointing or its chunked loss cannot be
+    applied: ``checkpointing.unsupported``, ``chunked_loss.unsupported``), or None when it does."""
+    why = checkpointing.unsupported(model, s.checkpoint) if s.checkpoint != "plain" else None
+    return why or (chunked_loss.unsupported(model) if s.chunked_loss is not None else None)
+
+
 PLAIN = Strategy()
 # One mechanism each (fp16 stands for 16-bit autocast: bf16 holds the same bytes; parse("bf16") has it).
 SINGLES = tuple(parse(n) for n in ("checkpoint-all", "checkpoint-every2", "checkpoint-mlp", "offload", "fp16",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bp_mech.bench import anatomy
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.strategy import PLAIN, Strategy
 
@@ -39,17 +40,33 @@ def forward_flops(session) -> Flops:
     """``Flops`` of the session's model on its batch (no_grad, fake tensors: no memory)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg, (B, T) = session.model.config, session.batch["input_ids"].shape
+    cfg, (B, T) = session.model.config.get_text_config(), session.batch["input_ids"].shape
     counter = FlopCounterMode(display=False)
     with session.active(), counter, torch.no_grad():
         session.model(input_ids=session.batch["input_ids"])
     counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    core = 2 * B * T * T * cfg.num_attention_heads * hd  # QK^T and PV, causal half (flash skips masked blocks)
-    part = lambda suffix: sum(v for k, v in counts.items() if k.endswith(suffix))  # noqa: E731
-    n = len(session.model.model.layers)
-    return Flops([part(f".layers.{i}.self_attn") + core for i in range(n)], [part(f".layers.{i}.mlp") for i in range(n)],
-                 part(".lm_head"), counter.get_total_flops() + n * core)
+    names = {m: n for n, m in session.model.named_modules()}
+    flops = lambda m: counts.get(f"{type(session.model).__name__}.{names[m]}", 0) if m is not None else 0  # noqa: E731
+    sdpa = session.model.config._attn_implementation == "sdpa"  # eager's matmuls are in the count already
+    blocks = anatomy.decoder_blocks(session.model)
+    cores = [sdpa_core(anatomy.attention(b), cfg, B, T) if sdpa else 0 for b in blocks]
+    attn = [flops(anatomy.attention(b)) + core for b, core in zip(blocks, cores)]
+    # the MLP, or the rest of a block without an MLP child (``counters.ForwardCounter`` counts it so)
+    mlp = [flops(anatomy.mlp(b)) if anatomy.mlp(b) is not None else flops(b) + core - a
+           for a, b, core in zip(attn, blocks, cores)]
+    return Flops(attn, mlp, flops(anatomy.output_head(session.model)), counter.get_total_flops() + sum(cores))
+
+
+def sdpa_core(attn, cfg, B: int, T: int) -> int:
+    """SDPA's causal core of one attention module, which the FLOP counter does not see on the CPU: QK^T and
+    PV, 2 B T^2 H d_head (the causal half of 4 B T^2 H d_head: flash attention skips masked blocks); 0 for
+    a block without attention (a state-space mixer). Heads and head size from the module where it keeps
+    them (per-layer head sizes), else from the config."""
+    if attn is None:
+        return 0
+    heads = getattr(attn, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+    hd = getattr(attn, "head_dim", None) or (heads and getattr(cfg, "hidden_size", 0) // heads)
+    return 2 * B * T * T * heads * hd if heads and hd else 0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import torch
 
 from bp_mech.bench.workload import WorkloadError
 
-FAMILIES = ("qwen2", "llama", "mistral", "phi3", "gemma")  # model types validated against tracked-CPU peaks
+# model types validated against tracked-CPU peaks at tiny size (tests/planner/test_plan.py)
+FAMILIES = ("qwen2", "llama", "mistral", "phi3", "gemma", "gpt_neox", "bloom", "mixtral", "gpt2", "opt", "falcon")
 GiB = 2**30
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,17 +62,22 @@ def load_config(path) -> object:
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read config {p}: {e}") from None
     kind = d.pop("model_type", None)
+    from transformers import CONFIG_MAPPING
+
+    if kind not in CONFIG_MAPPING:
+        raise PlanError(f"unknown architecture {kind!r} in {p}: Transformers {transformers_version()} has no config "
+                        f"class for it; validated families: {', '.join(FAMILIES)}")
     try:
         return AutoConfig.for_model(kind, **d)
-    except (ValueError, KeyError, TypeError):
-        raise PlanError(f"unknown architecture {kind!r} in {p}: Transformers {transformers_version()} has no config "
-                        f"class for it; validated families: {', '.join(FAMILIES)}") from None
+    except Exception as e:  # noqa: BLE001 (Transformers' config classes raise many kinds; all mean "cannot read it")
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise PlanError(f"cannot read the {kind!r} config {p}: {type(e).__name__}: {first}") from None
 
 
 def check_shape(config, batch: int, seq: int) -> None:
     """Refuse what the config cannot take: batch < 1, seq < 2, seq beyond max_position_embeddings."""
     if batch < 1 or seq < 2:
         raise PlanError(f"batch must be >= 1 and seq >= 2, got --batch {batch} --seq {seq}")
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and seq > limit:
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and 0 < limit < seq:  # (XLNet's -1: no limit)
         raise PlanError(f"--seq {seq} exceeds the config's max_position_embeddings {limit} ({config.model_type})")

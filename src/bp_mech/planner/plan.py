@@ -20,19 +20,24 @@ at tiny size for every candidate and supported family). The table and the comman
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench import lifecycle
+from bp_mech.bench import anatomy, lifecycle
 from bp_mech.bench.definitions import STEADY, StepDefinition
+from bp_mech.bench.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.step import StepOptions
-from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse
+from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse, unsupported
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
+from bp_mech.planner.fit import largest
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
+from bp_mech.planner.shard import check as check_sharding, planning
+from bp_mech.planner.trace import TraceFailed, default_workers, ledgers, one_line  # noqa: F401 (default_workers: the CLI's)
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -86,6 +91,7 @@ class PlanRow:
     mechanisms: int  # how many mechanisms it combines
     cost: Cost  # counted extra time
     measured: CachedRatio | None  # a cached GPU record of the same strategy
+    sharded: dict  # sharded plans: the most bytes of gathered parameters and of collective buffers at once
 
 
 @dataclass(frozen=True)
@@ -94,11 +100,11 @@ class FitsInstead:
 
     strategy: str  # the leanest strategy
     needs: int  # what it needs at the asked shape
-    small_shape: list[int]  # the second shape traced: [batch, seq]
+    small_shape: list[int]  # the smallest shape traced: [batch, seq]
     small_needs: int  # what it needs there
-    model_state: int  # bytes after backward: parameters, gradients, AdamW moments (+ the batch)
-    batch: int | None = None  # about the largest batch that fits (None: not even one; or a seq answer instead)
-    seq: int | None = None  # at batch 1: about the largest sequence that fits
+    model_state: int  # bytes after backward: parameters, gradients, optimizer state (+ the batch)
+    batch: int | None = None  # the largest batch that fits (None: not even the smallest; or a seq answer instead)
+    seq: int | None = None  # at batch 1: the largest sequence that fits
 
 
 @dataclass
@@ -122,122 +128,145 @@ class Plan:
     memory_source: str = "fake-tensor"
     definition: StepDefinition = STEADY  # which step was traced (``bench.definitions``; default: the steady state)
     outputs_saving: int | None = None  # plain's peak with the outputs kept through backward minus with them dropped
+    fits: list = dataclasses.field(default_factory=list)  # per row, the largest batch or seq that fits (planner.fit.Fit)
+    gpus: int = 1  # devices (a sharded plan is rank 0's, at ``batch`` sequences per device)
+    shard: str | None = None  # None (one device), "fsdp2" or "ddp" (planner.shard)
+    finetune: FineTune | None = None  # frozen parameters or LoRA traced (``bench.finetune``); None: full training
 
     def to_dict(self) -> dict:
         return dict(dataclasses.asdict(self), headroom=dict(context_bytes=CONTEXT_BYTES, allocator_slack=ALLOCATOR_SLACK))
 
 
 def session(config, batch: int, seq: int, options: StepOptions,
-            definition: StepDefinition = STEADY) -> lifecycle.Session:
-    """The fake session of ``config`` at (batch, seq), whose steps follow ``definition``; a ``PlanError``
-    for a model the plan cannot take."""
+            definition: StepDefinition = STEADY, finetune: FineTune | None = None, prepare=None) -> lifecycle.Session:
+    """The fake session of ``config`` at (batch, seq), whose steps follow ``definition`` (``prepare``: the
+    Session's, e.g. ``fully_shard``); a ``PlanError`` for a model the plan cannot take."""
     try:
-        s = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq), fake=True, options=options,
-                              definition=definition)
-    except ValueError as e:  # AutoModelForCausalLM has no class for this config
+        s = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq, finetune=finetune), fake=True,
+                              options=options, definition=definition, prepare=prepare)
+    except FineTuneError as e:  # --freeze / --lora-targets that do not fit this model
+        raise PlanError(str(e)) from None
+    except ValueError as e:  # AutoModelForCausalLM has no class for this config, or cannot build it
         raise PlanError(f"unknown architecture {config.model_type!r}: not a causal LM Transformers builds "
-                        f"({str(e).splitlines()[0][:120]})") from None
-    layers = getattr(getattr(s.model, "model", None), "layers", None)
-    if layers is None or not all(hasattr(x, "self_attn") and hasattr(x, "mlp") for x in layers) \
-            or not hasattr(s.model, "lm_head"):
-        raise PlanError(f"architecture {config.model_type!r} is not a decoder stack the plan knows "
-                        "(model.layers[i].self_attn / .mlp and lm_head)")
+                        f"({one_line(e)})") from None
+    except Exception as e:  # a config Transformers' own classes cannot be built from
+        raise PlanError(f"Transformers cannot build {config.model_type!r} from this config: {one_line(e)}") from None
+    try:
+        anatomy.decoder_blocks(s.model), anatomy.output_head(s.model)
+    except ValueError as e:
+        raise PlanError(f"architecture {config.model_type!r} is not a decoder stack the plan can find: {e}") from None
     return s
 
 
-_SESSION = None  # the session a forked worker inherits (set only while ``ledgers``' pool runs)
-
-
-def _ledger_in_worker(s: Strategy):
-    return _SESSION.ledger(s)
-
-
-def _quiet_worker():
-    torch.set_num_threads(1)
-
-
-def ledgers(sess, strategies, workers: int = 1):
-    """The session's ledger of each strategy, in order. ``workers`` > 1 (Linux): forked processes that
-    inherit the fake session (nothing is rebuilt or pickled but the ledgers), one strategy per task."""
-    global _SESSION
-    import multiprocessing
-
-    if workers <= 1 or len(strategies) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        yield from (sess.ledger(s) for s in strategies)
-        return
-    # the longest first (more forward passes and hooks: more operations to trace), so that no worker is
-    # left with a long one at the end; the ledgers come back in the order asked for
-    work = lambda s: s.micro_batches * (2 + (s.checkpoint != "plain") + s.offload)  # noqa: E731
-    order = sorted(range(len(strategies)), key=lambda i: -work(strategies[i]))
-    done, nxt = {}, 0
-    _SESSION = sess
-    try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(strategies)), _quiet_worker) as pool:
-            for i, led in zip(order, pool.imap(_ledger_in_worker, [strategies[i] for i in order])):
-                done[i] = led
-                while nxt in done:
-                    yield done.pop(nxt)
-                    nxt += 1
-    finally:
-        _SESSION = None
-
-
-def default_workers() -> int:
-    """Processes for ``ledgers``: the CPUs this process may use, at most 4."""
-    import os
-
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
-def _row(led, s: Strategy, budget: int, flops, link: float, cached: dict) -> PlanRow:
+def _row(led, s: Strategy, budget: int, flops, link: float, cached: dict, sharded=None) -> PlanRow:
     need = needs(led.peak)
     at = led.peak_stage if led.peak_stage in led.stages else "forward"  # (a peak inside the forward: its end)
     return PlanRow(s.name, led.peak, led.peak_stage, led.totals(), led.forward_peak, led.stages[at], at,
                    max(led.host.values(), default=0), need, need <= budget, s.amp is None,
-                   0 if s.name == "plain" else s.name.count("+") + 1, cost(led, s, flops, link), cached.get(s.name))
+                   0 if s.name == "plain" else s.name.count("+") + 1, cost(led, s, flops, link), cached.get(s.name),
+                   dict(sharded or {}))
 
 
 def plan(config, batch: int, seq: int, budget: int, device_name: str | None = None, candidates=CANDIDATES,
          options: StepOptions = StepOptions().for_device("cuda"), progress=None, workers: int = 1,
-         results_dir=None, definition: StepDefinition = STEADY) -> Plan:
+         results_dir=None, definition: StepDefinition = STEADY, fit: str | None = None,
+         finetune: FineTune | None = None, gpus: int = 1, shard: str | None = None) -> Plan:
     """The ``Plan`` of ``config`` at (batch, seq) for ``budget`` bytes; ``workers``: processes that trace
     the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``);
     ``definition``: the step traced (``bench.definitions.StepDefinition``, e.g. the first step, whose
     update allocates AdamW's moments, or ``keep_outputs=True``: the hand-written loop whose ``out`` keeps the
     logits alive through backward; default: the steady state, outputs dropped). With plain among the
-    candidates, its step is traced once more in the other loop: ``Plan.outputs_saving``."""
+    candidates, its step is traced once more in the other loop: ``Plan.outputs_saving``. ``finetune``: frozen
+    parameters or LoRA (``bench.finetune.FineTune``); the optimizer and its implementation are ``options``'.
+    ``fit``: "batch" or "seq": per strategy the largest batch (at ``seq``) or sequence (at ``batch``) that fits
+    the budget (``Plan.fits``, ``largest_sizes``). ``shard``: "fsdp2" or "ddp": rank 0 of ``gpus`` devices, at
+    ``batch`` sequences per device (``planner.shard``)."""
     t0, threads = time.perf_counter(), torch.get_num_threads()
     check_shape(config, batch, seq)
+    if missing := missing_package(options.optimizer, finetune):
+        raise PlanError(f"{'LoRA' if missing == 'peft' else options.optimizer} needs {missing}, which is not installed")
+    if shard is not None:
+        try:
+            check_sharding(shard, gpus)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     torch.set_num_threads(1)  # fake tensors compute nothing: intra-op threads would only spin
     try:
-        sess = session(config, batch, seq, options, definition)
-        flops = forward_flops(sess)
-        cached, errors = cached_ratios(device_name, results_dir)
-        link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
-        skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
-                   for s in candidates if batch % s.micro_batches}
-        todo = [s for s in candidates if s.name not in skipped]
-        traced = (progress or (lambda it, **kw: it))(ledgers(sess, todo, workers), desc="strategies", total=len(todo))
-        rows = [_row(led, s, budget, flops, link, cached) for s, led in zip(todo, traced)]
-        plain = next((r for r in rows if r.strategy == PLAIN.name), None)
-        other = plain and sess.step(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs)).peak
+        with planning(shard, gpus) if shard else contextlib.nullcontext((None, None)) as (prepare, trace):
+            sess = session(config, batch, seq, options, definition, finetune, prepare)
+            p = _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir,
+                      definition, fit, trace)
     finally:
         torch.set_num_threads(threads)
+    p.finetune, p.gpus, p.shard = finetune, gpus, shard
+    p.elapsed_s = time.perf_counter() - t0
+    return p
+
+
+def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
+          fit, trace) -> Plan:
+    """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None."""
+    try:
+        flops = forward_flops(sess)
+    except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
+        raise PlanError(f"cannot trace {config.model_type!r} with fake tensors: {one_line(e)}") from None
+    cached, errors = cached_ratios(device_name, results_dir)
+    link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
+    skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
+               for s in candidates if batch % s.micro_batches}
+    skipped.update({s.name: why for s in candidates if s.name not in skipped and (why := unsupported(sess.model, s))})
+    if definition.weights:  # half weights: nothing for autocast to cast, and no GradScaler for float16 grads
+        skipped.update({s.name: f"the weights are {definition.weights} already: autocast has nothing to cast"
+                        for s in candidates if s.amp and s.name not in skipped})
+    todo = [s for s in candidates if s.name not in skipped]
+    # and plain's step in the other loop (what dropping the outputs saves), traced beside them
+    loop = [(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))] if PLAIN in todo else []
+    steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace), desc="strategies",
+                                                      total=len(todo) + len(loop)))
+    other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
+    rows = []
+    for s, led in zip(todo, steps):
+        if isinstance(led, TraceFailed):
+            skipped[s.name] = f"could not be traced: {led}"
+        else:  # (a sharded plan's rank ledger: its gathered parameters and collective buffers beside it)
+            rows.append(_row(getattr(led, "ledger", led), s, budget, flops, link, cached, getattr(led, "most", None)))
+    if not rows:
+        why = skipped.get(PLAIN.name) or next(iter(skipped.values()), "no candidates")
+        raise PlanError(f"cannot trace {config.model_type!r}: no strategy's step could be traced ({why})")
+    step = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
+    plain = next((r for r in rows if r.strategy == PLAIN.name), None)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
+    text = config.get_text_config()
     model = dict(model_type=config.model_type, parameters=sum(p.numel() for p in sess.model.parameters()),
-                 layers=len(flops.attn), hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                 validated=config.model_type in FAMILIES)
-    p = Plan(model, batch, seq, budget, device_name, options,
+                 layers=len(flops.attn), hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                 attention=anatomy.unwrapped(sess.model).config._attn_implementation,
+                 validated=config.model_type in FAMILIES,
+                 trainable=sum(p.numel() for p in sess.model.parameters() if p.requires_grad))
+    p = Plan(model, batch, seq, budget, device_name, sess.options,
              dict(plain_forward_flops=flops.total, flops_per_s=ASSUMED_FLOPS["cuda"]["float32"], link_bytes_per_s=link,
                   overlap="none (upper bound)"), rows, skipped, best and best.strategy, None, errors,
              definition=definition)
-    if plain is not None:  # what dropping the outputs before backward saves (the other loop: one more trace)
-        p.outputs_saving = plain.peak - other if definition.keep_outputs else other - plain.peak
-    if best is None and rows:
-        p.fits_instead = fits_instead(config, batch, seq, budget, min(rows, key=lambda r: r.needs), options,
-                                      definition)
-    p.elapsed_s = time.perf_counter() - t0
+    if plain is not None and not isinstance(other, TraceFailed):  # what dropping the outputs saves
+        p.outputs_saving = plain.peak - other.peak if definition.keep_outputs else other.peak - plain.peak
+    p.fits = largest_sizes(sess, rows, fit, batch, seq, budget, step) if fit else []
+    if best is None:
+        p.fits_instead = fits_instead(sess, batch, seq, budget, min(rows, key=lambda r: r.needs), step)
     return p
+
+
+BATCH_LIMIT = 2**16  # the largest batch ``largest_sizes`` looks for
+SEQ_LIMIT = 2**20  # the largest sequence, for a model without max_position_embeddings
+
+
+def largest_sizes(sess, rows, axis: str, batch: int, seq: int, budget: int, step=None) -> list:
+    """Per row, the largest ``axis`` ("batch" at ``seq``, "seq" at ``batch``) its strategy fits ``budget`` at
+    (``planner.fit.largest``: from the exact growth of a few traces, checked: it fits, one more does not)."""
+    text = sess.model.config.get_text_config()
+    positions = getattr(text, "max_position_embeddings", None) or 0  # (XLNet's -1: none)
+    limit = BATCH_LIMIT if axis == "batch" else positions if positions > 0 else SEQ_LIMIT
+    eager = anatomy.unwrapped(sess.model).config._attn_implementation == "eager"
+    return [largest(sess, parse(r.strategy), axis, budget, seq if axis == "batch" else batch, limit, needs,
+                    quadratic=axis == "seq" and eager, step=step) for r in rows]
 
 
 def recommend(rows, budget: int) -> str | None:
@@ -254,16 +283,15 @@ def smallest_budget(rows, at_least: int) -> int | None:
     return need[at_least - 1] if 0 < at_least <= len(need) else None
 
 
-def fits_instead(config, batch: int, seq: int, budget: int, leanest: PlanRow, options,
-                 definition: StepDefinition = STEADY) -> FitsInstead:
-    """What would fit when nothing does: the leanest strategy's budget, and about the largest batch (or,
-    at batch 1, sequence) it fits at, from one more step at batch 1 (seq / 2) and a line through both."""
-    s = parse(leanest.strategy)
-    b1, t1 = (1, seq) if batch > 1 else (1, max(2, seq // 2))
-    small = session(config, b1, t1, options, definition).ledger(s.replace(micro_batches=1) if b1 % s.micro_batches else s)
-    x0, x1 = (b1, batch) if batch > 1 else (t1, seq)
-    need0 = needs(small.peak)
-    slope = (leanest.needs - need0) / (x1 - x0) if x1 != x0 else 0
-    fit_x = int(x0 + (budget - need0) / slope) if slope > 0 and budget >= need0 else None
-    return FitsInstead(s.name, leanest.needs, [b1, t1], need0, leanest.stages["backward"],
-                       **({"batch": fit_x} if batch > 1 else {"seq": fit_x}))
+def fits_instead(sess, batch: int, seq: int, budget: int, leanest: PlanRow, step=None) -> FitsInstead:
+    """What would fit when nothing does: the leanest strategy's budget, and the largest batch (at batch 1:
+    sequence) it fits at (``planner.fit.largest`` on the plan's fake session: it fits, one more does not)."""
+    s, axis = parse(leanest.strategy), "batch" if batch > 1 else "seq"
+    if axis == "batch" and batch - 1 < s.micro_batches:  # no smaller batch splits: the same without accumulation
+        s = s.replace(micro_batches=1)
+    other = seq if axis == "batch" else batch
+    eager = anatomy.unwrapped(sess.model).config._attn_implementation == "eager"
+    f = largest(sess, s, axis, budget, other, (batch if axis == "batch" else seq) - 1, needs,
+                quadratic=axis == "seq" and eager, step=step)
+    small = [f.first, other] if axis == "batch" else [other, f.first]
+    return FitsInstead(s.name, leanest.needs, small, f.first_needs, leanest.stages["backward"], **{axis: f.size})

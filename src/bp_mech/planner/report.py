@@ -9,7 +9,8 @@ import json
 import sys
 
 from bp_mech.bench.definitions import StepDefinition
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.finetune import FineTune, FineTuneError
+from bp_mech.bench.step import OPTIMIZERS, StepOptions
 from bp_mech.bench.tracking import fmt_bytes
 from bp_mech.ledger import STAGES
 from bp_mech.planner.inputs import GiB, PlanError, default_adamw, load_config, parse_size
@@ -31,9 +32,12 @@ def format_text(p: Plan) -> str:
     def num(n) -> str:
         return f"{n / k:.2f}"
 
-    lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers), "
+    eager = ", eager attention (no SDPA: its T x T scores are in the trace)" if m.get("attention") == "eager" else ""
+    if p.shard:
+        eager += f"; rank 0 of {p.gpus} GPUs, {p.shard}, batch {p.batch} per GPU (global {p.gpus * p.batch})"
+    lines = [f"bp-mech plan: {m['model_type']} ({m['parameters'] / 1e6:.1f} M parameters, {m['layers']} layers{eager}), "
              f"batch {p.batch} x seq {p.seq}, budget {fmt_bytes(p.budget)} — estimated (fake tensors, "
-             f"{adamw_text(p)}){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
+             f"{optimizer_text(p)}){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
              f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {fmt_bytes(CONTEXT_BYTES)} "
              "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
              f"step (upper bound); {unit} per stage:", loop_line(p), ""]
@@ -41,9 +45,27 @@ def format_text(p: Plan) -> str:
     rows = [[r.strategy, *(num(r.stages[x]) for x in STAGES), num(r.peak), num(r.needs),
              "yes" if r.fits else "no", f"{r.cost.extra:+.0%}",
              f"x{r.measured.time_ratio:.2f}" if r.measured else "-"] for r in p.rows]
+    if p.shard:  # what sharding adds, on its own lines: gathered parameters and the collectives' buffers
+        head += ["gathered", "collective"]
+        for row, r in zip(rows, p.rows):
+            row += [num(r.sharded.get("gathered", 0)), num(r.sharded.get("collective", 0))]
+    if p.fits:  # --batch max / --seq max: each strategy's largest size beside its row
+        axis = p.fits[0].axis
+        head.append(f"max {axis}")
+        for row, f in zip(rows, p.fits):
+            row.append(str(f.size) if f.size else "none")
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         lines.append("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    if p.fits:
+        axis, other = p.fits[0].axis, ("seq", p.seq) if p.fits[0].axis == "batch" else ("batch", p.batch)
+        lines.append(f"max {axis}: the largest {axis} at {other[0]} {other[1]} each strategy fits the budget at (it "
+                     f"fits, one more does not: {sum(f.traces for f in p.fits)} steps traced); the table is at "
+                     f"batch {p.batch} x seq {p.seq}")
+    if p.shard:
+        lines.append("gathered: the unsharded parameters FSDP holds at once (within parameters); collective: the "
+                     "all-gather / reduce-scatter buffers" + (" and DDP's gradient buckets" if p.shard == "ddp" else "")
+                     + " (within other); the most alive at any moment of the step")
     lines += [f"skipped {k}: {v}" for k, v in p.skipped.items()]
     lines += [f"cached GPU records not used: {e}" for e in p.cache_errors]
     best = next((r for r in p.rows if r.strategy == p.recommended), None)
@@ -75,6 +97,48 @@ def adamw_text(p: Plan) -> str:
                               f", not PyTorch's default on CUDA ({default_adamw('cuda')})")
 
 
+_OPTIMIZER_NAMES = dict(sgd="SGD (momentum 0.9)", adafactor="Adafactor")
+
+
+def optimizer_text(p: Plan) -> str:
+    """The optimizer and implementation the plan traced, the weights' dtype, and how many parameters train."""
+    kind, impl, default = p.options.optimizer, p.options.adamw, default_adamw("cuda")
+    if kind == "adamw":
+        opt = adamw_text(p)
+    elif kind == "adamw8bit":
+        opt = "8-bit AdamW (bitsandbytes' blockwise kernels, one implementation)"
+    else:
+        opt = f"{impl} {_OPTIMIZER_NAMES[kind]}" + (", PyTorch's default on CUDA" if impl == default else
+                                                    f", not PyTorch's default on CUDA ({default})")
+    weights = f"{p.definition.weights} weights, no float32 master copy" if p.definition.weights else "float32 weights"
+    m = p.model
+    trains = (f"{m['trainable']:,} of {m['parameters']:,} parameters trained ({m['trainable'] / m['parameters']:.2%}, "
+              f"{p.finetune.name if p.finetune else 'full'})") if "trainable" in m else "all parameters trained"
+    return f"{opt}; {weights}; {trains}"
+
+
+WEIGHTS = {"float32": None, "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> StepDefinition.weights
+
+
+def step_options(a) -> tuple[StepOptions, FineTune | None]:
+    """The optimizer (``--optimizer``, ``--optimizer-impl``) and the fine-tuning (``--freeze``, ``--lora-rank``,
+    ``--lora-targets``) the command asks for; bad values raise ``PlanError``."""
+    kind, impl = getattr(a, "optimizer", None) or "adamw", getattr(a, "optimizer_impl", None) or "default"
+    if kind == "adamw8bit" and impl != "default":
+        raise PlanError("--optimizer adamw8bit has one implementation (bitsandbytes' kernels): drop --optimizer-impl")
+    impl = default_adamw("cuda") if impl == "default" else impl
+    if OPTIMIZERS[kind] and impl not in OPTIMIZERS[kind]:
+        raise PlanError(f"--optimizer {kind} has no {impl} implementation; it has {', '.join(OPTIMIZERS[kind])}")
+    options = StepOptions(adamw=impl if OPTIMIZERS[kind] else None, optimizer=kind).for_device("cuda")
+    targets = getattr(a, "lora_targets", None)
+    try:
+        ft = FineTune(freeze=getattr(a, "freeze", None), lora_rank=getattr(a, "lora_rank", None),
+                      lora_targets=tuple(t.strip() for t in targets.split(",")) if targets is not None else None)
+    except FineTuneError as e:
+        raise PlanError(str(e)) from None
+    return options, (ft if ft.name != "full" else None)
+
+
 LOOPS = {False: "outputs dropped before backward (Trainer's compute_loss)",
          True: "outputs kept through backward (out = model(**batch); out.loss.backward(), as in Accelerate's examples)"}
 
@@ -91,17 +155,28 @@ def loop_line(p: Plan) -> str:
 def no_fit_message(p: Plan) -> str:
     f = p.fits_instead
     if f.batch:
-        alt = f"; about --batch {f.batch} would fit with it"
+        alt = f"; --batch {f.batch} fits with it (one more row does not)"
     elif f.seq:
-        alt = f"; about --seq {f.seq} would fit with it"
+        alt = f"; --seq {f.seq} fits with it (one more token does not)"
     else:
         alt = (f"; even at batch {f.small_shape[0]} x seq {f.small_shape[1]} it needs {fmt_bytes(f.small_needs)}, "
-               f"and parameters, gradients and AdamW moments alone hold {fmt_bytes(f.model_state)}")
+               f"and parameters, gradients and optimizer state alone hold {fmt_bytes(f.model_state)}")
     return (f"no strategy fits {fmt_bytes(p.budget)}: the leanest, {f.strategy}, needs {fmt_bytes(f.needs)} "
             f"(with headroom){alt}")
 
 
 NO_FIT = 1  # the exit status when no candidate fits (bad input is a PlanError: 2)
+FIT_SEQ = 64  # --seq max: the sequence the table is traced at (each strategy's largest one beside it)
+
+
+def shape_arg(text, flag: str) -> int | str | None:
+    """``--batch`` / ``--seq``: a positive number, ``max``, or None (not given)."""
+    if text is None or str(text).strip().lower() == "max":
+        return text and "max"
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanError(f"{flag} takes a number or max, got {text!r}") from None
 
 
 def run(a, progress=None) -> int:
@@ -112,19 +187,34 @@ def run(a, progress=None) -> int:
 
     if bool(a.config) == bool(a.workload):
         raise PlanError("plan needs exactly one of --config PATH/config.json and --workload ID")
+    batch, seq = shape_arg(a.batch, "--batch"), shape_arg(a.seq, "--seq")
+    if batch == seq == "max":
+        raise PlanError("--batch max and --seq max together: give one of them a number")
     if a.config:
-        config, batch, seq = load_config(a.config), a.batch, a.seq
+        config = load_config(a.config)
         if batch is None or seq is None:
             raise PlanError("plan --config needs --batch and --seq")
     else:
         w = parse_workload(a.workload)
-        config, batch, seq = qwen2_config(w.arch), a.batch or w.batch, a.seq or w.seq
+        config, batch, seq = qwen2_config(w.arch), batch or w.batch, seq or w.seq
+    fit = "batch" if batch == "max" else "seq" if seq == "max" else None
+    if fit == "batch":  # the table at the smallest batch every candidate splits into
+        batch = 2
+    elif fit == "seq":
+        limit = getattr(config.get_text_config(), "max_position_embeddings", None) or 0
+        seq = min(FIT_SEQ, limit) if limit > 0 else FIT_SEQ
     workers = a.workers if getattr(a, "workers", None) else default_workers()
-    definition = StepDefinition(keep_outputs=bool(getattr(a, "keep_outputs", False)))
-    impl = getattr(a, "optimizer_impl", None) or "default"
-    options = StepOptions(adamw=default_adamw("cuda") if impl == "default" else impl).for_device("cuda")
+    definition = StepDefinition(keep_outputs=bool(getattr(a, "keep_outputs", False)),
+                                weights=WEIGHTS[getattr(a, "dtype", None) or "float32"])
+    options, finetune = step_options(a)
+    gpus, shard = getattr(a, "gpus", None), getattr(a, "shard", None)
+    gpus = 1 if gpus is None else gpus
+    if gpus < 1:
+        raise PlanError(f"--gpus must be >= 1, got {gpus}")
+    if (gpus > 1) != (shard is not None):
+        raise PlanError("--gpus N (N > 1) and --shard fsdp2|ddp go together")
     p = plan(config, batch, seq, parse_size(a.budget), a.device_name, options=options, progress=progress,
-             workers=workers, definition=definition)
+             workers=workers, definition=definition, finetune=finetune, fit=fit, gpus=gpus, shard=shard)
     print(json.dumps(p.to_dict(), indent=1, default=str) if a.json else format_text(p))
     if p.recommended is None:
         print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)

@@ -1,0 +1,85 @@
+"""What a fake-tensor trace of a Transformers model needs besides ``FakeTensorMode``.
+
+A fake step computes no values, so two things a real step decides from values are told instead
+(``patched()``, entered by ``bench.lifecycle.Session.active``):
+
+* the batch holds one sequence per row and no padding: Transformers' packed-sequence check
+  (``masking_utils.find_packed_sequence_indices``) would read the position ids, and its padding check
+  (``_ignore_causal_mask_sdpa``) the padding mask; under fake tensors either answers by building a
+  (B, 1, T, T) mask where the real step lets SDPA mask causally;
+* a mixture-of-experts layer's grouped matmul (``transformers.integrations.moe._grouped_mm``): torch's
+  fake ``grouped_mm`` takes bfloat16 only, and Transformers' own fallback loops over the groups'
+  offsets in backward (a ``.tolist()``, which a fake tensor cannot answer). ``GroupedMatmulShapes``
+  stands in for it: the same output, the same saved tensors (the input and the weight, as
+  ``grouped_mm``'s autograd saves them) and the same gradients' shapes, so the same bytes, without the
+  per-expert loop;
+* a scalar draw (``torch.rand([])``, LayerDrop's coin in OPT, BART-style and Whisper decoders): drawn
+  for real (a Python number), since Python compares it with the drop rate (under fake tensors it would have no value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+
+class GroupedMatmulShapes(torch.autograd.Function):
+    """``grouped_mm(x, w, offs)``'s allocations: out (S, N) from x (S, K) and w (E, K, N); saves x and w;
+    backward gives dx (S, K) and dw (E, K, N). Values are not computed (fake tensors carry none)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # x (S, K), w (E, K, N)
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape[0], w.shape[-1])  # (S, N)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (S, N)
+        x, w = ctx.saved_tensors
+        # dw in w's own layout (a transposed expert weight gets a transposed gradient, which the
+        # parameter's gradient then takes without a copy, as grouped_mm's backward gives it)
+        return grad.new_empty(x.shape), grad.new_empty_strided(w.shape, w.stride())
+
+
+def _grouped_mm(input, weight, offs):
+    return GroupedMatmulShapes.apply(input.to(weight.dtype), weight)
+
+
+_rand = torch.rand
+
+
+def _rand_scalar_for_real(*size, **kw):
+    if size in ((), ([],), ((),)):  # a 0-dim draw that Python will compare: a real one, as a number
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return _rand(*size, **kw).item()
+    return _rand(*size, **kw)
+
+
+def _no_padding(ignore):
+    """``masking_utils._ignore_causal_mask_sdpa`` for a batch without padding: the real step finds every
+    token real (``fast_all``) and lets SDPA mask causally; a fake one cannot look (``is_tracing``) and would
+    build a (B, 1, T, T) mask, which models with a padding mask of ones (OPT) then keep for backward."""
+    from transformers import masking_utils
+
+    def ignore_no_padding(*args, **kwargs):
+        with mock.patch.object(masking_utils, "is_tracing", lambda *a: False), \
+                mock.patch.object(masking_utils, "fast_all", lambda *a: True):
+            return ignore(*args, **kwargs)
+    return ignore_no_padding
+
+
+def patched():
+    """The stand-ins above, as a context manager (for fake tensors only: they compute no values)."""
+    from transformers import masking_utils
+    from transformers.integrations import moe
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+    stack.enter_context(mock.patch.object(moe, "_grouped_mm", _grouped_mm))
+    stack.enter_context(mock.patch.object(torch, "rand", _rand_scalar_for_real))
+    stack.enter_context(mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa",
+                                          _no_padding(masking_utils._ignore_causal_mask_sdpa)))
+    return stack

@@ -1,0 +1,130 @@
+"""What fits a budget: the largest batch (or sequence) of each strategy, from a few traces.
+
+A step's bytes at each lifecycle stage grow with the batch B exactly affinely (every activation, the
+logits and the batch itself are B x something; parameters, gradients and optimizer states do not
+change), and with the sequence T affinely under SDPA or quadratically under eager attention (its
+(B, H, T, T) scores); a peak inside a phase is the largest of such curves over its operations, which
+another operation may hold at another size. So ``largest`` traces
+the step at two batch sizes (three sequence lengths), fits each stage's curve exactly, solves for the
+largest size whose ``needs`` fits the budget, and then checks the answer with two more traces: the
+answer fits and one more (one more micro-batch's worth of rows: the batch must split) does not. Where the
+prediction is off (a peak held by another operation; the chunked loss's last chunk, smaller while B T
+is under its chunk; the offload's threshold at small sizes), the check steps, then closes in along the line
+through the nearest sizes on either side (regula falsi), to the true answer (tests/planner/test_fit.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bp_mech.bench.strategy import Strategy
+
+AXES = ("batch", "seq")
+REFITS = 3  # predictions from the curves at the last traced sizes before it closes in
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The largest size of one axis at which a strategy fits."""
+
+    strategy: str  # its name
+    axis: str  # "batch" (at the plan's seq) or "seq" (at the plan's batch)
+    size: int | None  # the largest batch or seq that fits (None: not even the smallest)
+    needs: int | None  # what it needs there (bytes, with headroom)
+    next_needs: int | None  # what one more step of the axis needs (does not fit; None: the axis's limit)
+    limit: int  # the axis's upper limit (max_position_embeddings for seq)
+    traces: int  # steps traced to find it
+    first: int  # the smallest size traced
+    first_needs: int  # what it needs there
+
+
+def reshape(sess, batch: int, seq: int) -> None:
+    """Give a fake session a new batch of shape (batch, seq) (random ids, as ``bench.build`` makes them)."""
+    vocab = sess.model.config.get_text_config().vocab_size
+    with sess.active():
+        ids = torch.randint(0, min(256, vocab), (batch, seq))
+    sess.batch = {"input_ids": ids, "labels": ids.clone()}
+
+
+def _curves(xs: list[int], ledgers) -> list[tuple[float, ...]]:
+    """Per stage (and the forward's peak), the exact polynomial through the traced points: (a, b) of
+    a + b x through two, (a, b, c) of a + b x + c x^2 through three."""
+    cols = [[*led.totals().values(), led.forward_peak] for led in ledgers]
+    A = torch.tensor([[x**k for k in range(len(xs))] for x in xs], dtype=torch.float64)
+    return [tuple(torch.linalg.solve(A, torch.tensor(col, dtype=torch.float64)).tolist()) for col in zip(*cols)]
+
+
+def _predict(curves, budget_peak: float, unit: int, limit: int) -> int:
+    """The largest multiple of ``unit`` up to ``limit`` whose every curve is within ``budget_peak``."""
+    def ok(x):
+        return all(sum(c * x**k for k, c in enumerate(cv)) <= budget_peak for cv in curves)
+    lo, hi = 0, limit // unit  # in units; ok(0) is assumed, ok(hi) tested
+    if ok(hi * unit):
+        return hi * unit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * unit) else (lo, mid)
+    return lo * unit
+
+
+def largest(sess, s: Strategy, axis: str, budget: int, other: int, limit: int, needs, quadratic: bool = False,
+            step=None) -> Fit:
+    """The largest ``axis`` ("batch" or "seq") at which ``s`` fits ``budget`` on the fake session ``sess``,
+    the other axis held at ``other``; ``limit``: the axis's largest allowed value; ``needs(peak)``: the
+    budget a peak needs (``planner.plan.needs``: the allocator's slack, the CUDA context); ``quadratic``: the seq
+    axis under eager attention (three traces fit a quadratic); ``step(s) -> Ledger``: how a step is traced
+    (default ``sess.ledger``; a sharded plan's rank ledger). Leaves ``sess`` on its last traced shape."""
+    if axis not in AXES:
+        raise ValueError(f"axis is one of {AXES}, got {axis!r}")
+    unit = s.micro_batches if axis == "batch" else 1
+    traced: dict[int, int] = {}  # size -> needs
+    leds: dict = {}  # size -> ledger
+
+    def trace(x):
+        if x not in traced:
+            reshape(sess, *((x, other) if axis == "batch" else (other, x)))
+            leds[x] = (step or sess.ledger)(s)
+            traced[x] = needs(leds[x].peak)
+        return leds[x]
+
+    start = unit if axis == "batch" else max(2, min(64, limit // 4))
+    if start > limit:
+        raise ValueError(f"the smallest {axis} {s.name} takes ({start}) is over the limit {limit}")
+    points = [x for x in (start * (i + 1) for i in range(3 if quadratic else 2)) if x <= limit]
+    for x in points:
+        trace(x)
+    if traced[start] > budget:
+        return Fit(s.name, axis, None, None, traced[start], limit, len(traced), start, traced[start])
+    # the largest peak whose needs fit (needs is increasing in the peak)
+    lo_p, hi_p = 0, budget
+    while hi_p - lo_p > 1:
+        mid = (lo_p + hi_p) // 2
+        lo_p, hi_p = (mid, hi_p) if needs(mid) <= budget else (lo_p, mid)
+    # predict, trace the prediction and its neighbour, predict again from the curves there (at small sizes
+    # another operation may hold a peak than at the answer's), a few times
+    for _ in range(REFITS):
+        x = max(start, _predict(_curves(points, [leds[p] for p in points]), lo_p, unit, limit)) \
+            if len(points) > 1 else start
+        near = [y for y in ((x - unit,) if quadratic else ()) + (x, x + unit) if start <= y <= limit]
+        if all(y in traced for y in near):
+            break
+        for y in near:
+            trace(y)
+        points = near if len(near) == len(points) else points
+    good = max(y for y, n in traced.items() if n <= budget)  # (start fits)
+    bad = min((y for y, n in traced.items() if n > budget), default=None)
+    top = limit // unit * unit
+    while bad is None and good < top:  # the prediction was too low: double until one does not fit
+        y = min(top, 2 * good // unit * unit)
+        trace(y)
+        good, bad = (y, None) if traced[y] <= budget else (good, y)
+    while bad is not None and bad - good > unit:  # regula falsi: where the line through good and bad crosses
+        at = good + (budget - traced[good]) / max(1, traced[bad] - traced[good]) * (bad - good)
+        mid = min(bad - unit, max(good + unit, int(at) // unit * unit))
+        if mid in traced:  # (the line keeps landing on one side: halve instead)
+            mid = (good + bad) // 2 // unit * unit
+        trace(mid)
+        good, bad = (mid, bad) if traced[mid] <= budget else (good, mid)
+    return Fit(s.name, axis, good, traced[good], bad and traced[bad], limit, len(traced), start, traced[start])
