@@ -239,7 +239,7 @@ def _plan_peak(config, batch: int, seq: int, gpus: int, options: StepOptions) ->
     return p.rows[0].peak, (f"per GPU of {gpus}, fsdp2" if shard else "one device")
 
 
-def estimator_table(rows, options: StepOptions | None = None) -> list[dict]:
+def estimator_table(rows, options: StepOptions | None = None, plan: bool = True) -> list[dict]:
     """Each estimator's bytes for each config, side by side (the book's comparison table).
 
     Args:
@@ -247,6 +247,7 @@ def estimator_table(rows, options: StepOptions | None = None) -> list[dict]:
             reads it.
         options: the plan's step options (None: ``bp-mech plan``'s default, PyTorch's default AdamW on
             CUDA, foreach, with CUDA's settings).
+        plan: False leaves ``plan`` and ``plan_scope`` None (a caller that has its own plans of the rows).
 
     Returns:
         One dict per row: ``label``, ``batch``, ``seq``, ``gpus``, ``parameters``; ``accelerate`` (its
@@ -260,7 +261,7 @@ def estimator_table(rows, options: StepOptions | None = None) -> list[dict]:
     for label, config, batch, seq, gpus in rows:
         acc = accelerate_estimate(config)
         params, largest = zero_params(_meta_model(config))
-        peak, scope = _plan_peak(config, batch, seq, gpus, options)
+        peak, scope = _plan_peak(config, batch, seq, gpus, options) if plan else (None, None)
         out.append(dict(label=label, batch=batch, seq=seq, gpus=gpus, parameters=params, accelerate=acc["training"],
                         zero2=deepspeed_zero(params, largest, gpus, 2) if gpus > 1 else None,
                         zero3=deepspeed_zero(params, largest, gpus, 3) if gpus > 1 else None,

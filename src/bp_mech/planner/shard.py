@@ -86,13 +86,12 @@ def fsdp2(mesh):
 
 def ddp(model):
     """``prepare`` for ``Session`` on real tensors: ``DistributedDataParallel(model)`` (its defaults: 25 MiB
-    buckets, ``gradient_as_bucket_view=False``), with what ``bench.anatomy`` reads of a causal LM (its config,
-    block classes and output head) readable on the wrapper."""
+    buckets, ``gradient_as_bucket_view=False``), with the model's config on the wrapper
+    (``bench.anatomy`` reads the rest through DDP's ``module``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model)
-    wrapped.config, wrapped._no_split_modules = model.config, model._no_split_modules
-    wrapped.get_output_embeddings = model.get_output_embeddings
+    wrapped.config = model.config  # (the rest bench.anatomy reads through DDP's .module)
     return wrapped
 
 
