@@ -149,6 +149,21 @@ def test_classes_follow_where_a_storage_is_born_and_its_role():
     del half, saved, logits, grad
 
 
+def test_a_storage_born_where_a_dead_one_was_is_counted_anew():
+    """Storages are told apart by identity, and a dead storage's ``id`` is free for the next one: each new
+    storage counts, whatever ``id`` it gets (the tracker forgets a storage when it dies)."""
+    tr = StorageTracker("cpu")
+    with tr:
+        for _ in range(20):
+            x = torch.ones(N)
+            del x
+        y = torch.ones(N)
+        assert tr.current == 4 * N and tr.peak == 4 * N and len(tr.nbytes) == 21
+        assert tr.serial[y.untyped_storage()] == 20
+    del y
+    assert tr.current == 0 and not tr.live
+
+
 def test_phase_peaks_and_marks_snapshot_the_live_set():
     tr = StorageTracker("cpu")
     with tr:

@@ -85,7 +85,7 @@ class ShardTracker(StorageTracker):
             serial = len(self.nbytes)
             self.serial[storage], self.nbytes[serial] = serial, n
             self.label[serial] = "other" if old is None else self.label[old]
-            self.refs[serial] = weakref.ref(storage, partial(self._free, serial))
+            self.refs[serial], self.ident[serial] = weakref.ref(storage, partial(self._free, serial)), id(storage)
             self.live[serial], self.current = n, self.current + n
             self.peak = max(self.peak, self.current)
             if old in self.kind:

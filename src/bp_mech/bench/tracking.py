@@ -38,7 +38,6 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 _DEVICE = torch.ops.prim.device.default  # ``tensor.device``, which a dispatch mode sees as an operator
@@ -49,14 +48,60 @@ def _storage(t):
     return t.untyped_storage() if isinstance(t, torch.Tensor) and t.layout == torch.strided else None
 
 
+def _strided(tree, out: list) -> list:
+    """``out`` with the strided tensors of an operator's arguments or outputs appended, in order (nested
+    tuples, lists and dicts: what a dispatch is given; ``tree_leaves`` without its generality, as this runs
+    on every operator)."""
+    if isinstance(tree, torch.Tensor):
+        if tree.layout == torch.strided:
+            out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _strided(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _strided(x, out)
+    return out
+
+
+class _ByIdentity:
+    """Storage -> serial number, by the storage's identity: ``WeakIdKeyDictionary`` without a weak reference
+    made per lookup (this runs on every operator); the tracker's own weak reference drops an entry when its
+    storage dies (``StorageTracker._free``), before its ``id`` can be reused."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, int] = {}
+
+    def __contains__(self, storage) -> bool:
+        return id(storage) in self._by_id
+
+    def get(self, storage, default=None):
+        return self._by_id.get(id(storage), default)
+
+    def __getitem__(self, storage) -> int:
+        return self._by_id[id(storage)]
+
+    def __setitem__(self, storage, serial: int) -> None:
+        self._by_id[id(storage)] = serial
+
+    def __delitem__(self, storage) -> None:
+        del self._by_id[id(storage)]
+
+    def drop(self, key: int | None, serial: int) -> None:
+        """Forget the storage of ``id`` ``key`` if it still maps to ``serial``."""
+        if key is not None and self._by_id.get(key) == serial:
+            del self._by_id[key]
+
+
 class StorageTracker(TorchDispatchMode):
     """Live storage bytes by class; the peak; a snapshot of the live set at each phase's peak."""
 
     def __init__(self, device="cpu") -> None:
         super().__init__()
         self.device = torch.device(device)
-        self.serial = WeakIdKeyDictionary()  # storage -> serial number
+        self.serial = _ByIdentity()  # storage -> serial number (while the storage is alive)
         self.refs, self.nbytes, self.label = {}, {}, {}  # serial -> weakref / bytes / class
+        self.ident: dict[int, int] = {}  # serial -> id of its storage (while alive)
         self.live, self.host = {}, {}  # serial -> bytes (device, host) of storages alive now
         self.current = 0  # device bytes alive now
         self.peak = 0  # most device bytes alive at once
@@ -69,8 +114,15 @@ class StorageTracker(TorchDispatchMode):
         self.allocator: dict[str, int] = {}  # CUDA only: stage, "<phase>_peak", "<phase>_reserved" -> bytes
         self.timeline: list[tuple[str, int]] = []  # (phase, live device bytes) after each operator
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: no ``torch.compile`` runs under the tracker, so its dispatch (every operator goes through it)
+        is left without ``TorchDispatchMode``'s Dynamo-disabling wrapper."""
+        return False
+
     def _free(self, serial, _ref) -> None:
         self.refs.pop(serial, None)
+        self.serial.drop(self.ident.pop(serial, None), serial)
         self.host.pop(serial, None)
         if self.live.pop(serial, None) is not None:
             self.current -= self.nbytes[serial]
@@ -82,7 +134,7 @@ class StorageTracker(TorchDispatchMode):
             return
         serial, nbytes = len(self.nbytes), storage.nbytes()
         self.serial[storage], self.nbytes[serial], self.label[serial] = serial, nbytes, label
-        self.refs[serial] = weakref.ref(storage, partial(self._free, serial))
+        self.refs[serial], self.ident[serial] = weakref.ref(storage, partial(self._free, serial)), id(storage)
         if self.host_depth or t.device.type != self.device.type:  # an offload's host buffer, or a host tensor
             self.host[serial] = nbytes
         else:
@@ -117,13 +169,13 @@ class StorageTracker(TorchDispatchMode):
         if func is _DEVICE:  # a device query (two in three calls under fake tensors): nothing to count
             return getattr(args[0], "fake_device", None) or func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_leaves(out) if _storage(t) is not None]
+        tensors = _strided(out, [])
         if tensors:
             # an output sharing an input's storage allocated nothing: untracked, it existed before the block
             # and is not counted on the device; on the host it is booked all the same (an offload's pool
             # reuses its buffers: the host column holds what the step keeps there, new or not)
-            inputs = (_storage(t) for t in tree_leaves((args, kwargs)))
-            before = {id(storage) for storage in inputs if storage is not None and storage not in self.serial}
+            inputs = (t.untyped_storage() for t in _strided((args, kwargs), []))
+            before = {id(storage) for storage in inputs if storage not in self.serial}
             label = self._label(func, args)
             for t in tensors:
                 if self.host_depth or t.device.type != self.device.type or id(t.untyped_storage()) not in before:

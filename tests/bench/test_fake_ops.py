@@ -1,0 +1,62 @@
+"""``bench.fake_ops.plain_key``: the fake dispatch cache's keys with the shortcut are the keys without it, for
+every operator of a traced training step (forward, backward, AdamW, under checkpointing and autocast), and
+the shortcut is taken; a shortcut that writes anything else is caught."""
+
+import pytest
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from bp_mech.bench import fake_ops, lifecycle
+from bp_mech.bench import strategy as S
+from bp_mech.bench.step import StepOptions
+from bp_mech.bench.workload import parse_workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
+
+
+def _compared(fast, original, seen: dict):
+    """A key builder that builds each key both ways and checks they are equal (``seen``: calls, shortcuts)."""
+    def prep(mode, result, args, state, id_hashed_objects):
+        mine, theirs = [], []
+        fast(mode, mine, args, state, [])
+        original(mode, theirs, args, state, id_hashed_objects)
+        seen["calls"] += 1
+        seen["plain"] += type(args) in fake_ops._SEQUENCES and all(type(a) in fake_ops._PLAIN for a in args)
+        assert mine == theirs, (args, mine, theirs)
+        result.extend(theirs)
+    return prep
+
+
+def _trace_comparing(fast, monkeypatch) -> dict:
+    seen = dict(calls=0, plain=0)
+    original = FakeTensorMode._prep_args_for_hash
+    session = lifecycle.Session(parse_workload("tiny-b2s32"), fake=True, options=StepOptions().for_device("cuda"))
+    # installed after the session's own patch (entered per step) would replace it: put ours underneath
+    monkeypatch.setattr(fake_ops, "plain_key", lambda prep: _compared(fast(prep), original, seen))
+    for name in ("plain", "checkpoint-all+fp16+chunked-loss"):
+        session.ledger(S.parse(name))
+    return seen
+
+
+def test_the_keys_with_the_shortcut_are_the_keys_without_it(monkeypatch):
+    seen = _trace_comparing(fake_ops.plain_key, monkeypatch)
+    assert seen["calls"] > 1000 and seen["plain"] > seen["calls"] // 4  # (shapes and strides: most calls)
+
+
+@pytest.mark.parametrize("mistake", ["no length", "no types"])
+def test_a_shortcut_that_writes_another_key_is_caught(monkeypatch, mistake):
+    def wrong(prep):
+        def prep_args_for_hash(mode, result, args, state, ids):
+            if type(args) in fake_ops._SEQUENCES and all(type(a) in fake_ops._PLAIN for a in args):
+                result.append(type(args))
+                if mistake != "no length":
+                    result.append(f"length_{len(args)}")
+                for a in args:
+                    if mistake != "no types":
+                        result.append(type(a))
+                    result.append(a)
+                return None
+            return prep(mode, result, args, state, ids)
+        return prep_args_for_hash
+
+    with pytest.raises(AssertionError):
+        _trace_comparing(wrong, monkeypatch)
