@@ -117,7 +117,7 @@ def cached_ratios(device_name: str | None = None, results_dir=None) -> tuple[dic
     errors = []
     for sid in STRATEGY_EXPERIMENTS:
         try:
-            groups = cached(sid, results_dir or RESULTS_DIR, stale=False).gpu()  # (a ratio, stale or not)
+            groups = cached(sid, results_dir or RESULTS_DIR, check_stale=False).gpu()  # (a ratio, stale or not)
         except ValueError as e:  # a corrupt or unmergeable cache
             errors.append(f"{sid}: {e}")
             continue

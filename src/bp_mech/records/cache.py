@@ -39,17 +39,17 @@ class Cached:
         return "Cached GPU records (gpu-measured): " + "; ".join(parts) + "."
 
 
-def cached(semantic_id: str, results_dir: Path = RESULTS_DIR, stale: bool = True) -> Cached:
-    """The records of ``semantic_id`` in ``results_dir``, grouped by run label (``Cached``); ``stale=False``:
+def cached(semantic_id: str, results_dir: Path = RESULTS_DIR, check_stale: bool = True) -> Cached:
+    """The records of ``semantic_id`` in ``results_dir``, grouped by run label (``Cached``); ``check_stale=False``:
     without hashing the code for the stale labels (``Cached.stale`` left empty), for a reader that needs none."""
     exp = registry.get(semantic_id)
     groups: dict[str, list] = {}
     for p, r in results.load_records(results_dir, semantic_id):
         groups.setdefault(r.run_label, []).append((p, r))
     stale = set()
-    now = provenance.code_hash(exp.module) if groups and stale else None  # hashed once (provenance.is_stale)
+    now = provenance.code_hash(exp.module) if groups and check_stale else None  # hashed once (provenance.is_stale)
     for label, items in groups.items():
         results.check_mergeable(items)
-        if stale and any(r.code_hash != now for _, r in items):
+        if check_stale and any(r.code_hash != now for _, r in items):
             stale.add(label)
     return Cached(semantic_id, {k: [r for _, r in v] for k, v in groups.items()}, stale)
