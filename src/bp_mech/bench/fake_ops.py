@@ -84,8 +84,9 @@ _SEQUENCES = (tuple, list, torch.Size)
 def plain_key(prep):
     """``FakeTensorMode._prep_args_for_hash`` (``prep``) with a shortcut for a tuple or list of plain values
     (``_PLAIN``: none of the types the builder treats apart), written as ``prep`` writes it: its type, its
-    length, then each value's type and the value. Anything else goes to ``prep``."""
-    def prep_args_for_hash(mode, result, args, state, id_hashed_objects):
+    length, then each value's type and the value. Anything else goes to ``prep``, with whatever other arguments
+    this version of PyTorch passes (the state, the objects hashed by identity)."""
+    def prep_args_for_hash(mode, result, args, *rest):
         if type(args) in _SEQUENCES and all(type(a) in _PLAIN for a in args):
             result.append(type(args))
             result.append(f"length_{len(args)}")
@@ -93,7 +94,7 @@ def plain_key(prep):
                 result.append(type(a))
                 result.append(a)
             return None
-        return prep(mode, result, args, state, id_hashed_objects)
+        return prep(mode, result, args, *rest)
     return prep_args_for_hash
 
 
@@ -104,9 +105,10 @@ def patched():
     from transformers.integrations import moe
 
     stack = contextlib.ExitStack()
-    if not hasattr(FakeTensorMode._prep_args_for_hash, "__wrapped_prep__"):  # (not inside another patched())
-        fast = plain_key(FakeTensorMode._prep_args_for_hash)
-        fast.__wrapped_prep__ = FakeTensorMode._prep_args_for_hash
+    prep = getattr(FakeTensorMode, "_prep_args_for_hash", None)  # (a PyTorch without it: no shortcut)
+    if prep is not None and not hasattr(prep, "__wrapped_prep__"):  # (not inside another patched())
+        fast = plain_key(prep)
+        fast.__wrapped_prep__ = prep
         stack.enter_context(mock.patch.object(FakeTensorMode, "_prep_args_for_hash", fast))
     stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
     stack.enter_context(mock.patch.object(moe, "_grouped_mm", _grouped_mm))
