@@ -20,7 +20,7 @@ def _compared(fast, original, seen: dict):
         fast(mode, mine, args, state, [])
         original(mode, theirs, args, state, id_hashed_objects)
         seen["calls"] += 1
-        seen["plain"] += type(args) in fake_ops._SEQUENCES and all(type(a) in fake_ops._PLAIN for a in args)
+        seen["plain"] += fake_ops.all_plain(args)
         assert mine == theirs, (args, mine, theirs)
         result.extend(theirs)
     return prep
@@ -46,7 +46,7 @@ def test_the_keys_with_the_shortcut_are_the_keys_without_it(monkeypatch):
 def test_a_shortcut_that_writes_another_key_is_caught(monkeypatch, mistake):
     def wrong(prep):
         def prep_args_for_hash(mode, result, args, state, ids):
-            if type(args) in fake_ops._SEQUENCES and all(type(a) in fake_ops._PLAIN for a in args):
+            if fake_ops.all_plain(args):
                 result.append(type(args))
                 if mistake != "no length":
                     result.append(f"length_{len(args)}")

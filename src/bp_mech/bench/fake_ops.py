@@ -81,13 +81,18 @@ _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device
 _SEQUENCES = (tuple, list, torch.Size)
 
 
+def all_plain(args) -> bool:
+    """Whether ``args`` is a tuple or list of plain values only (``plain_key``'s shortcut)."""
+    return type(args) in _SEQUENCES and all(type(a) in _PLAIN for a in args)
+
+
 def plain_key(prep):
     """``FakeTensorMode._prep_args_for_hash`` (``prep``) with a shortcut for a tuple or list of plain values
     (``_PLAIN``: none of the types the builder treats apart), written as ``prep`` writes it: its type, its
     length, then each value's type and the value. Anything else goes to ``prep``, with whatever other arguments
     this version of PyTorch passes (the state, the objects hashed by identity)."""
     def prep_args_for_hash(mode, result, args, *rest):
-        if type(args) in _SEQUENCES and all(type(a) in _PLAIN for a in args):
+        if all_plain(args):
             result.append(type(args))
             result.append(f"length_{len(args)}")
             for a in args:

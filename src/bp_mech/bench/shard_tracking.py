@@ -4,9 +4,6 @@ re-gathers unsharded parameters, and names the all-gathered parameters and the c
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
-
 import torch
 
 from bp_mech.bench.tracking import StorageTracker, _storage
@@ -81,13 +78,8 @@ class ShardTracker(StorageTracker):
         if old is not None:
             del self.serial[storage]
             self._free(old, None)
-        if n := storage.nbytes():
-            serial = len(self.nbytes)
-            self.serial[storage], self.nbytes[serial] = serial, n
-            self.label[serial] = "other" if old is None else self.label[old]
-            self.refs[serial], self.ident[serial] = weakref.ref(storage, partial(self._free, serial)), id(storage)
-            self.live[serial], self.current = n, self.current + n
-            self.peak = max(self.peak, self.current)
+        if storage.nbytes():
+            serial = self._count(storage, "other" if old is None else self.label[old], host=False)
             if old in self.kind:
                 self._grow(serial, self.kind[old])
 

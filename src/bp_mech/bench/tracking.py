@@ -132,17 +132,24 @@ class StorageTracker(TorchDispatchMode):
         storage = _storage(t)
         if storage is None or storage.nbytes() == 0 or storage in self.serial:
             return
+        host = bool(self.host_depth) or t.device.type != self.device.type  # an offload's host buffer, a host tensor
+        serial = self._count(storage, label, host)
+        if not host and self.phase == "forward":
+            self.born.append(serial)
+
+    def _count(self, storage, label: str, host: bool) -> int:
+        """Track ``storage`` from now on under a new serial (its bytes, class and weak reference), alive on the
+        device or held on the host; returns the serial."""
         serial, nbytes = len(self.nbytes), storage.nbytes()
         self.serial[storage], self.nbytes[serial], self.label[serial] = serial, nbytes, label
         self.refs[serial], self.ident[serial] = weakref.ref(storage, partial(self._free, serial)), id(storage)
-        if self.host_depth or t.device.type != self.device.type:  # an offload's host buffer, or a host tensor
+        if host:
             self.host[serial] = nbytes
         else:
             self.live[serial] = nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
-            if self.phase == "forward":
-                self.born.append(serial)
+        return serial
 
     def relabel(self, t, label: str) -> None:
         storage = _storage(t)
