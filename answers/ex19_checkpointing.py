@@ -2,7 +2,7 @@
 
 ``CheckpointedBlock`` is the package's own (``src/bp_mech/checkpointing.py``, beside
 ``CheckpointFunction``); ``count_forward_calls`` is the general form of the package's
-``ForwardCounter`` (``src/bp_mech/bench/counters.py``).
+``ForwardCounter`` (``src/bp_mech/instruments/counters.py``).
 """
 
 from collections.abc import Callable

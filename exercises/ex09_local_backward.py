@@ -166,7 +166,7 @@ def predict_mlp_saved_bytes(batch: int, seq: int, hidden: int, inter: int,
     needs from the forward.
 
     The check measures it with ``torch.autograd.graph.saved_tensors_hooks``
-    (``bp_mech.bench.counters.SavedBytesCounter``) on the real module, and compares
+    (``instruments.counters.SavedBytesCounter``) on the real module, and compares
     exactly: a byte count has no noise.
 
     Args:

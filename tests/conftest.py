@@ -125,7 +125,7 @@ def gpu_suite_ids() -> list[str]:
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny random-init Qwen2 (``tiny-b2s32``) and two batches, built once per test module."""
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b2s32")
     return build_model(w), make_batches(w, 2)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from bp_mech import accumulation
 from bp_mech.update_dynamics import global_grad_norm
-from bp_mech.bench.workload import PAD_ID, build_model, parse_workload
+from bp_mech.instruments.workload import PAD_ID, build_model, parse_workload
 from bp_mech.checks import ex11
 
 W = parse_workload("tiny-b2s16")
@@ -38,7 +38,7 @@ def test_right_padding_leaves_real_logits_unchanged(setup):
     model.load_state_dict(init)
     b = batches[0]
     real = b["labels"] != accumulation.IGNORE
-    from bp_mech.bench.workload import make_batches
+    from bp_mech.instruments.workload import make_batches
     plain = make_batches(W.replace(batch=W.batch * MICRO_MAX), 1)[0]["input_ids"]
     assert torch.equal(plain[real], b["input_ids"][real])
     with torch.no_grad():

@@ -65,7 +65,7 @@ def test_unscale_and_clip_uses_the_global_norm():
 
 
 def test_autocast_is_off_for_fp32_and_casts_linear_outputs():
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     model, batch = build_model(w), make_batches(w, 1)[0]

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, load_solution
 
 from bp_mech import attention_backward, attention_framework, attention_strategies
-from bp_mech.bench.tracking import PeakMemory
+from bp_mech.instruments.peak import PeakMemory
 from bp_mech.checks import ex10
 from bp_mech.experiments import attention_backward as experiment
 
@@ -39,7 +39,7 @@ def test_hand_attention_gradcheck(strategy):
 def test_rope_tables_match_transformers():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
 
     cfg = qwen2_config("tiny")
     d, T = cfg.hidden_size // cfg.num_attention_heads, 64
@@ -104,7 +104,7 @@ def test_eager_qwen2_attention_with_explicit_mask():
         Qwen2RotaryEmbedding,
     )
 
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
 
     cfg = qwen2_config("tiny", attn_implementation="eager")
     torch.manual_seed(1)
@@ -128,7 +128,7 @@ def test_qwen2_attention_has_biases_on_qkv_only(arch):
     """Qwen2: q/k/v_proj carry a bias, o_proj none (chapter 10's prose), on the real module."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
 
     attn = Qwen2Attention(qwen2_config(arch), layer_idx=0)
     for name in ("q_proj", "k_proj", "v_proj"):

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import dataclasses
 
 from bp_mech import checkpointing
-from bp_mech.bench import counters
+from bp_mech.instruments import counters
 from bp_mech.bench.compare import compare
 from bp_mech.bench.step import probe
 from bp_mech.bench.strategy import configured, parse

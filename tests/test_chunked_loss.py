@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech import chunked_loss
-from bp_mech.bench.tracking import StorageTracker
+from bp_mech.instruments.tracking import StorageTracker
 
 B, T, C, V = 3, 11, 16, 50
 

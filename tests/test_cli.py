@@ -101,7 +101,7 @@ def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
 def test_pretrained_snapshot_is_resolved_once_per_process(monkeypatch, tmp_path):
     import huggingface_hub
 
-    from bp_mech.bench.workload import Workload, model_commit, resolve_pretrained
+    from bp_mech.instruments.workload import Workload, model_commit, resolve_pretrained
 
     snap, calls = tmp_path / "snapshots" / ("ab" * 20), []
     snap.mkdir(parents=True)

@@ -13,7 +13,7 @@ import torch
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state as ts
 from bp_mech.accumulation import count_targets
-from bp_mech.bench.workload import build_model, load_text, parse_workload, tokenize, workload_fields
+from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize, workload_fields
 from bp_mech.checks import ex56
 
 W = parse_workload("tiny-b1s16")

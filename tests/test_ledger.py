@@ -1,7 +1,7 @@
 """Part 02 · 43, the mechanism: the formula (``bp_mech.ledger``) agrees with the measured and the
-fake-tensor ledger (``bp_mech.bench.lifecycle``) per stage and per class, the classes mean what they
+fake-tensor ledger (``bp_mech.planner.lifecycle``) per stage and per class, the classes mean what they
 say, and the exercise checks catch the classic mistakes. (The tracker's own behaviour on the one step:
-tests/bench/test_lifecycle.py.)"""
+tests/planner/test_lifecycle.py.)"""
 
 import re
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import ARCHITECTURES, parse_workload
+from bp_mech.instruments.workload import ARCHITECTURES, parse_workload
 from bp_mech.checks import ex43
 from bp_mech.experiments import ledger as experiment
 
@@ -232,7 +232,7 @@ def test_the_gpu_adamw_keeps_its_step_counters_on_the_device():
     what the fused CUDA kernel then does with the counter does not run here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bp_mech.bench.step import make_optimizer
+    from bp_mech.bench.optimizer import make_optimizer
 
     assert StepOptions().for_device("cuda").adamw == "fused"
     for impl, where in ((None, "cuda"), ("foreach", "cpu")):  # None: the book's choice for CUDA

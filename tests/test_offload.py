@@ -12,10 +12,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bp_mech import checkpointing, offload
-from bp_mech.bench import counters
+from bp_mech.instruments import counters
 from bp_mech.bench.compare import compare
-from bp_mech.bench.tracking import PeakMemory
-from bp_mech.bench.workload import qwen2_config
+from bp_mech.instruments.tracking import host_side
+from bp_mech.instruments.peak import PeakMemory
+from bp_mech.instruments.workload import qwen2_config
 from conftest import hooked_probe, hooked_step
 
 MIN = offload.CPU_MIN_BYTES
@@ -92,7 +93,8 @@ def test_host_pool_is_reused_across_steps(tiny):
 def test_cpu_peak_is_the_device_side_and_host_bytes_are_reported(tiny):
     model, batches = tiny
     peaks = {}
-    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN))
+    # the tracker observes the host side through the region the offload makes its copies in
+    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=MIN), host_region=host_side)
     for name, hooks in (("plain", None), ("offload", ours)):
         with PeakMemory("cpu", resident=[model.parameters()]) as pm:
             hooked_step(model, batches[0], hooks)

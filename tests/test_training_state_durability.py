@@ -8,7 +8,7 @@ import os
 import torch
 
 from bp_mech import training_state as ts
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
 
 

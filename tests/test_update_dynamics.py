@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bp_mech import update_dynamics
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.checks import ex55
 
 
@@ -17,7 +17,7 @@ def test_groups_cover_every_parameter_once():
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     assert all(groups[g] for g in update_dynamics.GROUPS)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: counted once, in "embedding"
-    opt = update_dynamics.make_optimizer(model, 1e-3, 0.1, "cpu")
+    opt = update_dynamics.grouped_adamw(model, 1e-3, 0.1, "cpu")
     assert {g["name"]: g["weight_decay"] for g in opt.param_groups} == {
         "embedding": 0.1, "attention": 0.1, "mlp": 0.1, "norm_bias": 0.0}
 

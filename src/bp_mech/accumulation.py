@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from bp_mech.chunked_loss import IGNORE, shifted_targets  # IGNORE: label of a position that is not a target
-from bp_mech.bench.workload import PAD_ID, Workload, make_adamw, make_batches
+from bp_mech.instruments.workload import PAD_ID, Workload, make_batches
+from bp_mech.instruments.adamw import make_adamw
 
 
 # --- data ------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def padded_batches(w: Workload, n: int, micro_max: int,
         shape (E, T).
 
     Example:
-        >>> from bp_mech.bench.workload import parse_workload
+        >>> from bp_mech.instruments.workload import parse_workload
         >>> w = parse_workload("tiny-b1s8")
         >>> b = padded_batches(w, 1, micro_max=2, max_pad=0.5)[0]
         >>> b["input_ids"].shape, b["labels"].shape
@@ -173,7 +174,7 @@ def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int,
         show.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b4s8"); model = build_model(w)
         >>> batch = make_batches(w, 1)[0]
         >>> full = accumulated_backward(model, batch, k=1)  # token-weighted: k=2 same
@@ -273,7 +274,7 @@ def accelerate_updates(model, init: dict, batches, k: int,
         order; the model holds the parameters after the last update.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b2s8"); model = build_model(w)
         >>> batches = make_batches(w, 1)
         >>> g = accelerate_updates(model, model.state_dict(), batches, k=2, lr=1e-3)

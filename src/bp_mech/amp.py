@@ -30,7 +30,7 @@ import torch
 
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
 from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
-from bp_mech.bench.workload import make_adamw
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.loss_scaling import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "unscale_and_clip_", "autocast", "autocast_dtypes", "AmpTrainer",  # public names
@@ -110,7 +110,7 @@ def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | Non
         without "torch." and joined by "/" when several.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b1s8")
         >>> d = autocast_dtypes(build_model(w), make_batches(w, 1)[0], "cpu", torch.bfloat16)
         >>> d["Linear"], d["Qwen2RMSNorm"], d["(loss)"]
@@ -150,7 +150,7 @@ class AmpTrainer:
         growth_interval: the GradScaler's finite steps before a growth.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b1s8"); t = AmpTrainer(build_model(w), torch.float16, "cpu", WSDConfig())
         >>> t.step(make_batches(w, 1)[0], inject=float("inf")), t.trace["scale"]  # overflow: skipped
         (False, [32768.0])
@@ -180,7 +180,7 @@ class AmpTrainer:
             clock then does not advance). Appends one entry to each list of ``trace``.
 
         Example:
-            >>> from bp_mech.bench.workload import (build_model, make_batches,
+            >>> from bp_mech.instruments.workload import (build_model, make_batches,
             ...                                     parse_workload)
             >>> w = parse_workload("tiny-b1s8")
             >>> t = AmpTrainer(build_model(w), None, "cpu", WSDConfig())
@@ -243,7 +243,7 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
         ``update_rel_diff`` = ||Δp_b - Δp_a|| / ||Δp_a||.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
         >>> w = parse_workload("tiny-b1s8")
         >>> model, batches = build_model(w), make_batches(w, 1)
         >>> row = clipping_order(model, batches, max_norm=1.0, scale=2.0**10)[0]

@@ -34,7 +34,7 @@ class AttnConfig:
 
     @classmethod
     def from_arch(cls, arch: str, batch: int, block: int = 64) -> "AttnConfig":
-        """The attention of an architecture of ``bp_mech.bench.workload.ARCHITECTURES``.
+        """The attention of an architecture of ``bp_mech.instruments.workload.ARCHITECTURES``.
 
         Args:
             arch: an architecture name, e.g. ``"tiny"`` or ``"qwen05"``.
@@ -48,7 +48,7 @@ class AttnConfig:
             >>> AttnConfig.from_arch("qwen05", batch=1)
             AttnConfig(batch=1, heads=14, kv_heads=2, head_dim=64, rope_theta=1000000.0, block=64)
         """
-        from bp_mech.bench.workload import ARCHITECTURES
+        from bp_mech.instruments.workload import ARCHITECTURES
 
         a = ARCHITECTURES[arch]
         return cls(batch, a["num_attention_heads"], a["num_key_value_heads"],

@@ -119,7 +119,7 @@ def qwen2_attention_backward(x, attn, cos, sin, dy, strategy: str, block: int = 
         ``q_proj.weight``, ``q_proj.bias``, ..., ``o_proj.weight``, each of its parameter's shape.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> attn = build_model(parse_workload("tiny-b1s8")).model.layers[0].self_attn  # C = 64, d = 16
         >>> x, dy = torch.randn(2, 1, 8, 64, generator=torch.Generator().manual_seed(0))
         >>> cos, sin = torch.ones(1, 8, 16), torch.zeros(1, 8, 16)  # position 0 everywhere: no rotation

@@ -23,7 +23,7 @@ import torch
 from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward, blockwise_forward,
                                         gqa_expand, gqa_reduce, rope_backward, rope_forward)
 from bp_mech.attention_config import AttnConfig  # noqa: F401 (re-exported)
-from bp_mech.bench.counters import SavedBytesCounter
+from bp_mech.instruments.counters import SavedBytesCounter
 
 
 # --- the two strategies with RoPE and GQA: forward -> (O, saved), backward(saved) --------
@@ -218,7 +218,7 @@ class HandAttention(torch.autograd.Function):
 
 def saved_bytes(fn, inputs) -> int:
     """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack
-    hook sees (``bp_mech.bench.counters.SavedBytesCounter``: views of one storage count
+    hook sees (``bp_mech.instruments.counters.SavedBytesCounter``: views of one storage count
     once).
 
     Args:

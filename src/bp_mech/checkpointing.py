@@ -19,7 +19,7 @@ shrink to its input, the step pays one extra forward of every checkpointed block
 
 The experiment of the chapter (candidates, measured steps, decision, records) lives in
 ``bp_mech.experiments.checkpointing``; the recompute and the saved bytes are counted by
-``bp_mech.bench.counters``.
+``bp_mech.instruments.counters``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
-from bp_mech.bench import anatomy
+from bp_mech.instruments import anatomy
 from bp_mech.checkpointing_native import (  # noqa: F401  (re-exported)
     _Checkpointed, checkpoint_mlp, enable_native, native_checkpointing)
 
@@ -179,7 +179,7 @@ def unsupported(model, candidate: str) -> str | None:
     """Why configuration ``candidate`` cannot be applied to ``model``, or None when it can.
 
     Transformers' checkpointing needs a model that supports it (``supports_gradient_checkpointing``);
-    ``checkpoint-mlp`` needs an MLP child in each decoder block (``bench.anatomy.mlp_name``: OPT's
+    ``checkpoint-mlp`` needs an MLP child in each decoder block (``instruments.anatomy.mlp_name``: OPT's
     ``fc1``/``fc2`` sit on the block itself).
 
     Args:
@@ -190,7 +190,7 @@ def unsupported(model, candidate: str) -> str | None:
         The reason, one line, or None.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> unsupported(build_model(parse_workload("tiny-b1s8")), "checkpoint-mlp") is None
         True
     """
@@ -228,7 +228,7 @@ def configure(model, candidate: str):
         ValueError: ``candidate`` is not in ``CONFIGURATIONS``.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> with configure(model, "checkpoint-all") as m:
         ...     m is model and m.is_gradient_checkpointing

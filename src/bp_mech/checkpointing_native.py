@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech.bench import anatomy
+from bp_mech.instruments import anatomy
 
 
 class _Checkpointed(nn.Module):
@@ -39,7 +39,7 @@ class _Checkpointed(nn.Module):
 def checkpoint_mlp(model):
     """Selective checkpointing: only each decoder layer's MLP is recomputed in backward.
 
-    Each decoder block's MLP (``bench.anatomy``; ``model.model.layers[i].mlp`` in
+    Each decoder block's MLP (``instruments.anatomy``; ``model.model.layers[i].mlp`` in
     Qwen2) is wrapped in ``torch.utils.checkpoint``
     (non-reentrant, while the model trains) inside the ``with`` block, unwrapped after.
 
@@ -51,7 +51,7 @@ def checkpoint_mlp(model):
         ``model`` itself, its MLPs checkpointed.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> with checkpoint_mlp(model) as m:
         ...     type(m.model.layers[0].mlp).__name__
@@ -90,7 +90,7 @@ def enable_native(model, every_n_layers: int = 1) -> None:
         None; ``model`` is changed in place.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))  # 2 decoder layers
         >>> enable_native(model, every_n_layers=2)
         >>> [layer.gradient_checkpointing for layer in model.model.layers]
@@ -120,7 +120,7 @@ def native_checkpointing(model, every_n_layers: int = 1):
         embeddings is removed.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> with native_checkpointing(model) as m:
         ...     m.is_gradient_checkpointing

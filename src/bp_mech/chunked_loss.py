@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bp_mech.bench import anatomy
+from bp_mech.instruments import anatomy
 
 IGNORE = -100  # label of a position that is not a target (padding), as in Transformers
 DEFAULT_CHUNK = 256  # tokens per chunk: qwen05's (256, 151936) float32 logits are 156 MB
@@ -277,7 +277,7 @@ def unsupported(model) -> str | None:
         The reason, one line, or None.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> unsupported(build_model(parse_workload("tiny-b1s8"))) is None
         True
     """
@@ -318,7 +318,7 @@ def chunked(model, chunk: int | None = DEFAULT_CHUNK):
         ValueError: ``chunk`` < 1, or a model whose loss it cannot stand in for (``unsupported``).
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model, ids = build_model(parse_workload("tiny-b1s8")), torch.arange(8)[None]
         >>> with chunked(model, chunk=3) as m:
         ...     out = m(input_ids=ids, labels=ids)

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from bp_mech import RESULTS_DIR, ROOT
-from bp_mech.bench.step import ADAMW_IMPLS, OPTIMIZERS
+from bp_mech.bench.optimizer import ADAMW_IMPLS, OPTIMIZERS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
-from bp_mech.bench.workload import WorkloadError
+from bp_mech.instruments.workload import WorkloadError
 from bp_mech.experiments.runner import UsageError, options_of, progress_bar, run_one, run_suite, source_of
 from bp_mech.records import provenance, registry, results
 from bp_mech.records.environment import ProfileError, check_profile, preflight
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer-impl", choices=("default", *ADAMW_IMPLS), default="default",
                     help="the optimizer's implementation: default (what PyTorch picks on CUDA: foreach), foreach, "
                          "fused (AdamW, SGD), or for-loop (foreach=False, fused=False)")
-    # how the model is fine-tuned (bench.finetune) and with which optimizer
+    # how the model is fine-tuned (planner.finetune) and with which optimizer
     pl.add_argument("--dtype", choices=("float32", "bf16", "fp16"), default="float32",
                     help="the weights' dtype, and so their gradients' and the optimizer state's: bf16 or fp16 without "
                          "a float32 master copy (default float32)")

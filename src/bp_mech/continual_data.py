@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bp_mech.bench.workload import WorkloadError, load_text, tokenize
+from bp_mech.instruments.workload import WorkloadError, load_text, tokenize
 
 
 def text_sha256(ids: torch.Tensor) -> str:
@@ -90,7 +90,7 @@ def load_texts(domain_path=None, holdout_path=None, w=None) -> dict[str, Text]:
     Args:
         domain_path: a UTF-8 file with the domain text; None: the shipped domain text.
         holdout_path: a UTF-8 file with the holdout text; None: the shipped holdout text.
-        w: the ``bench.workload.Workload`` whose tokenizer to use; None: the byte-level one.
+        w: the ``instruments.workload.Workload`` whose tokenizer to use; None: the byte-level one.
 
     Returns:
         ``{"general": Text, "domain": Text, "holdout": Text}``, in that order.

@@ -15,7 +15,7 @@ import math
 import torch
 
 from bp_mech.accumulation import IGNORE, count_targets, token_loss_sum
-from bp_mech.bench.workload import PAD_ID
+from bp_mech.instruments.workload import PAD_ID
 
 
 def eval_batches(ids: torch.Tensor, seq: int,
@@ -72,7 +72,7 @@ def token_loss(model, batches) -> float:
         The mean loss per target token, a Python float.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> loss = token_loss(model, eval_batches(torch.arange(40), seq=8, batch=2))
         >>> # near log(vocab) at init; train mode kept

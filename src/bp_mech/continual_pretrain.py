@@ -35,7 +35,8 @@ import torch
 
 from bp_mech.accumulation import count_targets, token_loss_sum
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
-from bp_mech.bench.workload import build_model, make_adamw
+from bp_mech.instruments.workload import build_model
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.continual_data import Text, TextStream, load_texts, split_text, text_sha256
 from bp_mech.continual_eval import eval_batches, gain_and_drift, resume_difference, token_loss
 
@@ -108,7 +109,7 @@ class Trainer:
         device: the model's device; AdamW is fused on CUDA, foreach elsewhere.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
         >>> t.clock.updates, round(t.optimizer.param_groups[0]["lr"], 4)  # warmup starts at 0.1 x lr
         (0, 0.0001)
@@ -134,7 +135,7 @@ class Trainer:
             the global norm before clipping}``.
 
         Example:
-            >>> from bp_mech.bench.workload import build_model, parse_workload
+            >>> from bp_mech.instruments.workload import build_model, parse_workload
             >>> model = build_model(parse_workload("tiny-b1s8"))
             >>> data = TextStream(torch.arange(64), batch=1, seq=8, seed=0)
             >>> t = Trainer(model, TrainConfig(), data)
@@ -173,7 +174,7 @@ def train(trainer: Trainer, until: int, after_update: Callable[[Trainer], None] 
         One row per step (``Trainer.step``), skipped steps included.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
         >>> [row["update"] for row in train(t, 3)], t.clock.updates
         ([1, 2, 3], 3)
@@ -210,7 +211,7 @@ def pretrain(model, ids: torch.Tensor, batch: int, seq: int, cfg: TrainConfig, d
         The step rows (``Trainer.step``).
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))
         >>> rows = pretrain(model, torch.arange(64), batch=1, seq=8, cfg=TrainConfig(updates=3, warmup=1, decay=1))
         >>> len(rows), rows[-1]["update"]
@@ -225,7 +226,7 @@ def base_model(w, general: torch.Tensor, cfg: TrainConfig, device="cpu"):
     A random-init model (``config`` source) gets ``pretrain``; a pretrained workload keeps its weights.
 
     Args:
-        w: the ``bench.workload.Workload`` (architecture, batch, seq, source, seed).
+        w: the ``instruments.workload.Workload`` (architecture, batch, seq, source, seed).
         general: (N,) token ids of the general text.
         cfg: the pretraining phase's ``TrainConfig``.
         device: where to build the model.
@@ -234,7 +235,7 @@ def base_model(w, general: torch.Tensor, cfg: TrainConfig, device="cpu"):
         (model, the pretraining's step rows); the rows are empty for a pretrained workload.
 
     Example:
-        >>> from bp_mech.bench.workload import parse_workload
+        >>> from bp_mech.instruments.workload import parse_workload
         >>> cfg = TrainConfig(updates=2, warmup=1, decay=1)
         >>> model, rows = base_model(parse_workload("tiny-b1s8"), torch.arange(64), cfg)
         >>> len(rows), model.training
@@ -264,7 +265,7 @@ def domain_run(trainer: Trainer, evals: dict[str, list], eval_at, until: int,
         ``steps`` (``Trainer.step`` rows) and ``evals`` (``[{"update": u, name: loss, ...}]``).
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
         >>> run = domain_run(t, {"domain": eval_batches(torch.arange(64), 8, 4)}, eval_at={0, 2}, until=3)
         >>> len(run["steps"]), [e["update"] for e in run["evals"]], sorted(run["evals"][0])

@@ -9,12 +9,12 @@ the pinned host <-> device link those copies run over. ``bp_mech.offload`` re-ex
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections import defaultdict
+from typing import Callable, ContextManager
 
 import torch
-
-from bp_mech.bench.tracking import host_side
 
 
 class HostPool:
@@ -26,6 +26,9 @@ class HostPool:
 
     Args:
         pin: allocate page-locked buffers (needed for asynchronous copies; CUDA only).
+        host_region: the context each new buffer is allocated in (default: none). A memory tracker that
+            must tell host bytes from device bytes on a CPU-only machine passes its own
+            (``instruments.tracking.host_side``): the pool does not know who is watching.
 
     Example:
         >>> pool = HostPool(pin=False)
@@ -35,8 +38,9 @@ class HostPool:
         (1, 1024, 1024, 1024)
     """
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, host_region: Callable[[], ContextManager] = contextlib.nullcontext):
         self.pin = pin  # page-locked: needed for asynchronous copies
+        self.host_region = host_region  # entered around each allocation (a tracker's, or nothing)
         # nbytes -> uint8 buffers not handed out
         self.idle: dict[int, list] = defaultdict(list)
         self.allocated = 0  # bytes ever allocated
@@ -62,7 +66,7 @@ class HostPool:
         if self.idle[n]:
             buf = self.idle[n].pop()
         else:
-            with host_side():
+            with self.host_region():
                 buf = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
             self.allocated, self.allocations = self.allocated + n, self.allocations + 1
         self.in_use += n

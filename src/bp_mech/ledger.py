@@ -12,8 +12,8 @@ answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
 ``layer_saved_storages``, ``gpt_activation_bytes``, ``attention_probs_bytes``) and are
 re-exported here.
 
-``bp_mech.bench.lifecycle`` fills the same table from a real or a fake-tensor step (the
-storage tracker of ``bp_mech.bench.tracking``); ``bp_mech.experiments.ledger`` compares the
+``bp_mech.planner.lifecycle`` fills the same table from a real or a fake-tensor step (the
+storage tracker of ``bp_mech.instruments.tracking``); ``bp_mech.experiments.ledger`` compares the
 three sources (TRAIN-STATE-LEDGER).
 """
 
@@ -104,7 +104,7 @@ def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu",
 
     Example:
         >>> from bp_mech.bench.strategy import parse
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> a = ARCHITECTURES["qwen05"]  # Qwen2.5-0.5B, B = 2, T = 512
         >>> plain = theoretical(a, 2, 512, device="cuda")
         >>> ckpt = theoretical(a, 2, 512, parse("checkpoint-all"), "cuda")

@@ -2,7 +2,7 @@
 
 A ledger splits the memory of one training step by **lifecycle stage** (``STAGES``) and by
 **object class** (``CLASSES``). ``bp_mech.ledger`` fills it from theory (``theoretical``)
-and re-exports every name here; ``bp_mech.bench.lifecycle`` fills it from a real or a
+and re-exports every name here; ``bp_mech.planner.lifecycle`` fills it from a real or a
 fake-tensor step.
 """
 

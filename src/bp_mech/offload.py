@@ -25,9 +25,11 @@ the entry exists.
 
 On the CPU there is no device: the "host" copy is a CPU clone into the pool and the copy back
 is another clone, with no stream. Hooks, skip rules and byte counts are real; time says nothing
-about a host link. The CPU storage tracker does not see the host side (pool buffers and
-``save_on_cpu``'s host copies), as the CUDA allocator does not see pinned host memory, so the
-CPU peak is what a device would hold; the host bytes are reported beside it.
+about a host link. The hooks run their host-side work (the pool's buffers, ``save_on_cpu``'s host
+copies) inside ``host_region()``, a context a measuring tool may pass in: the bench passes the storage
+tracker's ``host_side``, which books those bytes as host memory, as the CUDA allocator does not see
+pinned host memory; so the CPU peak is what a device would hold, and the host bytes are reported beside
+it. The mechanism itself knows nothing of trackers.
 
 The experiment of the chapter (candidates, the counting pass, link metrics, records) lives in
 ``bp_mech.experiments.offload``.
@@ -35,15 +37,16 @@ The experiment of the chapter (candidates, the counting pass, link metrics, reco
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bp_mech.bench.tracking import host_side
 from bp_mech.host_memory import HostPool, measure_bandwidth
 
 __all__ = ["OFFLOADABLE_TYPES", "HostPool", "OffloadConfig", "ActivationOffload", "CountingSaveOnCpu",
@@ -95,6 +98,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         params: the model's parameters (they, and views of them, stay resident).
         cfg: the thresholds and CUDA stream settings.
         device: where the activations live ("cpu": clones stand for the copies, no stream).
+        host_region: the context the host-side copies are made in (default: none; a memory tracker passes
+            its own to book them as host memory: ``instruments.tracking.host_side``).
 
     Example:
         >>> x = torch.ones(1024, 8, requires_grad=True)  # 32 KiB, not a parameter
@@ -105,11 +110,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         (1, 32768, 32768, True)
     """
 
-    def __init__(self, params, cfg: OffloadConfig = OffloadConfig(), device="cpu"):
+    def __init__(self, params, cfg: OffloadConfig = OffloadConfig(), device="cpu",
+                 host_region: Callable[[], ContextManager] = contextlib.nullcontext):
         self.params, self.cfg, self.device = list(params), cfg, torch.device(device)
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda and cfg.side_stream else None
-        self.pool = HostPool(pin=cuda)
+        self.host_region = host_region
+        self.pool = HostPool(pin=cuda, host_region=host_region)
         self._reset()
         super().__init__(self._pack, self._unpack)
 
@@ -165,7 +172,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         slot = self._by_storage.get(key)
         # a new storage, or one written since its copy
         if slot is None or slot.version != t._version:
-            with host_side():
+            with self.host_region():
                 slot = self._offload(storage, t._version)
             self._by_storage[key] = slot
         else:
@@ -242,7 +249,8 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     It copies every saved tensor (parameters and each view separately) on the compute
     stream. On the CPU its ``.to(device)`` returns the host tensor itself; the wrapper
     clones it there, to stand for the copy back a device would make. ``d2h_bytes`` /
-    ``h2d_bytes`` cover the last forward and its backward.
+    ``h2d_bytes`` cover the last forward and its backward. ``host_region``: as
+    ``ActivationOffload``'s, the context its host copies are made in.
 
     Example:
         >>> x, hooks = torch.ones(1024, 8, requires_grad=True), CountingSaveOnCpu()
@@ -252,14 +260,14 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         (32768, 32768)
     """
 
-    def __init__(self):
+    def __init__(self, host_region: Callable[[], ContextManager] = contextlib.nullcontext):
         super().__init__(pin_memory=True, device_type="cuda")
         pack, unpack = self.pack_hook, self.unpack_hook
         self.d2h_bytes = self.h2d_bytes = 0
 
         def counted_pack(t):
             self.d2h_bytes += t.numel() * t.element_size()
-            with host_side():
+            with host_region():
                 return pack(t)
 
         def counted_unpack(packed):

@@ -46,7 +46,7 @@ def param_bytes(cfg, bytes_per_value: int = 4) -> int:
         The number of bytes, an int.
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> tiny, qwen05 = ARCHITECTURES["tiny"], ARCHITECTURES["qwen05"]
         >>> param_bytes(tiny), param_bytes(qwen05) // 4
         (469248, 494032768)
@@ -68,7 +68,7 @@ def grad_bytes(cfg, bytes_per_value: int = 4) -> int:
         The number of bytes, an int (``param_bytes``).
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> grad_bytes(ARCHITECTURES["tiny"]) == param_bytes(ARCHITECTURES["tiny"])
         True
     """
@@ -88,7 +88,7 @@ def adam_state_bytes(cfg, bytes_per_value: int = 4) -> int:
         The number of bytes, an int (2 ``param_bytes``).
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> tiny = ARCHITECTURES["tiny"]
         >>> adam_state_bytes(tiny) == 2 * param_bytes(tiny)
         True
@@ -123,7 +123,7 @@ def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
         The number of bytes, an int.
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> tiny = ARCHITECTURES["tiny"]
         >>> block_saved_bytes(tiny, 2, 8), block_saved_bytes(tiny, 2, 8, half=True)
         (82304, 55680)
@@ -153,7 +153,7 @@ def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
         5, SwiGLU's 4.
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> sizes = layer_saved_storages(ARCHITECTURES["tiny"], 2, 8)
         >>> total = block_saved_bytes(ARCHITECTURES["tiny"], 2, 8)
         >>> len(sizes), sum(sizes) == total, min(sizes)
@@ -191,7 +191,7 @@ def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
         The number of bytes, a float.
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> gpt_activation_bytes(ARCHITECTURES["tiny"], 2, 8)  # 8*2*64*(34+5*4*8/64)
         37376.0
     """
@@ -213,7 +213,7 @@ def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -
         The number of bytes, an int.
 
     Example:
-        >>> from bp_mech.bench.workload import ARCHITECTURES
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
         >>> attention_probs_bytes(ARCHITECTURES["tiny"], 2, 8)  # 2 * 4 * 8 * 8 * 4
         2048
     """

@@ -64,7 +64,7 @@ def model_config_identity(config) -> dict:
         ``{key: getattr(config, key, None)}`` for every key of ``MODEL_CONFIG_KEYS``.
 
     Example:
-        >>> from bp_mech.bench.workload import qwen2_config
+        >>> from bp_mech.instruments.workload import qwen2_config
         >>> fields = model_config_identity(qwen2_config("tiny"))
         >>> fields["hidden_size"], fields["num_hidden_layers"], fields["tie_word_embeddings"]
         (64, 2, True)
@@ -76,7 +76,7 @@ def identity(workload: dict, train_config, ids: torch.Tensor, batch: int, seq: i
     """The sections of ``IDENTITY``: what a saved state must share with the run that resumes it.
 
     Args:
-        workload: the record's workload group (``bench.workload.workload_fields``), kept as it is.
+        workload: the record's workload group (``instruments.workload.workload_fields``), kept as it is.
         train_config: the phase's ``continual_pretrain.TrainConfig``, kept as a dict.
         ids: (N,) token ids of the training text, kept as its ``text_sha256`` and token count.
         batch: sequences per batch of the data stream.
@@ -108,7 +108,7 @@ def trainer_identity(trainer, workload: dict) -> dict:
         The ``IDENTITY`` sections, as ``identity`` returns them.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
         >>> ident = trainer_identity(t, {"workload_id": "tiny-b1s8"})

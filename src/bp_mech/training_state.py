@@ -99,7 +99,7 @@ def capture_state(trainer) -> dict:
         ``state_dict()``) and ``"rng"`` (``rng_states``).
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
         ...                                         train)
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
@@ -133,7 +133,7 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
         None.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
         ...                                         train)
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
@@ -167,7 +167,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
     Args:
         trainer: the ``continual_pretrain.Trainer`` to save.
         root: the directory of the saved states; created if missing.
-        workload: the record's workload group (``bench.workload.workload_fields``).
+        workload: the record's workload group (``instruments.workload.workload_fields``).
         record: the record's identity (``semantic_id``, run label, candidate), kept as
             the manifest's ``record``.
 
@@ -175,7 +175,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
         The new saved state directory, ``root/step-NNNNNN`` (or ``root/step-NNNNNN-k``).
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...             TextStream(torch.arange(64), 1, 8, 0))
@@ -250,7 +250,7 @@ def load_training_state(trainer, path, workload: dict, semantic_id: str | None =
             states; another scaler. The trainer is unchanged.
 
     Example:
-        >>> from bp_mech.bench.workload import build_model, parse_workload
+        >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
         ...                                         train)
         >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),

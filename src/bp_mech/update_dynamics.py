@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from bp_mech.bench.workload import make_adamw
+from bp_mech.instruments.adamw import make_adamw
 
 EPS = 1e-6  # the eps of clip_grad_norm_'s coefficient
 GROUPS = ("embedding", "attention", "mlp", "norm_bias")  # parameter groups, by role
@@ -70,7 +70,7 @@ def param_groups(model) -> dict[str, list[torch.nn.Parameter]]:
     return groups
 
 
-def make_optimizer(model, lr: float, weight_decay: float, device):
+def grouped_adamw(model, lr: float, weight_decay: float, device):
     """AdamW with one parameter group per role (``param_groups``).
 
     ``weight_decay`` on the embedding, attention and MLP matrices, none on norms and biases.
@@ -86,7 +86,7 @@ def make_optimizer(model, lr: float, weight_decay: float, device):
 
     Example:
         >>> m = torch.nn.ModuleDict(dict(embed_tokens=torch.nn.Embedding(10, 4), norm=torch.nn.LayerNorm(4)))
-        >>> opt = make_optimizer(m, lr=1e-3, weight_decay=0.1, device="cpu")
+        >>> opt = grouped_adamw(m, lr=1e-3, weight_decay=0.1, device="cpu")
         >>> [(g["name"], g["weight_decay"]) for g in opt.param_groups]
         [('embedding', 0.1), ('norm_bias', 0.0)]
     """

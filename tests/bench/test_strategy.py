@@ -15,7 +15,7 @@ import torch
 from bp_mech import accumulation, checkpointing, chunked_loss
 from bp_mech.bench import strategy as S
 from bp_mech.bench.step import train_step
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
 W = parse_workload("tiny-b4s32")
 CHUNK = 24  # tokens per chunk: 4 x 32 tokens split unevenly (5 full chunks and a short one)

@@ -13,7 +13,7 @@ from bp_mech.experiments.dry_run import schedule
 from bp_mech.experiments.offload import count_saved
 from bp_mech.records import registry
 from bp_mech.records.results import load_record, save_record
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

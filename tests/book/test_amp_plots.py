@@ -6,7 +6,7 @@ import matplotlib
 import pytest
 import torch
 
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.book.amp_plots import (
     StepGradients,
     fp16_range,

@@ -1,12 +1,12 @@
 """The reconciliation table: each row is the fake-tensor ledger's own saving under its definition."""
 
-from bp_mech.bench.definitions import StepDefinition
-from bp_mech.bench.lifecycle import Session
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner.definitions import StepDefinition
+from bp_mech.planner.lifecycle import Session
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.book.reconciliation import gap_rows, meaning
-from bp_mech.experiments.reference_gap import Case, reference_gap
+from bp_mech.planner.reference_gap import Case, reference_gap
 
 TINY = Case("TRAIN-CHECKPOINT", "tiny-b2s64", ("checkpoint-all",))
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from bp_mech.bench.lifecycle import Session
+from bp_mech.planner.lifecycle import Session
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.book.step_memory import PHASES, memory_over_step, phase_spans, plot_memory_over_step
 
 

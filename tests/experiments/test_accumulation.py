@@ -9,7 +9,7 @@ import torch
 
 from bp_mech import accumulation
 from bp_mech.bench.compare import relative_l2
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.book import report
 from bp_mech.experiments import accumulation as experiment
 from bp_mech.experiments import harness

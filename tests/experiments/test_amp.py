@@ -172,7 +172,7 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch):
 def test_the_sequential_path_measures_each_candidate_alone():
     """The CUDA path (one arm after another, alone), run on the CPU: every arm makes its warm update, the
     tracked one, warm-up and timed updates, none interleaved."""
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     batches = make_batches(w, SMALL.warmup + SMALL.timed + 2)
@@ -195,7 +195,7 @@ def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(amp, "make_adamw", fused)
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")
     cfg = experiment.AmpConfig(timed=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))

@@ -11,8 +11,8 @@ from bp_mech.bench.oom import Failed
 from bp_mech.bench.rates import ASSUMED_BUILD_S
 from bp_mech.bench.step import Probe
 from bp_mech.bench.timing import Timing
-from bp_mech.bench.tracking import Peak
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.peak import Peak
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.experiments import checkpointing as experiment
 from bp_mech.experiments import decision, dry_run, harness
 from bp_mech.records import references, registry
@@ -136,7 +136,7 @@ def test_step_work_counts_the_recompute_as_the_layers_forward_flops():
     import torch.utils.checkpoint as tuc
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bp_mech.bench.workload import build_model, make_batches
+    from bp_mech.instruments.workload import build_model, make_batches
 
     with tuc.set_checkpoint_early_stop(False):
         full = experiment.step_work("tiny-b2s32")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import ARCHITECTURES, parse_workload
+from bp_mech.instruments.workload import ARCHITECTURES, parse_workload
 from bp_mech.experiments import ledger as experiment
 from tests.conftest import ALLOCATOR_CALLS
 

@@ -11,7 +11,7 @@ from bp_mech.records import registry, results
 from bp_mech import update_dynamics
 from bp_mech.experiments import harness
 from bp_mech.experiments import update_dynamics as experiment
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
 W = parse_workload("tiny-b2s16")
 CFG = experiment.DynamicsConfig(updates=6, timed=3, warmup=1)

@@ -6,8 +6,8 @@ sits below the measured peak by the activations)."""
 import pytest
 import torch
 
-from bp_mech.bench import lifecycle
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.planner import estimators as E
 from bp_mech.planner import plan

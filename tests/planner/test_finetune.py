@@ -1,4 +1,4 @@
-"""``bp-mech plan`` for fine-tuning (``bench.finetune``, ``StepOptions.optimizer``): half-precision weights
+"""``bp-mech plan`` for fine-tuning (``planner.finetune``, ``StepOptions.optimizer``): half-precision weights
 without a master copy, frozen parameters, LoRA through peft, SGD / Adafactor / 8-bit AdamW. Each mode's fake
 plan against the tracked-CPU peak of a real step at tiny size (the issue's 2 %; in fact equal, the fake
 step being the same program), each mode's gradients and optimizer state against their exact byte count
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from bp_mech import ROOT, cli
-from bp_mech.bench import lifecycle
+from bp_mech.planner import lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.bench.definitions import StepDefinition
-from bp_mech.bench.finetune import FineTune, FineTuneError, apply
-from bp_mech.bench.step import StepOptions, make_optimizer
+from bp_mech.planner.definitions import StepDefinition
+from bp_mech.planner.finetune import FineTune, FineTuneError, apply
+from bp_mech.bench.optimizer import StepOptions, make_optimizer
 from bp_mech.planner import inputs, plan
 from tests.planner.test_plan import FAMILY_FIELDS, PEAK_TOL, TINY, tiny_config
 
@@ -161,7 +161,7 @@ def test_a_missing_package_is_refused_in_one_line(monkeypatch):
 
 def test_the_command_and_the_planner_import_without_peft_or_bitsandbytes():
     code = ("import sys; sys.modules.update(peft=None, bitsandbytes=None); "
-            "import bp_mech.cli, bp_mech.planner.plan, bp_mech.bench.lifecycle; print('ok')")
+            "import bp_mech.cli, bp_mech.planner.plan, bp_mech.planner.lifecycle; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

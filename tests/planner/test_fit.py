@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bp_mech import cli
-from bp_mech.bench import lifecycle
+from bp_mech.planner import lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.planner import fit as F, plan
 
 from .test_plan import tiny_config

@@ -2,7 +2,7 @@
 of every strategy and combination equals the tracked-CPU peak of the real step within 2 %, at every
 lifecycle stage, for every validated family (eleven: the Llama layout, where it is exact to the GradScaler's
 two 4-byte scalars, which only a real fp16 step holds, and GPT-NeoX, Bloom with eager attention, Mixtral's
-experts, GPT-2, OPT and Falcon, found by ``bench.anatomy``); the sweep over every causal LM: test_sweep.py;
+experts, GPT-2, OPT and Falcon, found by ``instruments.anatomy``); the sweep over every causal LM: test_sweep.py;
 the decision rule; the command's output and its one-line errors (exit 2). Exit codes 0/1/2 and the loop and
 AdamW options: test_plan_options.py."""
 
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from bp_mech import cli
-from bp_mech.bench import lifecycle
+from bp_mech.planner import lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.planner import inputs, plan, report as plan_report
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None)
 FAMILY_FIELDS = {"qwen2": dict(tie_word_embeddings=True), "llama": {}, "mistral": {}, "phi3": {},
                  "gemma": dict(head_dim=16, pad_token_id=0),
-                 # outside the Llama layout (bench.anatomy finds their blocks and heads)
+                 # outside the Llama layout (instruments.anatomy finds their blocks and heads)
                  "gpt_neox": {}, "bloom": dict(n_layer=2, n_head=4),  # Bloom: eager attention, ALiBi
                  "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # mixture of experts
                  "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),

@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from bp_mech import ROOT, cli
-from bp_mech.bench import lifecycle
+from bp_mech.planner import lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.bench.definitions import StepDefinition
-from bp_mech.planner import inputs, plan
+from bp_mech.planner.definitions import StepDefinition
+from bp_mech.instruments.adamw import torch_default_adamw
+from bp_mech.planner import plan
 from tests.planner.test_plan import CPU, FAMILY_FIELDS, PEAK_TOL, TINY, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
@@ -125,7 +126,7 @@ def test_the_command_states_the_loop_and_what_dropping_the_outputs_saves(tmp_pat
 def test_the_for_loop_adamw_is_an_implementation_like_the_others():
     import torch
 
-    from bp_mech.bench.step import ADAMW_IMPLS, StepOptions, make_optimizer
+    from bp_mech.bench.optimizer import ADAMW_IMPLS, StepOptions, make_optimizer
 
     assert set(ADAMW_IMPLS) == {"fused", "foreach", "for-loop"}
     assert StepDefinition(adamw="for-loop").name == "steady+for-loop-adamw"
@@ -134,14 +135,14 @@ def test_the_for_loop_adamw_is_an_implementation_like_the_others():
     with pytest.raises(ValueError, match="unknown AdamW implementation"):
         StepOptions(adamw="default")
     # what PyTorch picks when told nothing: foreach on CUDA, the for-loop one on the CPU
-    assert inputs.default_adamw("cuda") == "foreach" and inputs.default_adamw("cpu") == "for-loop"
+    assert torch_default_adamw("cuda") == "foreach" and torch_default_adamw("cpu") == "for-loop"
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
 def test_each_adamw_implementation_plans_the_real_steps_peak(impl):
     """The fake plan of each implementation against the tracked-CPU peak of a real step with the same
     AdamW (to the GradScaler's 8 bytes), and plain against PyTorch's MemTracker."""
-    from bp_mech.bench.step import StepOptions
+    from bp_mech.bench.optimizer import StepOptions
 
     config, options = tiny_config("llama"), StepOptions(adamw=impl).for_device("cpu")
     some = [S.PLAIN, *(S.parse(n) for n in ("checkpoint-all", "offload", "fp16", "micro2", "chunked-loss"))]

@@ -21,9 +21,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from bp_mech.bench import lifecycle
-from bp_mech.bench.definitions import STEADY, StepDefinition
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.planner.definitions import STEADY, StepDefinition
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.planner import shard
 
@@ -57,7 +57,7 @@ def unsharded_bytes(family: str) -> tuple[int, list[int]]:
     one block's; the largest all-gather buffer holds one block (dim 0 divides by 2 and 4 here: no padding)."""
     from transformers import AutoModelForCausalLM
 
-    from bp_mech.bench.anatomy import decoder_blocks
+    from bp_mech.instruments.anatomy import decoder_blocks
 
     model = AutoModelForCausalLM.from_config(tiny_config(family))
     blocks = decoder_blocks(model)

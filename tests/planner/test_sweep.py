@@ -44,7 +44,7 @@ def test_a_strategy_that_does_not_apply_is_left_out_with_its_reason():
     from transformers import AutoConfig
 
     from bp_mech.bench import strategy as S
-    from bp_mech.bench.step import StepOptions
+    from bp_mech.bench.optimizer import StepOptions
 
     config = sweep.two_layers(AutoConfig.for_model("gemma2"))  # soft-capped logits
     p = plan.plan(config, 1, 16, 2**40, options=StepOptions().for_device("cuda"),

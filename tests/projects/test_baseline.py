@@ -17,7 +17,7 @@ from bp_mech.bench.compare import relative_l2
 from bp_mech.projects import baseline, baseline_loop, baseline_loss
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.scheduler import wsd_lr
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.checks import ex73
 
 W = parse_workload("tiny-b2s32")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bp_mech.bench.workload import build_model
+from bp_mech.instruments.workload import build_model
 from bp_mech.book import project_plots
 from bp_mech.projects import baseline_flops
 from bp_mech.records import registry

@@ -16,7 +16,7 @@ from bp_mech.projects import memory_strategy as ms
 from bp_mech.records import registry
 from bp_mech.projects import pareto
 from bp_mech.records.results import load_record, save_record
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 from bp_mech.checks import ex76
 from conftest import mutant
 

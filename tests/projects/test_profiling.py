@@ -12,7 +12,8 @@ from bp_mech import ledger
 from bp_mech.bench.step import PHASES, train_step
 from bp_mech.ledger import CLASSES, STAGES, Ledger
 from bp_mech.projects import diagnosis, profiling, step_profile
-from bp_mech.bench.workload import ARCHITECTURES, build_model, make_adamw, make_batches, parse_workload
+from bp_mech.instruments.workload import ARCHITECTURES, build_model, make_batches, parse_workload
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.checks import ex74
 from conftest import CUDA_CALLS, mutant
 

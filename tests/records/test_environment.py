@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bp_mech.records import environment as env
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.workload import parse_workload
 
 TINY_ATTN = dict(batch=2, heads=4, kv_heads=2, seq=64, head_dim=16)  # tiny-b2s64's attention
 

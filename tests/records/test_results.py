@@ -142,18 +142,18 @@ def _replace_once(old: str, new: str):
 
 def test_code_modules_follow_imports_and_skip_presentation():
     amp = provenance.code_modules("bp_mech.experiments.amp")
-    assert {"bp_mech.experiments.amp", "bp_mech.amp", "bp_mech.scheduler", "bp_mech.bench.timing", "bp_mech.bench.workload"} <= set(amp)
+    assert {"bp_mech.experiments.amp", "bp_mech.amp", "bp_mech.scheduler", "bp_mech.bench.timing", "bp_mech.instruments.workload"} <= set(amp)
     assert not set(amp) & {"bp_mech.records.results", "bp_mech.records.registry", "bp_mech.records.environment", "bp_mech.book.report"}
-    assert "bp_mech.bench.workload" in provenance.code_modules("bp_mech.experiments.local_backward")
+    assert "bp_mech.instruments.workload" in provenance.code_modules("bp_mech.experiments.local_backward")
     assert "bp_mech.experiments.harness" in provenance.code_modules("bp_mech.experiments.checkpointing")  # from bp_mech.x import y
     assert "bp_mech.book.report" not in provenance.code_modules("bp_mech.experiments.ledger")  # imported, but presentation only
     assert "bp_mech.bench.timing" not in provenance.code_modules("bp_mech.scheduler")
 
 
 def test_code_modules_keeps_explicit_code_modules(monkeypatch):
-    assert "bp_mech.bench.lifecycle" not in provenance.code_modules("bp_mech.scheduler")
-    _edited(monkeypatch, "bp_mech.scheduler", lambda s: s + '\nCODE_MODULES = ("bp_mech.bench.lifecycle",)\n')
-    assert "bp_mech.bench.lifecycle" in provenance.code_modules("bp_mech.scheduler")
+    assert "bp_mech.planner.lifecycle" not in provenance.code_modules("bp_mech.scheduler")
+    _edited(monkeypatch, "bp_mech.scheduler", lambda s: s + '\nCODE_MODULES = ("bp_mech.planner.lifecycle",)\n')
+    assert "bp_mech.planner.lifecycle" in provenance.code_modules("bp_mech.scheduler")
 
 
 def _docstrings_and_comments_changed(src: str) -> str:
@@ -191,7 +191,7 @@ def test_docstring_and_comment_edits_keep_the_hash(monkeypatch, experiment, depe
                                                                       "def percentile("),
     ("bp_mech.experiments.update_dynamics", "bp_mech.bench.timing", "def percentile(", "def percentile_(xs):\n    return xs\n\n\n"
                                                                    "def percentile("),
-    ("bp_mech.experiments.local_backward", "bp_mech.bench.workload", "PAD_ID = 0", "PAD_ID = 1"),
+    ("bp_mech.experiments.local_backward", "bp_mech.instruments.workload", "PAD_ID = 0", "PAD_ID = 1"),
 ])
 def test_a_code_change_in_a_dependency_changes_the_hash(monkeypatch, experiment, dependency, old, new):
     before = provenance.code_hash(experiment)

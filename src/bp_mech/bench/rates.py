@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.bench.workload import param_count
+from bp_mech.instruments.workload import param_count
 
 ASSUMED_FLOPS = {"cuda": {"float32": 20e12, "low": 150e12}, "cpu": {"float32": 1e10, "low": 5e9}}
 ASSUMED_PASS_S = {"cuda": 0.03, "cpu": 0.01}  # per pass: kernel launches, memory-bound ops, AdamW

@@ -1,7 +1,7 @@
 """The training step: one full update under a memory strategy, watched through its phases.
 
 Every measured step of the book is this one function (``train_step``): the experiments' timed and
-tracked steps, Part 02 · 43's ledger (``bench.lifecycle``), ``bp-mech plan``'s fake-tensor trace and
+tracked steps, Part 02 · 43's ledger (``planner.lifecycle``), ``bp-mech plan``'s fake-tensor trace and
 the profiler of project 74. Its phases, in order::
 
     for each micro-batch:  "forward"   (under the strategy's offload hooks and autocast)
@@ -19,17 +19,15 @@ weights, for comparing strategies); ``optimizer_state`` lists the optimizer's te
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from bp_mech.bench import finetune
-from bp_mech.bench.counters import ForwardCounter, SavedBytesCounter
+from bp_mech.instruments.counters import ForwardCounter, SavedBytesCounter
 from bp_mech.bench.strategy import PLAIN, Applied, Strategy, applied as enter_strategy
-from bp_mech.bench.tracking import PeakMemory
+from bp_mech.instruments.peak import PeakMemory
 from bp_mech.scheduler import UpdateClock, scaler_step
 from bp_mech.update_dynamics import global_grad_norm
 
@@ -222,71 +220,3 @@ def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | 
     recomputes = sum(n - k for part in ("attn", "mlp") for n in fc.calls[part] if n)
     return Probe(loss, copies, norm, math.isfinite(loss) and math.isfinite(norm), fc.calls, recomputes,
                  marks.marks["after_forward"] - marks.marks["start"], counter.bytes, counter.tensors)
-
-
-# --- how the step is run, beyond the strategy ------------------------------------------------------
-
-ADAMW_IMPLS = ("fused", "foreach", "for-loop")  # AdamW implementations (torch.optim.AdamW's flags)
-_ADAMW_FLAGS = {"fused": dict(fused=True), "foreach": dict(foreach=True),
-                "for-loop": dict(foreach=False, fused=False)}
-AUTOCAST_POLICIES = ("cpu", "cuda")  # whose autocast op lists a step follows (``StepOptions.autocast``)
-# the optimizers a step can take (``StepOptions.optimizer``) -> the implementations each one offers
-OPTIMIZERS = {"adamw": ADAMW_IMPLS,  # torch.optim.AdamW
-              "sgd": ADAMW_IMPLS,  # torch.optim.SGD, momentum 0.9 (one buffer per parameter)
-              "adafactor": ("foreach", "for-loop"),  # torch.optim.Adafactor (factored second moments; no fused)
-              "adamw8bit": ()}  # bitsandbytes.optim.AdamW8bit: its own blockwise 8-bit kernels, no choice
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How a step is run besides its memory strategy: the optimizer and the offload's threshold."""
-
-    adamw: str | None = None  # "fused" | "foreach" | "for-loop"; None: make_adamw's for the device
-    # (fused on CUDA)
-    offload_min_bytes: int | None = None  # offload: smaller storages stay; None: offload.min_bytes(device)
-    lr: float = 1e-4  # the optimizer's learning rate (memory does not depend on it)
-    autocast: str | None = None  # whose autocast policy fp16/bf16 follow: "cpu" | "cuda"; None: the device's
-    optimizer: str = "adamw"  # "adamw" | "sgd" | "adafactor" | "adamw8bit" (``OPTIMIZERS``); ``adamw``: its implementation
-
-    def __post_init__(self):
-        if self.adamw not in (None, *ADAMW_IMPLS):
-            raise ValueError(f"unknown AdamW implementation {self.adamw!r}; known: {', '.join(ADAMW_IMPLS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-        if self.autocast not in (None, *AUTOCAST_POLICIES):
-            raise ValueError(f"unknown autocast policy {self.autocast!r}; known: {', '.join(AUTOCAST_POLICIES)}")
-
-    def for_device(self, device) -> "StepOptions":
-        """These options with their defaults resolved for ``device``: ``make_adamw``'s AdamW (fused on
-        CUDA, foreach on the CPU), Part 02 · 42's ``offload.min_bytes`` and the device's autocast policy
-        (a fake CPU step of a CUDA run follows CUDA's: ``bench.cuda_autocast``)."""
-        from bp_mech.offload import min_bytes
-
-        cuda = torch.device(device).type == "cuda"
-        fused = cuda and "fused" in OPTIMIZERS[self.optimizer]  # (Adafactor has none: foreach)
-        return dataclasses.replace(
-            self, adamw=self.adamw or ("fused" if fused else "foreach"),
-            offload_min_bytes=min_bytes(device) if self.offload_min_bytes is None else self.offload_min_bytes,
-            autocast=self.autocast or ("cuda" if cuda else "cpu"))
-
-
-def make_optimizer(params, options: StepOptions, device, adamw: str | None = None) -> torch.optim.Optimizer:
-    """``options.optimizer`` over the parameters that require grad (frozen ones get no state) at ``options.lr``,
-    in implementation ``adamw`` (None: ``options.for_device(device).adamw``). AdamW and SGD: "fused" (one
-    kernel per parameter group), "foreach" (PyTorch's default on CUDA: each operation over all tensors at
-    once) or "for-loop" (``foreach=False, fused=False``); Adafactor: foreach or for-loop; the 8-bit AdamW
-    (``bitsandbytes``, imported only then) has one and ignores ``adamw``. Raises ValueError for another."""
-    params = [p for p in params if p.requires_grad]
-    kind, impl = options.optimizer, adamw or options.for_device(device).adamw
-    if kind == "adamw8bit":
-        return finetune.adamw8bit(params, options.lr)
-    if impl not in OPTIMIZERS[kind]:
-        raise ValueError(f"unknown AdamW implementation {impl!r}; known: {', '.join(ADAMW_IMPLS)}" if kind == "adamw"
-                         else f"{kind} has no implementation {impl!r}; it has: {', '.join(OPTIMIZERS[kind])}")
-    flags = _ADAMW_FLAGS[impl]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=options.lr, momentum=0.9, **flags)
-    if kind == "adafactor":
-        return finetune.Adafactor(params, lr=options.lr, foreach=flags["foreach"])
-    return torch.optim.AdamW(params, lr=options.lr, **flags)
-

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech import accumulation, amp, checkpointing, chunked_loss, offload
+from bp_mech.instruments.tracking import host_side
 
 AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}  # Strategy.amp -> its word in a name
 _AMP_DTYPES = {v: k for k, v in AMP_NAMES.items()}
@@ -157,8 +158,9 @@ class Applied:
         if hooks is not None:
             self.offload = hooks
         elif strategy.offload:
-            self.offload = offload.ActivationOffload(model.parameters(), cfg,
-                                                     self.device)
+            # its host-side copies are booked as host memory by any storage tracker watching
+            self.offload = offload.ActivationOffload(model.parameters(), cfg, self.device,
+                                                     host_region=host_side)
         else:
             self.offload = None
         # fp16 only (bf16 has float32's exponent range); disabled, it passes every call

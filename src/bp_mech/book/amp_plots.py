@@ -68,12 +68,12 @@ def matmul_output_gradients(workload: str = "tiny-b2s64") -> StepGradients:
     gradient of the loss with respect to the output of every ``nn.Linear``.
 
     Args:
-        workload: a workload id (``bench.workload.parse_workload``).
+        workload: a workload id (``instruments.workload.parse_workload``).
 
     Returns:
         a ``StepGradients`` of their magnitudes.
     """
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload(workload)
     model, batch = build_model(w), make_batches(w, 1)[0]

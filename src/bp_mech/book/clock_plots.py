@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from bp_mech.bench.workload import build_model, parse_workload
+from bp_mech.instruments.workload import build_model, parse_workload
 from bp_mech.continual_pretrain import TextStream, Trainer, TrainConfig, load_texts, train
 from bp_mech.scheduler import WSDConfig
 

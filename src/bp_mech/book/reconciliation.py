@@ -1,12 +1,12 @@
 """The course's reference figure beside the book's ledger (Part 02 · 11, 19, 42, mixed precision): the
-table of ``experiments.reference_gap``, computed at build time, as a chapter shows it."""
+table of ``planner.reference_gap``, computed at build time, as a chapter shows it."""
 
 from __future__ import annotations
 
 from bp_mech.book.report import markdown_table
-from bp_mech.experiments.reference_gap import DEFINITIONS, Gap, reference_gap
+from bp_mech.planner.reference_gap import DEFINITIONS, Gap, reference_gap
 
-# what each single definition of ``bench.definitions`` means, in a reader's words
+# what each single definition of ``planner.definitions`` means, in a reader's words
 MEANING = {
     "a": "steady state, moments resident (the book's step)",
     "b": "first step: the update allocates AdamW's moments",

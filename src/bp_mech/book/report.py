@@ -2,7 +2,7 @@
 
 A chapter never shows an invalid record silently: it reads the cached records through ``cached``
 (``bp_mech.records.cache``: every file validated, mixed workloads or model commits within one run
-label refused, stale records marked), re-exported here with ``fmt_bytes`` (``bench.tracking``) so
+label refused, stale records marked), re-exported here with ``fmt_bytes`` (``instruments.tracking``) so
 that a page needs only this module.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from bp_mech.bench.tracking import fmt_bytes
+from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.records import provenance, references, registry, results
 from bp_mech.records.cache import Cached, cached
 

@@ -17,7 +17,7 @@ import textwrap
 from dataclasses import dataclass
 
 from bp_mech.bench import compare, timing
-from bp_mech.bench.tracking import fmt_bytes
+from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.experiments import (accumulation, amp, attention_backward, continual_pretrain, decision,
                                  ledger, local_backward, scheduler, update_dynamics)
 from bp_mech.planner import plan

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from bp_mech.bench.lifecycle import Session
+from bp_mech.planner.lifecycle import Session
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.book.plots import MIB
 
 PHASES = ("forward", "backward", "optimizer", "zero_grad")  # in the order a step runs them

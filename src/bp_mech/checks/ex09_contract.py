@@ -178,7 +178,7 @@ def measured_mlp_saved_bytes(batch, seq, hidden, inter, dtype) -> int:
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
-    from bp_mech.bench.counters import SavedBytesCounter
+    from bp_mech.instruments.counters import SavedBytesCounter
 
     mlp = Qwen2MLP(Qwen2Config(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")).to(dtype)
     x = torch.zeros(batch, seq, hidden, dtype=dtype, requires_grad=True)

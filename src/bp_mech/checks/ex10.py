@@ -2,7 +2,7 @@
 
 References: float64 autograd through ``torch.softmax``, ``F.scaled_dot_product_attention`` (causal)
 and transformers' ``repeat_kv`` / ``rotate_half`` / ``apply_rotary_pos_emb``; the blockwise
-backward's memory through ``bp_mech.bench.tracking.PeakMemory`` (tracked CPU storages), against ONE head's
+backward's memory through ``bp_mech.instruments.peak.PeakMemory`` (tracked CPU storages), against ONE head's
 (T, T) score matrix. Head widths d > 1 make a missing 1/sqrt(d) visible; H/Hkv > 1 with several KV
 groups (and H = Hkv) makes a wrong GQA reduction visible; short sequences and row 0 make an
 off-by-one causal mask visible; "..." is tried as no, one and two leading dimensions. The contract
@@ -86,7 +86,7 @@ def check_blockwise_backward(m):
 
 
 def check_blockwise_backward__memory(m):
-    from bp_mech.bench.tracking import PeakMemory
+    from bp_mech.instruments.peak import PeakMemory
 
     lead, T, d, block = (2, 2), 256, 8, 16
     g = torch.Generator().manual_seed(50)

@@ -187,7 +187,7 @@ def check_sliding_window_head_backward__contract(m):
 
 def measured_eager_saved_bytes(batch, heads, seq, head_dim, dtype) -> int:
     """The stub's forward, run under the saved-tensor hooks: the distinct storages autograd keeps."""
-    from bp_mech.bench.counters import SavedBytesCounter
+    from bp_mech.instruments.counters import SavedBytesCounter
 
     q, k, v = (torch.zeros(batch, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     counter = SavedBytesCounter()

@@ -2,7 +2,7 @@
 
 References: plain float64 autograd on an identical copy of the block (gradients to 1e-12); the
 bytes a plain block keeps alive after forward, measured with the package's storage tracker
-(``bp_mech.bench.tracking.PeakMemory``); and counters the checks place *inside* the modules' own
+(``bp_mech.instruments.peak.PeakMemory``); and counters the checks place *inside* the modules' own
 ``forward``, which count real executions however a solution calls them. The inputs come with and
 without ``requires_grad`` (a frozen input: the parameters' gradients must still arrive, and the
 block must still checkpoint), as 3-D and 2-D tensors, and with part of the block frozen. A
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech.bench.tracking import PeakMemory
+from bp_mech.instruments.peak import PeakMemory
 from bp_mech.checks import ex19_contract
 from bp_mech.checks.common import assert_close, call
 

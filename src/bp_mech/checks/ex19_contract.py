@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bp_mech.bench.counters import SavedBytesCounter
+from bp_mech.instruments.counters import SavedBytesCounter
 from bp_mech.checks.common import assert_close, call
 from bp_mech.checks.properties import assert_type, call_unmodified, explore, strided
 

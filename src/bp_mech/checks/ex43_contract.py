@@ -7,7 +7,7 @@
 - ``gelu_mlp_saved_bytes`` (variant): measured on ``torch.nn`` modules through ``saved_tensors_hooks``,
   distinct storages, weights left out; drawn shapes, dtypes, GELU approximations and biases.
 - ``predict_forward_bytes`` (predict, then measure): a real steady-state CPU step of configs the chapter did
-  not show (``bench.lifecycle.track``), its "after forward" total within ``PREDICT_TOL``.
+  not show (``planner.lifecycle.track``), its "after forward" total within ``PREDICT_TOL``.
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def check_gelu_mlp_saved_bytes__contract(m):
 @functools.cache
 def measure_forward_bytes(shape, batch: int, seq: int) -> int:
     """The "after forward" total of a real steady-state plain float32 step on the CPU (the chapter's tracker)."""
-    from bp_mech.bench import lifecycle
-    from bp_mech.bench.build import ConfigWorkload
+    from bp_mech.planner import lifecycle
+    from bp_mech.planner.build import ConfigWorkload
     return lifecycle.track(ConfigWorkload(measure._config(shape), batch, seq)).total("forward")
 
 

@@ -87,7 +87,7 @@ def check_token_loss(m):
 
 def _setup():
     from bp_mech import continual_pretrain as cpt
-    from bp_mech.bench.workload import build_model, load_text, parse_workload, tokenize
+    from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize
 
     w = parse_workload("tiny-b1s16")
     ids = tokenize(load_text("domain"))

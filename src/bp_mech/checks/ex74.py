@@ -5,7 +5,7 @@
 * ``chunked_loss_changes``: the ledger of a real chunked-loss step, measured. Small Qwen2 models
   (tied and untied embeddings, one chunk and several) run one plain and one chunked-loss step
   (``bp_mech.chunked_loss`` through ``bp_mech.bench.strategy``) with every storage tracked
-  (``bp_mech.bench.lifecycle``); the plain ledger plus the learner's changes must give the chunked
+  (``bp_mech.planner.lifecycle``); the plain ledger plus the learner's changes must give the chunked
   step's ledger. The rule leaves out per-token and (chunk, hidden)-sized temporaries, so each line
   and total may differ by ``CHUNK_TOL`` of the plain peak;
 * ``live_by_category``: ``torch.profiler``'s own memory timeline (``MemoryProfileTimeline``'s

@@ -192,7 +192,7 @@ def check_leanest_within_slowdown__contract(m):
 @functools.cache
 def measure_checkpoint_plan_peak(shape, batch: int, seq: int) -> int:
     """The peak ``bp-mech plan`` traces for checkpoint-all: its own session (fake tensors, the GPU's options)."""
-    from bp_mech.bench.step import StepOptions
+    from bp_mech.bench.optimizer import StepOptions
     from bp_mech.bench.strategy import parse
     from bp_mech.checks import ex43_measure as ex43
     from bp_mech.planner import plan as planner

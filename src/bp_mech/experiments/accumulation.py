@@ -30,7 +30,8 @@ from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
-from bp_mech.bench.workload import Workload, build_model, make_adamw
+from bp_mech.instruments.workload import Workload, build_model
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.experiments import decision, harness
 from bp_mech.records.results import json_safe
@@ -248,7 +249,7 @@ def dry_run(ctx) -> dict:
 def conformance():
     """The hand-written loop vs ``accumulation.accelerate_updates``: first gradient and final parameters."""
     from bp_mech.records.registry import ConformanceRow
-    from bp_mech.bench.workload import parse_workload
+    from bp_mech.instruments.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     cfg = AccumConfig(updates=2)

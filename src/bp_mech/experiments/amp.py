@@ -27,7 +27,8 @@ from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.strategy import Applied, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
-from bp_mech.bench.workload import build_model, make_adamw, make_batches
+from bp_mech.instruments.workload import build_model, make_batches
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.experiments import decision, harness
 from bp_mech.experiments.amp_overflow import overflow_record, overflow_sample
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm

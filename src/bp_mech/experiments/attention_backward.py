@@ -27,7 +27,7 @@ from bp_mech.bench.compare import relative_error
 from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import release_memory
 from bp_mech.bench.timing import time_interleaved
-from bp_mech.bench.tracking import PeakMemory
+from bp_mech.instruments.peak import PeakMemory
 
 CANDIDATES = ("autograd", *STRATEGIES, "sdpa")  # autograd is the reference
 SWEEP_T = (128, 256, 512, 1024, 2048)  # sequence lengths of the saved-state sweep
@@ -87,7 +87,7 @@ def qwen2_module_error(strategy: str, arch: str = "tiny", B: int = 2, T: int = 4
     the 7 parameter gradients."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
 
     cfg = qwen2_config(arch)
     torch.manual_seed(seed)

@@ -23,10 +23,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from bp_mech import checkpointing
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.rates import ASSUMED_BASIS
-from bp_mech.bench.step import StepOptions, make_optimizer, probe, train_step
+from bp_mech.bench.step import probe, train_step
+from bp_mech.bench.optimizer import StepOptions, make_optimizer
 from bp_mech.bench.strategy import Strategy, configured, parse
 from bp_mech.bench.timing import matmul_flops
-from bp_mech.bench.workload import build_model, make_batches, parse_workload
+from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 from bp_mech.experiments.dry_run import same_weights_modes, schedule
 from bp_mech.experiments import decision, harness
 
@@ -61,7 +62,7 @@ def run(ctx) -> list:
 def conformance():
     """Our checkpointing vs Transformers' ``gradient_checkpointing_enable`` and ``torch.utils.checkpoint``."""
     from bp_mech.records.registry import ConformanceRow
-    from bp_mech.bench.workload import parse_workload
+    from bp_mech.instruments.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model = build_model(w)

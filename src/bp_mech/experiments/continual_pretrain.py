@@ -37,7 +37,7 @@ from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.step import StepResult, optimizer_state
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.bench.timing import timing_threads
-from bp_mech.bench.workload import WorkloadError, build_model, param_count, workload_fields
+from bp_mech.instruments.workload import WorkloadError, build_model, param_count, workload_fields
 from bp_mech.experiments import harness
 from bp_mech.experiments.dry_run import own_weights_modes, schedule, steps_per_arm
 from bp_mech.records.results import json_safe

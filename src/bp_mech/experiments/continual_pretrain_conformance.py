@@ -26,7 +26,7 @@ import torch
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state
 from bp_mech.bench.timing import timing_threads
-from bp_mech.bench.workload import build_model, load_text, parse_workload, tokenize, workload_fields
+from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize, workload_fields
 
 UPDATES, AT = 6, 3  # updates of the run, the update whose state is saved
 CFG = cpt.TrainConfig(updates=UPDATES, lr=3e-3, warmup=2, decay=2, growth_interval=2)  # the scale grows twice before AT

@@ -15,7 +15,7 @@ import torch
 
 from bp_mech.bench.rates import ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.timing import CPU_TIMING_THREADS, SMOKE_SCHEDULE
-from bp_mech.bench.workload import param_count
+from bp_mech.instruments.workload import param_count
 
 MODES = (("cpu", "cpu"), ("real_gpu", "cuda"))  # (mode, its device) of every dry run
 PROBE_BYTES_S = 50e9  # gradient bytes per second a probe copies and compares on the device

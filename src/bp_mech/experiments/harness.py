@@ -4,7 +4,7 @@ An *arm* of a comparison is a ``Run``: a full training step (``bench.step.train_
 strategy) ready to be called, and the tensors that exist before it. ``measure`` measures every arm the
 same way:
 
-1. the peak of one tracked step each (``bench.tracking.PeakMemory``: the CUDA allocator, or the tracked
+1. the peak of one tracked step each (``instruments.peak.PeakMemory``: the CUDA allocator, or the tracked
    storages on the CPU with the parameters and optimizer state as resident);
 2. the step time: ``warmup`` untimed and ``rounds`` timed steps, interleaved round-robin with the
    other arms on one intra-op CPU thread (``bench.timing.time_interleaved``) when the arms are alive
@@ -37,8 +37,8 @@ from bp_mech.bench.oom import Failed, attempt, release_memory
 from bp_mech.bench.step import Probe, StepResult, optimizer_state, probe, train_step
 from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured
 from bp_mech.bench.timing import Timing, time_interleaved, time_steps
-from bp_mech.bench.tracking import Peak, PeakMemory
-from bp_mech.bench.workload import make_adamw
+from bp_mech.instruments.peak import Peak, PeakMemory
+from bp_mech.instruments.adamw import make_adamw
 
 LR = 1e-4  # AdamW learning rate of the same-weights steps (memory and time do not depend on it)
 

@@ -4,14 +4,14 @@ Per strategy, one ledger (lifecycle stage x object class, ``bp_mech.ledger``) fr
 
 * ``theoretical``: the formula for the Qwen2 block (``bp_mech.ledger.theoretical``);
 * ``track(..., fake=True)``: the step under ``FakeTensorMode``, storages counted by the storage
-  tracker (``bp_mech.bench.lifecycle``, ``fake-tensor``);
+  tracker (``bp_mech.planner.lifecycle``, ``fake-tensor``);
 * ``track(..., fake=False)``: the step run for real, storages tracked (``tracked-cpu``) or, on
   CUDA, the caching allocator's counters beside them (``cuda-allocator``).
 
 The decision (``decide``): is the formula good enough for each strategy, against the measured
 and against the estimated ledger? ``conformance`` checks the tracker against PyTorch's
 ``MemTracker``. The strategies are the book's own (``bench.strategy``: checkpointing of Part 02 · 19, the
-offload of Part 02 · 42; the AdamW of ``bench.step.make_optimizer``), and so are their names:
+offload of Part 02 · 42; the AdamW of ``bench.optimizer.make_optimizer``), and so are their names:
 ``gpu_references`` puts the GPU records of those chapters beside the formula of the strategy each record names (its
 ``strategy`` field), or says why the formula has none (``ledger.unmodelled``).
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
 from bp_mech.ledger import STAGES, Ledger
 
@@ -97,7 +97,7 @@ def _metrics(led: Ledger) -> dict:
 
 def formula(arch, batch: int, seq: int, s, device, options: StepOptions = StepOptions()) -> Ledger:
     """``ledger.theoretical`` of strategy ``s`` with ``options`` (AdamW, offload threshold) resolved for
-    ``device``: the formula of the step ``bench.lifecycle`` measures with the same options."""
+    ``device``: the formula of the step ``planner.lifecycle`` measures with the same options."""
     o = options.for_device(device)
     return ledger.theoretical(arch, batch, seq, s, device, adamw=o.adamw, offload_min_bytes=o.offload_min_bytes)
 
@@ -114,7 +114,7 @@ def run(ctx) -> list:
     stays on the CPU with the GPU's settings (fused AdamW, CUDA's offload threshold); a strategy that
     runs out of memory is that strategy's failure."""
     from bp_mech.bench.oom import Failed, attempt, release_memory
-    from bp_mech.bench.workload import ARCHITECTURES
+    from bp_mech.instruments.workload import ARCHITECTURES
 
     w, recs, gpu = ctx.workload, [], ctx.device == "cuda"
     options = StepOptions().for_device(ctx.device)
@@ -151,7 +151,7 @@ def run(ctx) -> list:
 
 def dry_run(ctx) -> dict:
     """What is measured where, and the formula's peak per strategy (no model)."""
-    from bp_mech.bench.workload import ARCHITECTURES
+    from bp_mech.instruments.workload import ARCHITECTURES
 
     w = ctx.workload
     peaks = {dev: {n: formula(ARCHITECTURES[w.arch], w.batch, w.seq, parse(n), dev).peak for n in CANDIDATES}
@@ -161,7 +161,7 @@ def dry_run(ctx) -> dict:
                 class_tolerance=CLASS_TOL, large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
                 mechanisms=dict(checkpoint="checkpointing.configure(model, 'checkpoint-all')",
                                 offload="offload.ActivationOffload(min_bytes=offload.min_bytes(device))",
-                                adamw="bench.step.make_optimizer (StepOptions.for_device: fused on CUDA, foreach on the CPU)"),
+                                adamw="bench.optimizer.make_optimizer (StepOptions.for_device: fused on CUDA, foreach on the CPU)"),
                 steps_per_strategy="1 warm-up update (retried while the GradScaler skips it) + 1 measured update",
                 formula_peak_bytes_cpu=peaks["cpu"], formula_peak_bytes_cuda=peaks["cuda"],
                 records_per_strategy=["<strategy>", "<strategy>-estimated", "<strategy>-formula"])
@@ -173,8 +173,9 @@ def conformance():
     starts (our "after forward"), its backward peak and its state after backward."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-    from bp_mech.bench.step import make_optimizer, train_step
-    from bp_mech.bench.workload import build_model, make_batches, parse_workload
+    from bp_mech.bench.step import train_step
+    from bp_mech.bench.optimizer import make_optimizer
+    from bp_mech.instruments.workload import build_model, make_batches, parse_workload
     from bp_mech.records.registry import ConformanceRow
 
     w = parse_workload("tiny-b2s64")
@@ -216,7 +217,7 @@ def gpu_references(results_dir=None) -> list[dict]:
     naming the record when it ran no optimizer update (its peak would lack the AdamW state the formula
     counts)."""
     from bp_mech import RESULTS_DIR
-    from bp_mech.bench.workload import ARCHITECTURES, parse_workload
+    from bp_mech.instruments.workload import ARCHITECTURES, parse_workload
     from bp_mech.records.cache import cached
 
     results_dir = RESULTS_DIR if results_dir is None else results_dir

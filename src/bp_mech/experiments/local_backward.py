@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from bp_mech import local_backward
 from bp_mech.bench.compare import relative_error
-from bp_mech.bench.workload import ARCHITECTURES
+from bp_mech.instruments.workload import ARCHITECTURES
 
 # --- the op table: inputs, hand-written pair, independent reference ------------------
 
@@ -193,7 +193,7 @@ def conformance():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
     from bp_mech.records.registry import ConformanceRow
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
 
     cfg = qwen2_config("tiny")
     torch.manual_seed(0)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 
 from bp_mech import checkpointing, offload
-from bp_mech.bench import counters
+from bp_mech.instruments import counters
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.step import probe
 from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured, parse
-from bp_mech.bench.workload import build_model, make_batches
+from bp_mech.instruments.tracking import host_side
+from bp_mech.instruments.workload import build_model, make_batches
 from bp_mech.experiments import decision, harness
 from bp_mech.experiments.dry_run import same_weights_modes, schedule
 
@@ -54,8 +55,8 @@ def count_saved(model, batch, candidate="plain") -> counters.SavedBytesCounter:
 def make_hooks(name: str, model, cfg: offload.OffloadConfig, device):
     """The saved-tensor hooks of an offloading arm: PyTorch's (``save_on_cpu``) or the book's."""
     if name == "save_on_cpu":
-        return offload.CountingSaveOnCpu()
-    return offload.ActivationOffload(model.parameters(), cfg, device)
+        return offload.CountingSaveOnCpu(host_region=host_side)
+    return offload.ActivationOffload(model.parameters(), cfg, device, host_region=host_side)
 
 
 def hook_stats(hooks) -> dict:
@@ -127,13 +128,14 @@ def conformance():
     """Our offload vs PyTorch's ``save_on_cpu`` and the resident run: same loss and gradients;
     our D2H bytes equal the independently counted saved-activation bytes."""
     from bp_mech.records.registry import ConformanceRow
-    from bp_mech.bench.workload import parse_workload
+    from bp_mech.instruments.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model, batch = build_model(w), make_batches(w, 1)[0]
     counted = count_saved(model, batch).bytes_at_least(offload.CPU_MIN_BYTES)
-    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES))
-    save_on_cpu = offload.CountingSaveOnCpu()
+    ours = offload.ActivationOffload(model.parameters(), offload.OffloadConfig(min_bytes=offload.CPU_MIN_BYTES),
+                                     host_region=host_side)
+    save_on_cpu = offload.CountingSaveOnCpu(host_region=host_side)
     s = Strategy(offload=True)
     plain_probe = probe(model, batch)
     probes = []

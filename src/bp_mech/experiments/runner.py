@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from bp_mech.bench.oom import release_memory
-from bp_mech.bench.workload import model_commit, parse_workload
+from bp_mech.instruments.workload import model_commit, parse_workload
 from bp_mech.records import registry, results
 from bp_mech.records.environment import cuda_available
 

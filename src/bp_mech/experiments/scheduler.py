@@ -18,7 +18,7 @@ import torch
 
 from bp_mech.scheduler import (DECAY_TYPES, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers,
                                scaler_step, transformers_schedule, wsd_lr)
-from bp_mech.bench.workload import build_model, make_batches
+from bp_mech.instruments.workload import build_model, make_batches
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.step import train_step
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
-from bp_mech.bench.workload import build_model, make_batches, param_count
+from bp_mech.instruments.workload import build_model, make_batches, param_count
 from bp_mech.experiments import harness
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.records.results import json_safe
@@ -85,8 +85,8 @@ def lr_of(name: str, cfg: DynamicsConfig) -> float:
 
 
 def optimizer(model, name: str, cfg: DynamicsConfig, device):
-    """The candidate's AdamW (``update_dynamics.make_optimizer``: weight decay by parameter group)."""
-    return update_dynamics.make_optimizer(model, lr_of(name, cfg), cfg.weight_decay, device)
+    """The candidate's AdamW (``update_dynamics.grouped_adamw``: weight decay by parameter group)."""
+    return update_dynamics.grouped_adamw(model, lr_of(name, cfg), cfg.weight_decay, device)
 
 
 def max_norm_of(name: str, cfg: DynamicsConfig) -> float | None:
@@ -266,7 +266,7 @@ def dry_run(ctx) -> dict:
 def conformance():
     """``update_dynamics.clip_by_global_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on a tiny Qwen2's gradients."""
     from bp_mech.records.registry import ConformanceRow
-    from bp_mech.bench.workload import parse_workload
+    from bp_mech.instruments.workload import parse_workload
 
     w = parse_workload("tiny-b2s32")
     model = build_model(w)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench import anatomy
+from bp_mech.instruments import anatomy
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.strategy import PLAIN, Strategy
 

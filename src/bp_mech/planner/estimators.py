@@ -9,7 +9,7 @@
   (``deepspeed_zero``), with the parameter counts its ``model_to_params`` takes (``zero_params``).
 * **The plan**: the traced peak of the plain step (``planner.plan.plan``, fake tensors at full size);
   and, where the model is small enough for the CPU, **the measured step** (a real tracked CPU step,
-  ``bench.lifecycle.Session``).
+  ``planner.lifecycle.Session``).
 
 ``estimator_table`` puts them side by side per config; ``what_each_leaves_out`` says, per estimator,
 what its figure does not count. Validation: tests/planner/test_estimators.py (Accelerate's figure against
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.bench.lifecycle import ConfigWorkload, Session
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner.lifecycle import ConfigWorkload, Session
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.planner import plan as planner
-from bp_mech.planner.inputs import default_adamw
+from bp_mech.instruments.adamw import torch_default_adamw
 
 # the dtypes of ``accelerate estimate-memory --dtypes``, and how its ``gather_data`` divides the float32
 # total and largest layer for each (int8/int4: no training figure, "N/A")
@@ -256,7 +256,7 @@ def estimator_table(rows, options: StepOptions | None = None, plan: bool = True)
         ``plan_scope``; ``measured`` (a real one-device CPU step's peak, for one GPU and below
         ``MEASURED_MAX_PARAMS`` parameters; else None: a one-process step is not a rank's).
     """
-    options = options or StepOptions(adamw=default_adamw("cuda")).for_device("cuda")
+    options = options or StepOptions(adamw=torch_default_adamw("cuda")).for_device("cuda")
     out = []
     for label, config, batch, seq, gpus in rows:
         acc = accelerate_estimate(config)

@@ -41,7 +41,7 @@ class Fit:
 
 
 def reshape(sess, batch: int, seq: int) -> None:
-    """Give a fake session a new batch of shape (batch, seq) (random ids, as ``bench.build`` makes them)."""
+    """Give a fake session a new batch of shape (batch, seq) (random ids, as ``planner.build`` makes them)."""
     vocab = sess.model.config.get_text_config().vocab_size
     with sess.active():
         ids = torch.randint(0, min(256, vocab), (batch, seq))

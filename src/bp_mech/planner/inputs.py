@@ -10,9 +10,8 @@ import json
 import re
 from pathlib import Path
 
-import torch
 
-from bp_mech.bench.workload import WorkloadError
+from bp_mech.instruments.workload import WorkloadError
 
 # model types validated against tracked-CPU peaks at tiny size (tests/planner/test_plan.py)
 FAMILIES = ("qwen2", "llama", "mistral", "phi3", "gemma", "gpt_neox", "bloom", "mixtral", "gpt2", "opt", "falcon")
@@ -23,15 +22,6 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 
 class PlanError(WorkloadError):
     """A plan that cannot be made: unknown architecture, a shape the config cannot take, a bad budget."""
-
-
-def default_adamw(device="cuda") -> str:
-    """The AdamW implementation PyTorch picks on ``device`` when neither ``foreach`` nor ``fused`` is given
-    (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach on the devices with foreach kernels
-    (CUDA), else the for-loop one (the CPU)."""
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
-
-    return "foreach" if torch.device(device).type in _get_foreach_kernels_supported_devices() else "for-loop"
 
 
 def parse_size(text: str) -> int:

@@ -5,7 +5,7 @@ Part 02 · 43's ledger as a tool. The model is built from its Transformers confi
 ``bench.step.train_step``, AdamW with its moments, as on the GPU: fused unless ``options`` name another
 implementation, as ``bp-mech plan --optimizer-impl`` does; CUDA's offload threshold; the outputs dropped
 before backward unless ``definition.keep_outputs``) is traced per strategy of ``bench.strategy.CANDIDATES``
-with the storage tracker (``bench.lifecycle.Session``: one fake model for all). For each: the ledger per
+with the storage tracker (``planner.lifecycle.Session``: one fake model for all). For each: the ledger per
 lifecycle stage, the peak, whether it fits, and what it costs in time (``planner.costs``: counted, not
 assumed; the measured ratio of a cached GPU record of the same strategy beside it).
 
@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench import anatomy, lifecycle
-from bp_mech.bench.definitions import STEADY, StepDefinition
-from bp_mech.bench.finetune import FineTune, FineTuneError, missing_package
+from bp_mech.instruments import anatomy
+from bp_mech.planner import lifecycle
+from bp_mech.planner.definitions import STEADY, StepDefinition
+from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse, unsupported
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
 from bp_mech.planner.fit import largest
@@ -126,12 +127,12 @@ class Plan:
     elapsed_s: float = 0.0
     evidence_level: str = "estimated"
     memory_source: str = "fake-tensor"
-    definition: StepDefinition = STEADY  # which step was traced (``bench.definitions``; default: the steady state)
+    definition: StepDefinition = STEADY  # which step was traced (``planner.definitions``; default: the steady state)
     outputs_saving: int | None = None  # plain's peak with the outputs kept through backward minus with them dropped
     fits: list = dataclasses.field(default_factory=list)  # per row, the largest batch or seq that fits (planner.fit.Fit)
     gpus: int = 1  # devices (a sharded plan is rank 0's, at ``batch`` sequences per device)
     shard: str | None = None  # None (one device), "fsdp2" or "ddp" (planner.shard)
-    finetune: FineTune | None = None  # frozen parameters or LoRA traced (``bench.finetune``); None: full training
+    finetune: FineTune | None = None  # frozen parameters or LoRA traced (``planner.finetune``); None: full training
 
     def to_dict(self) -> dict:
         return dict(dataclasses.asdict(self), headroom=dict(context_bytes=CONTEXT_BYTES, allocator_slack=ALLOCATOR_SLACK))
@@ -173,11 +174,11 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
          finetune: FineTune | None = None, gpus: int = 1, shard: str | None = None) -> Plan:
     """The ``Plan`` of ``config`` at (batch, seq) for ``budget`` bytes; ``workers``: processes that trace
     the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``);
-    ``definition``: the step traced (``bench.definitions.StepDefinition``, e.g. the first step, whose
+    ``definition``: the step traced (``planner.definitions.StepDefinition``, e.g. the first step, whose
     update allocates AdamW's moments, or ``keep_outputs=True``: the hand-written loop whose ``out`` keeps the
     logits alive through backward; default: the steady state, outputs dropped). With plain among the
     candidates, its step is traced once more in the other loop: ``Plan.outputs_saving``. ``finetune``: frozen
-    parameters or LoRA (``bench.finetune.FineTune``); the optimizer and its implementation are ``options``'.
+    parameters or LoRA (``planner.finetune.FineTune``); the optimizer and its implementation are ``options``'.
     ``fit``: "batch" or "seq": per strategy the largest batch (at ``seq``) or sequence (at ``batch``) that fits
     the budget (``Plan.fits``, ``largest_sizes``). ``shard``: "fsdp2" or "ddp": rank 0 of ``gpus`` devices, at
     ``batch`` sequences per device (``planner.shard``)."""

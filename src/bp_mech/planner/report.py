@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import sys
 
-from bp_mech.bench.definitions import StepDefinition
-from bp_mech.bench.finetune import FineTune, FineTuneError
-from bp_mech.bench.step import OPTIMIZERS, StepOptions
-from bp_mech.bench.tracking import fmt_bytes
+from bp_mech.planner.definitions import StepDefinition
+from bp_mech.planner.finetune import FineTune, FineTuneError
+from bp_mech.bench.optimizer import OPTIMIZERS, StepOptions
+from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.ledger import STAGES
-from bp_mech.planner.inputs import GiB, PlanError, default_adamw, load_config, parse_size
+from bp_mech.instruments.adamw import torch_default_adamw
+from bp_mech.planner.inputs import GiB, PlanError, load_config, parse_size
 from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
 
 
@@ -93,8 +94,8 @@ def format_text(p: Plan) -> str:
 def adamw_text(p: Plan) -> str:
     """The AdamW implementation the plan traced, and whether it is PyTorch's default on CUDA."""
     impl = p.options.adamw
-    return f"{impl} AdamW" + (", PyTorch's default on CUDA" if impl == default_adamw("cuda") else
-                              f", not PyTorch's default on CUDA ({default_adamw('cuda')})")
+    return f"{impl} AdamW" + (", PyTorch's default on CUDA" if impl == torch_default_adamw("cuda") else
+                              f", not PyTorch's default on CUDA ({torch_default_adamw('cuda')})")
 
 
 _OPTIMIZER_NAMES = dict(sgd="SGD (momentum 0.9)", adafactor="Adafactor")
@@ -102,7 +103,7 @@ _OPTIMIZER_NAMES = dict(sgd="SGD (momentum 0.9)", adafactor="Adafactor")
 
 def optimizer_text(p: Plan) -> str:
     """The optimizer and implementation the plan traced, the weights' dtype, and how many parameters train."""
-    kind, impl, default = p.options.optimizer, p.options.adamw, default_adamw("cuda")
+    kind, impl, default = p.options.optimizer, p.options.adamw, torch_default_adamw("cuda")
     if kind == "adamw":
         opt = adamw_text(p)
     elif kind == "adamw8bit":
@@ -126,7 +127,7 @@ def step_options(a) -> tuple[StepOptions, FineTune | None]:
     kind, impl = getattr(a, "optimizer", None) or "adamw", getattr(a, "optimizer_impl", None) or "default"
     if kind == "adamw8bit" and impl != "default":
         raise PlanError("--optimizer adamw8bit has one implementation (bitsandbytes' kernels): drop --optimizer-impl")
-    impl = default_adamw("cuda") if impl == "default" else impl
+    impl = torch_default_adamw("cuda") if impl == "default" else impl
     if OPTIMIZERS[kind] and impl not in OPTIMIZERS[kind]:
         raise PlanError(f"--optimizer {kind} has no {impl} implementation; it has {', '.join(OPTIMIZERS[kind])}")
     options = StepOptions(adamw=impl if OPTIMIZERS[kind] else None, optimizer=kind).for_device("cuda")
@@ -183,7 +184,7 @@ def run(a, progress=None) -> int:
     """``bp-mech plan`` (argparse namespace from cli.py): print the plan (text or ``--json``); 0 when a
     candidate fits, ``NO_FIT`` (1) when none does (the plan printed all the same, with what would fit
     instead, and that line on stderr); bad input raises ``PlanError`` (one line, exit 2)."""
-    from bp_mech.bench.workload import parse_workload, qwen2_config
+    from bp_mech.instruments.workload import parse_workload, qwen2_config
 
     if bool(a.config) == bool(a.workload):
         raise PlanError("plan needs exactly one of --config PATH/config.json and --workload ID")

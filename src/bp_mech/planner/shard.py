@@ -1,11 +1,11 @@
 """Per-GPU plans for N devices: one rank's ledger of a steady-state step under FSDP2 or DDP, traced in one process.
 
 ``rank_ledger`` builds the model under ``FakeTensorMode`` at full size, as ``bp-mech plan`` does
-(``bench.lifecycle.Session``), and traces rank 0's step (``batch``: the per-rank batch):
+(``planner.lifecycle.Session``), and traces rank 0's step (``batch``: the per-rank batch):
 
 * ``fsdp2``: a fake process group of ``gpus`` ranks (``torch.testing._internal.distributed.fake_pg``: its
   collectives move nothing) on a CPU device mesh; ``fully_shard`` on each decoder block
-  (``bench.anatomy.decoder_blocks``), then on the root; the one training step, tracked by ``ShardTracker``.
+  (``instruments.anatomy.decoder_blocks``), then on the root; the one training step, tracked by ``ShardTracker``.
   What FSDP2 allocates is traced, not modelled: sharded parameters, gradients and AdamW moments (dim-0
   shards, padded to a multiple of ``gpus`` rows); the unsharded parameters each all-gather fills (a block's
   in its forward and again in its backward; the root's own, embedding, final norm and head, from its
@@ -28,12 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 
 
-from bp_mech.bench import anatomy, lifecycle
-from bp_mech.bench.definitions import STEADY, StepDefinition
-from bp_mech.bench.step import StepOptions
+from bp_mech.instruments import anatomy
+from bp_mech.planner import lifecycle
+from bp_mech.planner.definitions import STEADY, StepDefinition
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, Strategy
-from bp_mech.bench.shard_tracking import ShardTracker
-from bp_mech.bench.tracking import StorageTracker
+from bp_mech.planner.shard_tracking import ShardTracker
+from bp_mech.instruments.tracking import StorageTracker
 from bp_mech.ledger import CLASSES, STAGES, Ledger
 
 SHARDINGS = ("fsdp2", "ddp")  # how the model is spread over the GPUs (``rank_ledger``'s ``shard``)
@@ -87,11 +88,11 @@ def fsdp2(mesh):
 def ddp(model):
     """``prepare`` for ``Session`` on real tensors: ``DistributedDataParallel(model)`` (its defaults: 25 MiB
     buckets, ``gradient_as_bucket_view=False``), with the model's config on the wrapper
-    (``bench.anatomy`` reads the rest through DDP's ``module``)."""
+    (``instruments.anatomy`` reads the rest through DDP's ``module``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model)
-    wrapped.config = model.config  # (the rest bench.anatomy reads through DDP's .module)
+    wrapped.config = model.config  # (the rest instruments.anatomy reads through DDP's .module)
     return wrapped
 
 
@@ -194,7 +195,7 @@ def rank_ledger(config, batch: int, seq: int, gpus: int, shard: str, strategy: S
         strategy: the memory strategy of the step (``bench.strategy``); default plain.
         options: how the step runs (``StepOptions``: AdamW implementation, offload threshold); pass
             ``options.for_device("cuda")`` to estimate a GPU.
-        definition: which step (``bench.definitions.StepDefinition``).
+        definition: which step (``planner.definitions.StepDefinition``).
 
     Returns:
         A ``RankLedger``: ``.ledger`` (source "fake-tensor": bytes per stage and class, ``.peak``), the

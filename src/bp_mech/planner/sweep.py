@@ -17,7 +17,7 @@ import time
 import warnings
 
 from bp_mech.bench.strategy import PLAIN, parse
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.planner.inputs import PlanError
 
 # every mechanism in two traces besides plain's (the combination, and the one checkpointing it lacks)

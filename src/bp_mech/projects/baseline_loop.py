@@ -40,9 +40,10 @@ from bp_mech.bench.oom import is_allocation_failure
 from bp_mech.projects import baseline_loss
 from bp_mech.scheduler import UpdateClock, WSDConfig
 from bp_mech.bench.step import optimizer_state
-from bp_mech.bench.tracking import PeakMemory
+from bp_mech.instruments.peak import PeakMemory
 from bp_mech.update_dynamics import clip_coefficient
-from bp_mech.bench.workload import Workload, build_model, make_adamw, make_batches
+from bp_mech.instruments.workload import Workload, build_model, make_batches
+from bp_mech.instruments.adamw import make_adamw
 
 
 @dataclass(frozen=True)

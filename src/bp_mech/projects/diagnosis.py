@@ -111,7 +111,7 @@ def known_lines(w) -> dict[str, int]:
     (8 B (T + 1)), RoPE's cos and sin (2 x 4 T d) and its two inverse-frequency buffers (2 x 4 d/2);
     with tied embeddings the two gradients of the shared weight (lm_head's and the embedding's, 2 x 4 V C)
     before they are summed; and W, the bytes of all parameters (of their gradients)."""
-    from bp_mech.bench.workload import ARCHITECTURES
+    from bp_mech.instruments.workload import ARCHITECTURES
 
     a = ARCHITECTURES[w.arch]
     n, V, hd = w.batch * w.seq, a["vocab_size"], a["hidden_size"] // a["num_attention_heads"]
@@ -242,7 +242,7 @@ def line_changes(remedy: Remedy, rows: dict[str, dict[str, int]], w, device) -> 
     """The changes ``remedy`` makes to the measured plain ledger ``rows`` of workload ``w`` on ``device``:
     per point and class, the formula's bytes for the remedy minus its bytes for the plain step
     (``ledger.theoretical``), or, for the chunked loss (``ledger.unmodelled``), its own rule."""
-    from bp_mech.bench.workload import ARCHITECTURES
+    from bp_mech.instruments.workload import ARCHITECTURES
 
     arch = ARCHITECTURES[w.arch]
     if ledger.unmodelled(remedy.strategy):

@@ -17,10 +17,10 @@ import torch
 
 from bp_mech.bench.compare import EXACT_TOL, LOW_TOL, REORDER_TOL
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
-from bp_mech.bench.step import StepOptions
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.bench.timing import CPU_TIMING_THREADS, SMOKE_SCHEDULE
-from bp_mech.bench.workload import build_model, make_batches, qwen2_config
+from bp_mech.instruments.workload import build_model, make_batches, qwen2_config
 from bp_mech.experiments import decision, harness
 from bp_mech.experiments.dry_run import per_mode
 from bp_mech.experiments.dry_run import schedule as harness_schedule

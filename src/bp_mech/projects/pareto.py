@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from bp_mech.bench.timing import timing_noise
-from bp_mech.bench.tracking import fmt_bytes
+from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.planner.plan import needed_bytes
 
 

@@ -4,7 +4,7 @@
 
 1. ``step_profile.profile_step``: the baseline full training step under ``torch.profiler`` (Chrome
    trace, the memory timeline by the profiler's categories, the operators by self time);
-2. ``bench.lifecycle.Session(...).ledger(PLAIN)``: Part 02 · 43's ledger of the same step (tracked storages; on CUDA the
+2. ``planner.lifecycle.Session(...).ledger(PLAIN)``: Part 02 · 43's ledger of the same step (tracked storages; on CUDA the
    allocator beside them), and ``diagnosis.cross_check`` of the two views at each stage;
 3. ``diagnosis.dominant_state`` and ``diagnosis.rank``: the peak, the line that dominates it, and
    the remedies ranked by predicted saving, each attributed to the line it removes;
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bp_mech.bench import lifecycle
+from bp_mech.planner import lifecycle
 from bp_mech.bench.oom import Failed, attempt, release_memory
-from bp_mech.bench.step import PHASES, StepOptions
+from bp_mech.bench.step import PHASES
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.ledger import Ledger
 from bp_mech.projects import diagnosis, step_profile
@@ -172,7 +173,7 @@ def run(ctx) -> list:
     top = d.ranked[0].remedy if d.ranked else None
     metrics = summary(d)
     if not gpu and not ctx.smoke:  # the attribution at the GPU workload's full size, under fake tensors
-        from bp_mech.bench.workload import parse_workload
+        from bp_mech.instruments.workload import parse_workload
 
         metrics["at_gpu_workload"] = json_safe(estimate_at(parse_workload(ctx.experiment.gpu_workload),
                                                            progress=ctx.progress))

@@ -182,7 +182,8 @@ def profile_step(w, device="cpu", cfg: ProfileConfig = ProfileConfig(), trace_pa
 
     from bp_mech.bench.step import train_step
     from bp_mech.bench.timing import timing_threads
-    from bp_mech.bench.workload import build_model, make_adamw, make_batches
+    from bp_mech.instruments.workload import build_model, make_batches
+    from bp_mech.instruments.adamw import make_adamw
     from bp_mech.experiments.harness import LR
 
     cuda = torch.device(device).type == "cuda"

@@ -130,7 +130,7 @@ def _sdpa_kernel(device, batch, heads, kv_heads, seq, head_dim, dtype, causal, _
 
 def attention_shape(workload) -> dict:
     """The attention shape of a workload's model: batch, heads, kv_heads, seq, head_dim."""
-    from bp_mech.bench.workload import ARCHITECTURES
+    from bp_mech.instruments.workload import ARCHITECTURES
 
     a = ARCHITECTURES[workload.arch]
     return dict(batch=workload.batch, heads=a["num_attention_heads"], kv_heads=a["num_key_value_heads"],

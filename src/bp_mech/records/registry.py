@@ -23,7 +23,7 @@ from typing import Callable
 
 from bp_mech.records import provenance, results
 from bp_mech.records.environment import attention_shape, environment_fields, numerics
-from bp_mech.bench.workload import Workload, parse_workload, workload_fields
+from bp_mech.instruments.workload import Workload, parse_workload, workload_fields
 
 MODES = ("cpu", "real_gpu", "dry_run")
 

@@ -1,7 +1,7 @@
 """How a model is fine-tuned rather than trained in full: frozen parameters, or LoRA adapters through ``peft``.
 
 ``FineTune`` names the choice; ``apply(model, ft)`` turns a freshly built causal LM into the model that
-trains that way (``bench.build.build`` does it right after building, real or under ``FakeTensorMode``, so
+trains that way (``planner.build.build`` does it right after building, real or under ``FakeTensorMode``, so
 ``bp-mech plan`` traces the same program a real step runs):
 
 * ``freeze``: a regular expression on the parameter names (``model.named_parameters()``); every match gets
@@ -10,8 +10,8 @@ trains that way (``bench.build.build`` does it right after building, real or und
   whole base model and adds two small matrices (A: r x in, B: out x r, float32 even beside half-precision
   weights: peft's ``autocast_adapter_dtype``) to each targeted linear layer; only those train.
 
-The optimizers a fine-tuning run takes besides AdamW, where a fake-tensor step needs help (``bench.step.
-make_optimizer`` makes them): ``adamw8bit`` (bitsandbytes' blockwise 8-bit AdamW) and ``Adafactor``.
+The optimizers a fine-tuning run takes besides AdamW (the 8-bit AdamW, Adafactor) are
+``bench.optimizer``'s.
 
 ``peft`` and ``bitsandbytes`` are imported only when asked for: the plan and the command run without them.
 """
@@ -19,13 +19,14 @@ make_optimizer`` makes them): ``adamw8bit`` (bitsandbytes' blockwise 8-bit AdamW
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 from torch import nn
+
+from bp_mech.bench.optimizer import quiet_bitsandbytes
 
 
 class FineTuneError(ValueError):
@@ -87,19 +88,6 @@ def _apply_without_swap(self, fn, recurse=True):
     return self
 
 
-@contextlib.contextmanager
-def quiet_bitsandbytes():
-    """bitsandbytes' import-time warnings off (``peft`` imports it where it is installed; on a CPU without the
-    ``kernels`` package it warns about a 4-bit kernel no step here uses): one line of output per error."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def _module_names(model) -> list[str]:
     return [n for n, _ in model.named_modules() if n]
 
@@ -152,45 +140,6 @@ def apply(model, ft: FineTune | None):
             return get_peft_model(model, config)
     except ValueError as e:  # e.g. no default targets for this model type
         raise FineTuneError(f"LoRA on {model.config.model_type!r}: {str(e).splitlines()[0][:160]}") from None
-
-
-def adamw8bit(params, lr: float):
-    """bitsandbytes' ``AdamW8bit`` over ``params``. Under ``FakeTensorMode`` its quantization maps, which it
-    computes from values (``create_dynamic_map``), are made with real tensors and then made fake; its update
-    kernels have fake implementations of their own."""
-    with quiet_bitsandbytes():
-        from bitsandbytes.optim import AdamW8bit
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    params = list(params)
-    mode = detect_fake_mode(params)
-    if mode is None:
-        return AdamW8bit(params, lr=lr)
-    with unset_fake_temporarily():
-        opt = AdamW8bit(params, lr=lr)
-    opt.name2qmap = {k: mode.from_tensor(v) for k, v in opt.name2qmap.items()}
-    return opt
-
-
-def _one(t):
-    return 1.0 if type(t).__name__ == "FakeTensor" else _ITEM(t)
-
-
-_ITEM = torch.Tensor.item
-
-
-class Adafactor(torch.optim.Adafactor):
-    """``torch.optim.Adafactor``, whose step also runs on fake tensors: it reads scalars (the step count, the
-    parameters' and updates' norms) into Python arithmetic with ``.item()``, which a fake tensor cannot
-    answer; under fake tensors each reads 1.0 (what it allocates does not depend on them)."""
-
-    def step(self, closure=None):
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not any(type(p).__name__ == "FakeTensor" for p in params):
-            return super().step(closure)
-        with mock.patch.object(torch.Tensor, "item", _one):
-            return super().step(closure)
 
 
 def missing_package(optimizer: str, ft: FineTune | None) -> str | None:

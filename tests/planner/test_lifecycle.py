@@ -1,4 +1,4 @@
-"""``bench.lifecycle``: the ledger's observer on the one training step. What the offload moves arrives on
+"""``planner.lifecycle``: the ledger's observer on the one training step. What the offload moves arrives on
 the host; host buffers are host bytes; the tracker's peak is the shared peak tool's; the strategies train
 the same; on CUDA the allocator is read around every phase; the tracker lets the model go; a skipped
 fp16 warm-up step is retried and counted."""
@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from bp_mech import ledger
-from bp_mech.bench import lifecycle
-from bp_mech.bench.step import StepOptions, make_optimizer, optimizer_state, train_step
+from bp_mech.planner import lifecycle
+from bp_mech.bench.step import optimizer_state, train_step
+from bp_mech.bench.optimizer import StepOptions, make_optimizer
 from bp_mech.bench.strategy import PLAIN, Applied, configured, parse
-from bp_mech.bench.tracking import PeakMemory, StorageTracker
-from bp_mech.bench.workload import ARCHITECTURES, build_model, make_batches, parse_workload
+from bp_mech.instruments.tracking import StorageTracker, host_side
+from bp_mech.instruments.peak import PeakMemory
+from bp_mech.instruments.workload import ARCHITECTURES, build_model, make_batches, parse_workload
 from bp_mech.experiments import ledger as experiment
 from bp_mech.offload import ActivationOffload, OffloadConfig
 
@@ -35,13 +37,14 @@ def test_what_offload_moves_arrives_on_the_host():
 
 
 def test_host_buffers_are_host_bytes_even_when_allocated_inside_the_step():
-    """The offload's pool allocates its host buffers under ``tracking.host_side()`` in its first step; the
+    """The offload's pool allocates its host buffers in its first step, inside the ``host_region`` the tracker's ``host_side`` observes; the
     tracker books them as host bytes (never as device bytes) there as in a steady step that reuses them."""
     model, batch = build_model(TINY), make_batches(TINY, 1)[0]
     opt = make_optimizer(model.parameters(), StepOptions(), "cpu")
     s = parse("offload")
     hooks = ActivationOffload(model.parameters(), OffloadConfig(min_bytes=StepOptions().for_device("cpu")
-                                                                .offload_min_bytes), "cpu")
+                                                                .offload_min_bytes), "cpu",
+                              host_region=host_side)  # the tracker observes the pool's allocations
     seen = []
     for _ in range(2):  # first step: the pool allocates; second: it reuses its buffers
         tr = StorageTracker("cpu")

@@ -1,4 +1,4 @@
-"""``bench.cuda_autocast``: CUDA's autocast policy on CPU tensors. Its op lists are PyTorch's own (the
+"""``planner.cuda_autocast``: CUDA's autocast policy on CPU tensors. Its op lists are PyTorch's own (the
 header the installed torch ships, and the kernels this build registers for CUDA's autocast key); each
 policy gives the output dtypes the AMP documentation states; where the CPU's and CUDA's lists agree its
 ledger equals real CPU autocast's, where they differ it differs by the bytes the lists predict; the
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bp_mech.bench import cuda_autocast as C
-from bp_mech.bench.tracking import StorageTracker
+from bp_mech.planner import cuda_autocast as C
+from bp_mech.instruments.tracking import StorageTracker
 
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 LISTS = {"AT_FORALL_LOWER_PRECISION_FP": "lower", "AT_FORALL_FP32": "fp32",

@@ -1,4 +1,4 @@
-"""The storage tracker of a sharded step (``planner.shard``): ``ShardTracker``, the ``bench.tracking.StorageTracker``
+"""The storage tracker of a sharded step (``planner.shard``): ``ShardTracker``, the ``instruments.tracking.StorageTracker``
 that sees through FSDP2's DTensors (their local shards), follows the storage resizes with which FSDP frees and
 re-gathers unsharded parameters, and names the all-gathered parameters and the collectives' buffers."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.bench.tracking import StorageTracker, _storage
+from bp_mech.instruments.tracking import StorageTracker, _storage
 
 
 def _local(t):  # a DTensor's local shard (what this rank holds), else ``t``
@@ -31,7 +31,7 @@ def _on_copies(func):
 
 
 class ShardTracker(StorageTracker):
-    """The storage tracker (``bench.tracking``) on one rank of a sharded step.
+    """The storage tracker (``instruments.tracking``) on one rank of a sharded step.
 
     What it sees that the tracker does not: DTensors (sharded parameters, gradients, moments) by their local
     shards (DTensor's op runs first; the local ops it runs come back here); FSDP2's frees and re-allocations

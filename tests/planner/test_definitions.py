@@ -1,15 +1,16 @@
-"""``bench.definitions`` on the one step (``lifecycle.Session.step``): each definition changes the ledger as its
+"""``planner.definitions`` on the one step (``lifecycle.Session.step``): each definition changes the ledger as its
 account says, counted independently (parameters from the config, the logits from B, T and V, the batch
 from its int64 ids), and the fake step equals the real tracked one under every definition."""
 
 import pytest
 import torch
 
-from bp_mech.bench import lifecycle
-from bp_mech.bench.definitions import STEADY, StepDefinition as D, StepLedger
-from bp_mech.bench.step import StepOptions, train_step
+from bp_mech.planner import lifecycle
+from bp_mech.planner.definitions import STEADY, StepDefinition as D, StepLedger
+from bp_mech.bench.step import train_step
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, parse
-from bp_mech.bench.workload import ARCHITECTURES, build_model, make_batches, param_count, parse_workload
+from bp_mech.instruments.workload import ARCHITECTURES, build_model, make_batches, param_count, parse_workload
 
 TINY = parse_workload("tiny-b2s64")
 B, T, V = TINY.batch, TINY.seq, ARCHITECTURES["tiny"]["vocab_size"]

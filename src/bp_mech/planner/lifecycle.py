@@ -2,13 +2,13 @@
 
 ``LedgerObserver`` watches the one training step (``bench.step.train_step``) through its phases and
 fills a ``Ledger`` (``bp_mech.ledger``) from the storages alive at each lifecycle stage, counted and
-classified by the storage tracker (``bench.tracking.StorageTracker``): it opens the tracker's phases,
+classified by the storage tracker (``instruments.tracking.StorageTracker``): it opens the tracker's phases,
 marks the stages, names the logits/loss region (from the output head on, ``anatomy.output_head``: under the chunked loss that is
 its ``ChunkedHead``) and the autograd nodes of that region, and promotes gradients and optimizer state
 as they appear.
 
 ``Session`` builds a workload's model once, with its AdamW, real or fake, and gives the ledger of a
-steady-state step of any ``Strategy`` (or of a step of another definition, ``bench.definitions``):
+steady-state step of any ``Strategy`` (or of a step of another definition, ``planner.definitions``):
 
 * ``fake=False``: real tensors; storages tracked on the CPU (memory source ``tracked-cpu``) or, on
   CUDA, tracked *and* read from the caching allocator beside them (``cuda-allocator``);
@@ -25,14 +25,16 @@ import contextlib
 
 import torch
 
-from bp_mech.bench import anatomy, fake_ops
-from bp_mech.bench.build import ConfigWorkload, build  # noqa: F401 (ConfigWorkload: lifecycle's name for it)
-from bp_mech.bench.counters import ForwardCounter
-from bp_mech.bench.cuda_autocast import cuda_policy
-from bp_mech.bench.definitions import STEADY, StepDefinition, StepLedger
-from bp_mech.bench.step import StepOptions, StepState, make_optimizer, optimizer_state, train_step
+from bp_mech.instruments import anatomy
+from bp_mech.planner import fake_ops
+from bp_mech.planner.build import ConfigWorkload, build  # noqa: F401 (ConfigWorkload: lifecycle's name for it)
+from bp_mech.instruments.counters import ForwardCounter
+from bp_mech.planner.cuda_autocast import cuda_policy
+from bp_mech.planner.definitions import STEADY, StepDefinition, StepLedger
+from bp_mech.bench.step import StepState, optimizer_state, train_step
+from bp_mech.bench.optimizer import StepOptions, make_optimizer
 from bp_mech.bench.strategy import PLAIN, Strategy, applied
-from bp_mech.bench.tracking import StorageTracker
+from bp_mech.instruments.tracking import StorageTracker
 from bp_mech.ledger import CLASSES, STAGES, Counts, Ledger
 from bp_mech.offload import OffloadConfig
 
@@ -133,8 +135,8 @@ class Session:
 
     ``options``: AdamW implementation, offload threshold, learning rate, autocast policy (``StepOptions``,
     resolved for the device). Fake tensors run on the CPU; pass ``options.for_device("cuda")`` to estimate
-    a GPU run (fused AdamW, CUDA's offload threshold, CUDA's autocast op lists: ``bench.cuda_autocast``).
-    ``definition``: the step's definition (``bench.definitions.StepDefinition``); its ``weights`` are the
+    a GPU run (fused AdamW, CUDA's offload threshold, CUDA's autocast op lists: ``planner.cuda_autocast``).
+    ``definition``: the step's definition (``planner.definitions.StepDefinition``); its ``weights`` are the
     session's (the model is built in that dtype), the rest may change per ``ledger`` call. A fake step
     cannot read values, so it is told what a real one finds out: the batch holds one sequence per row
     (Transformers' packed-sequence check, which would otherwise build a (B, 1, T, T) mask where the real
@@ -177,7 +179,7 @@ class Session:
         return self.optimizers[impl]
 
     def active(self):
-        """The session's mode: ``FakeTensorMode`` and ``bench.fake_ops.patched()`` when fake, else nothing."""
+        """The session's mode: ``FakeTensorMode`` and ``planner.fake_ops.patched()`` when fake, else nothing."""
         stack = contextlib.ExitStack()
         if self.fake:
             stack.enter_context(self.mode)

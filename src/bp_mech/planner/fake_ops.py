@@ -1,7 +1,7 @@
 """What a fake-tensor trace of a Transformers model needs besides ``FakeTensorMode``.
 
 A fake step computes no values, so two things a real step decides from values are told instead
-(``patched()``, entered by ``bench.lifecycle.Session.active``):
+(``patched()``, entered by ``planner.lifecycle.Session.active``):
 
 * the batch holds one sequence per row and no padding: Transformers' packed-sequence check
   (``masking_utils.find_packed_sequence_indices``) would read the position ids, and its padding check
@@ -20,7 +20,7 @@ And one shortcut that changes nothing but time (``plain_key``): ``FakeTensorMode
 for every operator, and each tensor argument's shape and stride tuples go through the key builder's chain of
 ``isinstance`` tests one integer at a time; a tuple of plain values (integers, dtypes, ...) is written into the
 key as the builder writes it, without the chain. About a tenth of a fake step's time (measured); the keys are
-the same (``tests/bench/test_fake_ops.py`` compares every key of a traced step).
+the same (``tests/planner/test_fake_ops.py`` compares every key of a traced step).
 """
 
 from __future__ import annotations

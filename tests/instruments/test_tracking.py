@@ -1,4 +1,4 @@
-"""The storage tracker (``bp_mech.bench.tracking``): exact live bytes of the storages a block creates,
+"""The storage tracker (``bp_mech.instruments.tracking``): exact live bytes of the storages a block creates,
 views once, what existed before not counted, host-side allocations booked apart, fake tensors,
 classes, phases and marks; ``PeakMemory`` on the tracker (CPU) and on the allocator (CUDA)."""
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bp_mech.bench.tracking import PeakMemory, StorageTracker, host_side
+from bp_mech.instruments.tracking import StorageTracker, host_side
+from bp_mech.instruments.peak import PeakMemory
 
 N = 1 << 16  # float32 elements: 256 KiB
 

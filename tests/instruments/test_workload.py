@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from bp_mech.bench.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit,
+from bp_mech.instruments.workload import (ARCHITECTURES, Workload, WorkloadError, build_model, load_text, make_batches, model_commit,
                               param_count,
                               parse_workload, resolve_pretrained, tokenize, workload_fields)
 
@@ -22,7 +22,7 @@ def test_bad_workloads_raise_clear_errors(bad):
 
 
 def test_qwen05_is_the_qwen25_05b_architecture():
-    from bp_mech.bench.workload import qwen2_config
+    from bp_mech.instruments.workload import qwen2_config
     from transformers import Qwen2ForCausalLM
 
     cfg = qwen2_config("qwen05")
@@ -105,7 +105,7 @@ def test_param_count_matches_the_model():
     for arch in ("tiny", "qwen05"):
         from transformers import Qwen2ForCausalLM
 
-        from bp_mech.bench.workload import qwen2_config
+        from bp_mech.instruments.workload import qwen2_config
 
         with torch.device("meta"):
             n = sum(p.numel() for p in Qwen2ForCausalLM(qwen2_config(arch)).parameters())

@@ -1,6 +1,6 @@
-"""The model and batch of a ledger session (``bench.lifecycle.Session``), real or fake.
+"""The model and batch of a ledger session (``planner.lifecycle.Session``), real or fake.
 
-A ``Workload`` (``bench.workload``) gives its own model and text; a ``ConfigWorkload`` (what ``bp-mech
+A ``Workload`` (``instruments.workload``) gives its own model and text; a ``ConfigWorkload`` (what ``bp-mech
 plan`` traces) any causal LM that Transformers builds from its config (``AutoModelForCausalLM.
 from_config``), with random byte-range token ids. Under ``FakeTensorMode`` either is built at full
 size without memory (the full qwen05 in seconds on any CPU).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench.finetune import FineTune, apply as apply_finetune
+from bp_mech.planner.finetune import FineTune, apply as apply_finetune
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ConfigWorkload:
     seq: int  # tokens per sequence (T)
     dtype: str = "float32"  # master weights
     seed: int = 0  # random init and token ids (real runs)
-    finetune: FineTune | None = None  # frozen parameters or LoRA (``bench.finetune``); None: every parameter trains
+    finetune: FineTune | None = None  # frozen parameters or LoRA (``planner.finetune``); None: every parameter trains
 
 
 def build(w, device, fake: bool, dtype: str | None = None):
@@ -34,7 +34,7 @@ def build(w, device, fake: bool, dtype: str | None = None):
     ``dtype``: the weights' dtype instead of ``w.dtype`` (None: ``w.dtype``)."""
     from transformers import AutoModelForCausalLM
 
-    from bp_mech.bench.workload import build_model, make_batches, qwen2_config
+    from bp_mech.instruments.workload import build_model, make_batches, qwen2_config
 
     w = dataclasses.replace(w, dtype=dtype or w.dtype)
     if not fake and not isinstance(w, ConfigWorkload):

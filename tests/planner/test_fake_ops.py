@@ -1,14 +1,14 @@
-"""``bench.fake_ops.plain_key``: the fake dispatch cache's keys with the shortcut are the keys without it, for
+"""``planner.fake_ops.plain_key``: the fake dispatch cache's keys with the shortcut are the keys without it, for
 every operator of a traced training step (forward, backward, AdamW, under checkpointing and autocast), and
 the shortcut is taken; a shortcut that writes anything else is caught."""
 
 import pytest
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bp_mech.bench import fake_ops, lifecycle
+from bp_mech.planner import fake_ops, lifecycle
 from bp_mech.bench import strategy as S
-from bp_mech.bench.step import StepOptions
-from bp_mech.bench.workload import parse_workload
+from bp_mech.bench.optimizer import StepOptions
+from bp_mech.instruments.workload import parse_workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
 

@@ -226,12 +226,6 @@ def param_count(arch: str) -> int:
     return V * C + L * (attn + 3 * C * inter + 2 * C) + C
 
 
-def make_adamw(params, lr: float, device, **kw) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA, foreach elsewhere."""
-    impl = dict(fused=True) if torch.device(device).type == "cuda" else dict(foreach=True)
-    return torch.optim.AdamW(params, lr=lr, **impl, **kw)
-
-
 # --- text and batches ---------------------------------------------------------------
 
 def load_text(name: str = "general") -> str:

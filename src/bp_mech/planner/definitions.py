@@ -4,7 +4,7 @@ The book's ledger (Part 02 · 43) measures the *steady-state full step*: AdamW's
 step starts, the step runs forward, backward, the fused AdamW update and ``zero_grad``, and the model's
 outputs are dropped as soon as the loss is taken. A peak measured elsewhere may have been measured on
 another step. ``StepDefinition`` names the choices a measurement makes, each an option of the one
-training step (``bench.step.train_step``) as ``bench.lifecycle.Session`` runs it:
+training step (``bench.step.train_step``) as ``planner.lifecycle.Session`` runs it:
 
 ============================  ===================================================================
 field                         the step it defines
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bp_mech.bench.step import ADAMW_IMPLS
+from bp_mech.bench.optimizer import ADAMW_IMPLS
 from bp_mech.ledger import Ledger
 
 MOMENTS = ("resident", "first", "none")  # the steady state, the first step, forward + backward only

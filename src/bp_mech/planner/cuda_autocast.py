@@ -1,6 +1,6 @@
 """CUDA's autocast policy on CPU tensors: what ``torch.autocast("cuda")`` casts, traced where no GPU is.
 
-A fake-tensor step (``bench.lifecycle.Session(fake=True)``) runs on the CPU, and the CPU's autocast
+A fake-tensor step (``planner.lifecycle.Session(fake=True)``) runs on the CPU, and the CPU's autocast
 casts other operators than CUDA's: it runs ``cross_entropy_loss``, ``cat`` and ``stack`` under its own
 rules and leaves ``softmax``, ``pow``, ``rsqrt``, ``sum``, ``exp`` and the norms in the input's dtype,
 which CUDA's runs in float32. ``torch.autocast("cuda")`` cannot be traced instead: on a CPU-only build it
@@ -8,7 +8,7 @@ switches itself off, and forced onto fake CUDA tensors it aborts the process.
 
 ``cuda_policy()`` puts CUDA's policy on the CPU's autocast key for as long as it is entered: a kernel
 at ``AutocastCPU`` for every operator of CUDA's lists (``POLICY``, transcribed from PyTorch's
-``ATen/autocast_mode.h``, which ``tests/bench/test_cuda_autocast.py`` parses), and a fallthrough for
+``ATen/autocast_mode.h``, which ``tests/planner/test_cuda_autocast.py`` parses), and a fallthrough for
 every operator that only the CPU's policy lists. ``torch.autocast("cpu", dtype)`` then casts as CUDA's
 would, at the same level of the dispatcher (above autograd, so the casts are in the graph and the
 low-precision copies are what autograd saves), with everything around it unchanged: nested

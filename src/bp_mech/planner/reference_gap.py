@@ -2,12 +2,12 @@
 
 The course's reference run (RTX 5070 Ti, Qwen2.5-0.5B; ``bp_mech.records.references``) reports peak
 savings that the book's ledger, at the same workload, does not predict for its own step (the
-steady-state full step, ``bench.definitions.STEADY``). Before calling the two comparable, this module
+steady-state full step, ``planner.definitions.STEADY``). Before calling the two comparable, this module
 asks which *definition* of the step would have given the reference's figure: for one reference it
 traces, with fake tensors at the reference workload and CUDA's settings (``StepOptions.for_device(
 "cuda")``: fused AdamW, CUDA's offload threshold, CUDA's autocast op lists), the plain step and the
 reference's strategy under every definition of ``DEFINITIONS`` (the single ones, (a) to (g) of
-``bench.definitions``, and the pairs that can hold together), and for each the saving of the absolute
+``planner.definitions``, and the pairs that can hold together), and for each the saving of the absolute
 peak and of the peak's increment above what was resident at the start ((f)). The half-precision
 definition stands in, for the mixed-precision reference, for its fp16 arm itself (a model cast to
 fp16 against the fp32 one), and makes both arms half-precision for the others.
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench import lifecycle
-from bp_mech.bench.definitions import STEADY, StepDefinition, StepLedger
-from bp_mech.bench.step import StepOptions
+from bp_mech.planner import lifecycle
+from bp_mech.planner.definitions import STEADY, StepDefinition, StepLedger
+from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
-from bp_mech.bench.workload import parse_workload
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.records.references import SEED
 
 TOLERANCE_PP = 1.0  # a definition reproduces a reference when its saving is within this many points of it

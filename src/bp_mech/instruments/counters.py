@@ -1,7 +1,7 @@
 """What a training step does, counted rather than assumed: forward calls and saved tensors.
 
 * ``ForwardCounter`` counts forward calls of each decoder block and of its attention and MLP
-  (``bench.anatomy``) with module pre-hooks, which fire on every call, including the recompute ``torch.utils.checkpoint``
+  (``instruments.anatomy``) with module pre-hooks, which fire on every call, including the recompute ``torch.utils.checkpoint``
   runs in backward (Part 02 · 19);
 * ``SavedBytesCounter`` counts what autograd saves for backward with counting-only
   ``saved_tensors_hooks`` (Part 02 · 19 and 42).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bp_mech.bench import anatomy
+from bp_mech.instruments import anatomy
 
 
 class ForwardCounter:
