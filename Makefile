@@ -17,16 +17,16 @@ $(STAMP): $(REQS) pyproject.toml
 	$(PY) -m pip check
 	touch $@
 
-book: $(STAMP)
-	$(VENV)/bin/jupyter-book build . --builder html
-	@echo "book: $(CURDIR)/_build/html/index.html"
+book: $(STAMP)   ## the book, every page executed, warnings as errors; kept while the sources are unchanged
+	$(PY) tools/book_build.py
 
-test: $(STAMP)
-	$(PY) -m pytest
+test: $(STAMP)   ## every test on two workers; the book is built once (make book's build when it is current)
+	$(PY) -m pytest -n 2 --dist loadgroup
 
-records: $(STAMP)   ## refresh the cached CPU records of every implemented CPU experiment
+records: $(STAMP)   ## refresh the cached CPU records and the computed records (fake-tensor traces, the sweep)
 	rm -f book/results/*__cpu-*.json
 	$(VENV)/bin/bp-mech run --suite cpu --out book/results
+	$(PY) -m bp_mech.book.computations
 
 preflight: $(STAMP)
 	$(VENV)/bin/bp-mech preflight --profile TRAIN-CPU

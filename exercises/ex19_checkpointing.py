@@ -154,7 +154,7 @@ def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
     3, 6, ...); ``every=0`` checkpoints none.
 
     What counts (the measurement is a counting-only ``saved_tensors_hooks`` pass,
-    ``bp_mech.instruments.counters.SavedBytesCounter.bytes``): the distinct non-parameter
+    ``instruments.counters.SavedBytesCounter.bytes``): the distinct non-parameter
     storages autograd saves outside the checkpointed regions, each once. A ``Linear``
     saves its input (and its weight, a parameter: not counted); ``SiLU`` saves its
     input; a checkpointed layer saves only its input. With ``H`` the bytes of one

@@ -152,7 +152,7 @@ def predict_forward_bytes(cfg, batch: int, seq: int) -> int:
     with W = ``param_bytes(cfg)`` and block = ``block_saved_bytes(cfg, batch, seq)``
     (use your own answers), n = batch * seq. No gradients yet: ``zero_grad`` freed them.
 
-    The check runs that step for real on the CPU (``bp_mech.planner.lifecycle.track``: the
+    The check runs that step for real on the CPU (``planner.lifecycle.track``: the
     storage tracker of the chapter) at configs the chapter did not show, and accepts the
     prediction within 2 % of the measured total: the lines the prediction leaves out
     (the RoPE cos/sin tables, the token ids and targets, AdamW's 4-byte step counters,

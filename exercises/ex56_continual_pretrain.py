@@ -1,14 +1,16 @@
 """Exercises for Part 02 · 56 — continual pretraining: the per-token holdout loss, a training state
 that resumes bit for bit, and a replay mix of old-domain rows that resumes too.
 
-The trainer the state exercises work on is the package's
-``bp_mech.continual_pretrain.Trainer``. Its attributes:
+The trainer the state exercises work on is the package's ``bp_mech.bench.trainer.Trainer``
+(built for a phase by ``bench.trainer.phase_trainer``; its ``step`` is the book's one training
+step). Its attributes:
 
 * ``model``: a ``transformers`` causal LM (tied embeddings: ``lm_head.weight`` is
   ``model.embed_tokens.weight``);
 * ``optimizer``: ``torch.optim.AdamW`` (its state holds ``step``, ``exp_avg``,
   ``exp_avg_sq`` per parameter);
-* ``scaler``: a ``torch.amp.GradScaler`` (``state_dict()`` / ``load_state_dict()``);
+* ``scaler``: a ``torch.amp.GradScaler`` (``state_dict()`` / ``load_state_dict()``); enabled
+  under fp16 (the check's trainer runs fp16), disabled in a float32 run (its state is ``{}``);
 * ``clock``: a ``bp_mech.scheduler.UpdateClock``, whose plain attributes ``updates``
   (applied updates) and ``skipped`` (skipped optimizer calls) set the learning rate;
 * ``data``: a ``bp_mech.continual_pretrain.TextStream``: ``position`` (batches drawn so
@@ -70,7 +72,7 @@ def capture_state(trainer) -> dict:
     place.
 
     Args:
-        trainer: a ``bp_mech.continual_pretrain.Trainer`` (see the module docstring).
+        trainer: a ``bp_mech.bench.trainer.Trainer`` (see the module docstring).
 
     Returns:
         A dict that ``restore_state`` can put back.
@@ -95,7 +97,7 @@ def restore_state(trainer, state: dict) -> None:
     would change them in ``state``).
 
     Args:
-        trainer: the fresh ``bp_mech.continual_pretrain.Trainer``.
+        trainer: the fresh ``bp_mech.bench.trainer.Trainer``.
         state: what ``capture_state`` returned.
 
     Returns:

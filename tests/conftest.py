@@ -138,3 +138,20 @@ def _mutants_unshrunk(monkeypatch):
     from bp_mech.checks import properties
 
     monkeypatch.setattr(properties, "SHRINK", False)
+
+
+BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``): each test file runs whole on one worker (its
+    module fixtures are built once), and the book's build with the tests that read it goes first, on one
+    worker, while the other worker takes the rest; run without xdist, the order is pytest's own but for the
+    book first."""
+    def group(item) -> str:
+        path = item.nodeid.split("::")[0]
+        return "book" if path in BOOK_TESTS else path
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: group(item) != "book")  # (stable: the rest keeps its order)

@@ -16,8 +16,8 @@ title, the landing page maps every chapter, and one chapter downloaded as ``.ipy
 runs again with nbclient in this (TRAIN-CPU) environment. A full-page screenshot of each page goes
 to the test's temporary folder. tests/test_browser_audit.py tests the audit itself.
 
-The book is the strict build tests/test_book.py leaves (tests/book_build.py), built here when it
-is missing or older than the sources. Without Chromium the test skips, saying why; under CI
+The book is the one build of the current sources (tools/book_build.py: `make book`'s or
+tests/test_book.py's), built here when there is none yet. Without Chromium the test skips, saying why; under CI
 (``$CI`` set) it fails instead.
 """
 
@@ -56,15 +56,9 @@ def html_dir() -> Path:
     override = os.environ.get("BP_MECH_BOOK_HTML")
     if override:
         return Path(override).resolve()
-    stamp = book_build.last_stamp()
-    if stamp and stamp["digest"] == book_build.source_digest():
-        if not stamp["passed"]:
-            pytest.fail("the strict build of these sources failed: see tests/test_book.py::test_strict_book_build")
-        return book_build.HTML
-    build = book_build.strict_build()  # none yet, or the sources changed since
-    build.stamp(build.clean)
+    build = book_build.current_build()  # `make book`'s or tests/test_book.py's, when of these sources
     if not build.clean:
-        pytest.fail("the strict book build failed:\n" + build.log[-6000:])
+        pytest.fail("the book's build failed (tests/test_book.py::test_strict_book_build):\n" + build.log[-6000:])
     return build.html
 
 

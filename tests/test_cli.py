@@ -23,6 +23,12 @@ from conftest import gpu_suite_ids, one_error_line
     (["check", "99"], "unknown chapter"),
     (["run", "--suite", "tpu"], "unknown suite"),
     (["frobnicate"], "invalid choice"),
+    # each command's typed request refuses bad input as it is made
+    (["run"], "run needs an experiment ID or --suite gpu"),
+    (["run", "TRAIN-LOCAL-BACKWARD", "--suite", "cpu"], "not both"),
+    (["run", "--suite", "cpu", "--domain-text", "d.txt"], "--domain-text applies to one experiment, not a suite"),
+    (["conformance", "--profile", "TRAIN-CPU"], "conformance needs --all-part02"),
+    (["plan", "--workload", "tiny-b2s32", "--budget", "1GiB", "--seq", "long"], "--seq takes a number or max"),
 ])
 def test_bad_input_gets_one_line_and_status_2(argv, needle, capsys):
     assert main(argv) == 2

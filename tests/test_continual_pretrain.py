@@ -1,7 +1,7 @@
-"""Part 02 · 56, the mechanism (``bp_mech.continual_pretrain``, ``bp_mech.training_state``): the per-token loss
-against Transformers' own, the data stream, the clock under skipped updates, bit-for-bit resume from disk,
-the atomic save, every kind of bad saved state (one TrainingStateError line, nothing loaded), and the exercise
-checks against the classic mistakes (mutants). The experiment: tests/experiments/test_continual_pretrain.py."""
+"""Part 02 · 56, the mechanism (``continual_pretrain``, ``training_state``) on ``bench.trainer.phase_trainer``: the
+per-token loss against Transformers' own, the data stream, the clock under skipped updates (fp16), bit-for-bit resume
+from disk, the atomic save, every kind of bad saved state (one TrainingStateError line, nothing loaded), and the
+exercise checks against the classic mistakes (mutants). The experiment: tests/experiments/test_continual_pretrain.py."""
 
 import copy
 import json
@@ -13,6 +13,8 @@ import torch
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state as ts
 from bp_mech.accumulation import count_targets
+from bp_mech.bench.strategy import parse
+from bp_mech.bench.trainer import loss_times, phase_trainer
 from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize, workload_fields
 from bp_mech.checks import ex56
 
@@ -25,8 +27,9 @@ WL = workload_fields(W)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread, as the experiment trains
 
 
-def trainer(seed=0, w=W, cfg=CFG, **config):
-    return cpt.Trainer(build_model(w.replace(seed=seed), **config), cfg, cpt.TextStream(IDS, w.batch, w.seq, cfg.seed))
+def trainer(seed=0, w=W, cfg=CFG, strategy=parse("plain"), **config):
+    data = cpt.TextStream(IDS, w.batch, w.seq, cfg.seed)
+    return phase_trainer(build_model(w.replace(seed=seed), **config), cfg, data, strategy=strategy)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +71,20 @@ def test_text_stream_state_round_trips_and_short_texts_wrap():
     assert short.shape == (2, 16) and set(short.reshape(-1).tolist()) <= set(IDS[:5].tolist())
 
 
-def test_the_clock_counts_applied_updates_only():
-    """An initial loss scale that overflows float32 makes the scaler skip until it has backed off."""
-    t = trainer(cfg=cpt.TrainConfig(updates=3, warmup=1, decay=1, init_scale=2.0 ** 126))
-    rows = cpt.train(t, 3)
-    skipped = sum(not r["applied"] for r in rows)
-    assert skipped >= 1 and t.clock.updates == 3 and t.clock.skipped == skipped and len(rows) == 3 + skipped
-    assert all(r["update"] == 0 for r in rows[:skipped])  # the skipped calls left the clock at 0
-    assert [r["lr"] for r in rows[:skipped + 1]] == [t.clock.cfg.base_lr * t.clock.cfg.min_lr_ratio] * (skipped + 1)
+def test_the_clock_counts_applied_updates_only():  # fp16: an overflowing loss (calls 0, 1) is skipped, clock at 0
+    t = trainer(cfg=cpt.TrainConfig(updates=3, warmup=1, decay=1), strategy=parse("fp16"))
+    with loss_times(t.model, float("inf")):
+        rows = [t.step(), t.step()]
+    rows += cpt.train(t, 3)
+    assert [(r.applied, r.update) for r in rows] == [(False, 0), (False, 0), (True, 1), (True, 2), (True, 3)]
+    assert (t.clock.updates, t.clock.skipped) == (3, 2)
+    assert [r.lr for r in rows[:3]] == [t.clock.cfg.base_lr * t.clock.cfg.min_lr_ratio] * 3
+    assert [r.scale for r in rows[:3]] == [CFG.init_scale, CFG.init_scale / 2, CFG.init_scale / 4]  # backed off
+
+
+def test_a_float32_run_has_a_disabled_scaler():  # the chapter's runs: it skips nothing, its saved state is empty
+    rows = cpt.train(t := trainer(), 2)
+    assert not t.scaler.is_enabled() and t.scaler.state_dict() == {} and [r.scale for r in rows] == [None, None]
 
 
 # --- save and resume -------------------------------------------------------------------------------
@@ -87,7 +96,7 @@ def test_resume_from_disk_is_bit_for_bit(saved):
     m = ts.load_training_state(fresh, root, WL, "X")  # the root: 'latest' names the saved state
     assert m["clock"] == dict(updates=3, skipped=0) and m["data_position"]["position"] == 3
     assert set(m) == set(ts.FIELDS) and set(m["files"]) == set(ts.FILES)
-    got = [r["loss"] for r in cpt.train(fresh, 6)]
+    got = [r.loss for r in cpt.train(fresh, 6)]
     assert got == want and all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), final))
 
 

@@ -174,7 +174,8 @@ def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int,
         show.
 
     Example:
-        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import (build_model, make_batches,
+        ...                                           parse_workload)
         >>> w = parse_workload("tiny-b4s8"); model = build_model(w)
         >>> batch = make_batches(w, 1)[0]
         >>> full = accumulated_backward(model, batch, k=1)  # token-weighted: k=2 same
@@ -256,8 +257,8 @@ def accelerate_updates(model, init: dict, batches, k: int,
     ``model(..., labels=, num_items_in_batch=N)`` returns S_j / N (Transformers'
     token-weighted loss); ``accelerator.backward`` divides by
     gradient_accumulation_steps, so it gets k S_j / N. The prepared optimizer steps (and
-    zeroes) only on every k-th micro-batch. Runs on the CPU (``Accelerator(cpu=True)``)
-    with ``make_adamw``'s AdamW.
+    zeroes) only on every k-th micro-batch. CPU, ``make_adamw``'s AdamW; Accelerate's
+    own idiom, kept as such (``bench.step`` lists it).
 
     Args:
         model: a Transformers causal LM (its forward takes ``labels`` and
@@ -274,7 +275,8 @@ def accelerate_updates(model, init: dict, batches, k: int,
         order; the model holds the parameters after the last update.
 
     Example:
-        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import (build_model, make_batches,
+        ...                                           parse_workload)
         >>> w = parse_workload("tiny-b2s8"); model = build_model(w)
         >>> batches = make_batches(w, 1)
         >>> g = accelerate_updates(model, model.state_dict(), batches, k=2, lr=1e-3)

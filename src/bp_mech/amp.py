@@ -15,9 +15,12 @@ re-exports it). Clipping comes *after* ``unscale_``: the threshold is in the uni
 (``unscale_and_clip_``, with Part 02 · 55's global norm); ``clipping_order`` shows what clipping the
 still-scaled gradients does to AdamW's updates. BF16 has float32's 8-bit exponent, so it needs no scaler;
 it rounds harder (8-bit significand). A skipped step changes no parameter and must not advance the LR
-clock (Part 02 · 12, ``UpdateClock``). ``AmpTrainer`` puts the pieces together with the framework's
-tools. The experiment (FP32 against FP16 and BF16, the overflow sample, records, decision) is
-``bp_mech.experiments.amp``.
+clock (Part 02 · 12, ``UpdateClock``). The book's one training step (``bench.step.train_step``, and
+``bench.trainer.Trainer`` for a loop) puts the pieces together with the framework's tools: autocast and
+the GradScaler of the ``fp16`` strategy, ``unscale_`` before ``clip_grad_norm_``, the clock after the
+scaler's step; a mechanism module sits below it and trains nothing itself, except ``clipping_order``'s
+demonstration of the mistake. The experiment (FP32 against FP16 and BF16, the overflow sample, records,
+decision) is ``bp_mech.experiments.amp``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ import math
 
 import torch
 
-from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step
+from bp_mech.scheduler import scaler_step
 from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
 from bp_mech.instruments.adamw import make_adamw
 from bp_mech.loss_scaling import DynamicLossScaler
 
-__all__ = ["DynamicLossScaler", "unscale_and_clip_", "autocast", "autocast_dtypes", "AmpTrainer",  # public names
+__all__ = ["DynamicLossScaler", "unscale_and_clip_", "autocast", "autocast_dtypes",  # public names
            "CLIP_DEMO_MAX_NORM", "CLIP_DEMO_UPDATES", "clipping_order"]  # (DynamicLossScaler: re-exported)
 
 
@@ -110,7 +113,8 @@ def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | Non
         without "torch." and joined by "/" when several.
 
     Example:
-        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import (build_model, make_batches,
+        ...                                           parse_workload)
         >>> w = parse_workload("tiny-b1s8")
         >>> d = autocast_dtypes(build_model(w), make_batches(w, 1)[0], "cpu", torch.bfloat16)
         >>> d["Linear"], d["Qwen2RMSNorm"], d["(loss)"]
@@ -134,81 +138,6 @@ def autocast_dtypes(model, batch: dict, device_type: str, low: torch.dtype | Non
     return {k: "/".join(sorted(v)) for k, v in seen.items()}
 
 
-class AmpTrainer:
-    """One model + AdamW + GradScaler + WSD update clock; ``step`` is one optimizer call.
-
-    ``trace`` holds one entry per step under "loss", "scale" (None without a scaler), "finite",
-    "applied", "grad_norm" and "clip_coef" (None when not finite) and "lr".
-
-    Args:
-        model: a Transformers model on ``device``; ``model(**batch).loss`` is its loss.
-        low: the autocast dtype (None: plain FP32); the GradScaler is enabled for float16 only.
-        device: where the model lives (AdamW is fused on CUDA, foreach on the CPU: ``make_adamw``).
-        schedule: the LR clock (its ``base_lr`` is AdamW's).
-        max_norm: the clip threshold on the unscaled gradient norm.
-        init_scale: the GradScaler's first scale.
-        growth_interval: the GradScaler's finite steps before a growth.
-
-    Example:
-        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
-        >>> w = parse_workload("tiny-b1s8"); t = AmpTrainer(build_model(w), torch.float16, "cpu", WSDConfig())
-        >>> t.step(make_batches(w, 1)[0], inject=float("inf")), t.trace["scale"]  # overflow: skipped
-        (False, [32768.0])
-    """
-
-    def __init__(self, model, low: torch.dtype | None, device: str, schedule: WSDConfig, max_norm: float = 1.0,
-                 init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.model, self.low, self.max_norm = model, low, max_norm
-        self.device_type = torch.device(device).type
-        # fused on CUDA: GradScaler hands it found_inf and the kernel skips the update itself
-        self.opt = make_adamw(model.parameters(), schedule.base_lr, device)
-        self.clock = UpdateClock(schedule, self.opt)
-        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale,
-                                           growth_interval=growth_interval, enabled=low is torch.float16)
-        self.trace = {k: [] for k in ("loss", "scale", "finite", "applied", "grad_norm", "clip_coef", "lr")}
-
-    def step(self, batch: dict, inject: float = 1.0) -> bool:
-        """Forward under autocast, scaled backward, unscale, clip, scaler step, clock.
-
-        Args:
-            batch: the model's inputs (``input_ids`` and ``labels``).
-            inject: a factor on the loss before scaling (``float("inf")`` forces an
-                overflow).
-
-        Returns:
-            True when the optimizer step ran, False when the GradScaler skipped it (the
-            clock then does not advance). Appends one entry to each list of ``trace``.
-
-        Example:
-            >>> from bp_mech.instruments.workload import (build_model, make_batches,
-            ...                                     parse_workload)
-            >>> w = parse_workload("tiny-b1s8")
-            >>> t = AmpTrainer(build_model(w), None, "cpu", WSDConfig())
-            >>> t.step(make_batches(w, 1)[0]), t.trace["scale"], t.trace["finite"]
-            (True, [None], [True])
-        """
-        self.opt.zero_grad(set_to_none=True)
-        with autocast(self.device_type, self.low):
-            loss = self.model(**batch).loss  # float32: transformers upcasts the logits
-        self.scaler.scale(loss if inject == 1.0 else loss * inject).backward()
-        self.scaler.unscale_(self.opt)  # BEFORE clipping: max_norm is in true units
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                    self.max_norm))
-        lr = self.clock.lr
-        applied = scaler_step(self.scaler, self.opt)
-        self.clock.step(applied)
-        # the fp32 norm is finite iff every gradient is
-        finite, t = math.isfinite(norm), self.trace
-        t["loss"].append(loss.item())
-        t["scale"].append(self.scaler.get_scale() if self.scaler.is_enabled() else None)
-        t["finite"].append(finite)
-        t["applied"].append(applied)
-        t["grad_norm"].append(norm if finite else None)
-        t["clip_coef"].append(_clip_coef(norm, self.max_norm) if finite else None)
-        t["lr"].append(lr)
-        return applied
-
-
 # clipping_order on the page: tiny-b2s64, lr 1e-3. Its gradient norm starts near 3 and settles near 2
 # within a few updates, so at this max_norm the correct run clips only its first updates.
 CLIP_DEMO_MAX_NORM = 2.25
@@ -223,7 +152,10 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
     Two AdamW runs (constant ``lr``, ``eps=adam_eps``) from the same weights on the same
     batches, FP16 autocast and a GradScaler held at ``scale``: (a) unscale, then clip at
     ``max_norm`` (correct); (b) clip the still-scaled gradients, and let ``scaler.step``
-    unscale them afterwards (the bug).
+    unscale them afterwards (the bug). A loop of its own, not the book's one training
+    step (``bench.step.train_step`` always unscales before it clips): (b) is the
+    mistake being shown, which no strategy should carry, and (a) runs beside it the
+    same way, so the two differ only in where the clip sits. AdamW: ``make_adamw``'s.
 
     Args:
         base: the model both runs copy (``copy.deepcopy``; ``base`` itself is not
@@ -243,7 +175,8 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
         ``update_rel_diff`` = ||Δp_b - Δp_a|| / ||Δp_a||.
 
     Example:
-        >>> from bp_mech.instruments.workload import build_model, make_batches, parse_workload
+        >>> from bp_mech.instruments.workload import (build_model, make_batches,
+        ...                                           parse_workload)
         >>> w = parse_workload("tiny-b1s8")
         >>> model, batches = build_model(w), make_batches(w, 1)
         >>> row = clipping_order(model, batches, max_norm=1.0, scale=2.0**10)[0]
@@ -254,7 +187,7 @@ def clipping_order(base, batches: list[dict], max_norm: float, scale: float = 2.
     runs = []
     for clip_scaled in (False, True):
         model = copy.deepcopy(base).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=adam_eps, foreach=True)
+        opt = make_adamw(model.parameters(), lr, device, eps=adam_eps)
         scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale,
                                       growth_interval=2**30)
         runs.append((model, opt, scaler, clip_scaled))

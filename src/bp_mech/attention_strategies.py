@@ -218,7 +218,7 @@ class HandAttention(torch.autograd.Function):
 
 def saved_bytes(fn, inputs) -> int:
     """Bytes autograd keeps for the backward of ``fn``: the distinct storages its pack
-    hook sees (``bp_mech.instruments.counters.SavedBytesCounter``: views of one storage count
+    hook sees (``instruments.counters.SavedBytesCounter``: views of one storage count
     once).
 
     Args:

@@ -1,5 +1,9 @@
 """``bp-mech``: run experiments, check exercises, validate records, preflight a profile.
 
+Each command's flags are parsed into a typed request, checked when it is made (a frozen dataclass per
+command: ``RunRequest``, ``ResultsRequest``, ``CheckRequest``, ``ConformanceRequest``, ``PlanRequest``,
+``PreflightRequest``); the code below the command line takes the request, never the parser's namespace.
+
 Bad input (unknown ID, profile or mode, a shape the model cannot take, ``real_gpu`` without
 CUDA, a corrupt record, a pretrained model missing from the offline cache) prints one line on
 stderr and exits with status 2. In a suite, a failing experiment prints its full traceback and
@@ -10,20 +14,23 @@ when none does (the plan is printed all the same, with what would fit instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bp_mech import RESULTS_DIR, ROOT
 from bp_mech.bench.optimizer import ADAMW_IMPLS, OPTIMIZERS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.instruments.workload import WorkloadError
-from bp_mech.experiments.runner import UsageError, options_of, progress_bar, run_one, run_suite, source_of
+from bp_mech.planner.request import DTYPES, SHARDS, PlanRequest
+from bp_mech.experiments import runner
+from bp_mech.experiments.runner import RunRequest, UsageError, progress_bar
 from bp_mech.records import provenance, registry, results
 from bp_mech.records.environment import ProfileError, check_profile, preflight
 from bp_mech.training_state import TrainingStateError
-
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,15 +38,92 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def cmd_run(a) -> int:
-    if a.suite:
-        return run_suite(a)
-    if not a.id:
-        raise UsageError("run needs an experiment ID or --suite gpu")
-    return run_one(a.id, a.mode or "cpu", a.workload, a.out, a.run_label, source_of(a), a.smoke, options_of(a))
+@dataclass(frozen=True)
+class ResultsRequest:
+    """``bp-mech results``: list or validate cached records."""
+
+    action: str  # "list" | "validate"
+    dir: str | None = None  # a directory of records or one record file; None: book/results
+
+    def __post_init__(self):
+        if self.action not in ("list", "validate"):
+            raise UsageError(f"unknown results action {self.action!r}; use list or validate")
 
 
-def cmd_results(a) -> int:
+@dataclass(frozen=True)
+class CheckRequest:
+    """``bp-mech check``: check a chapter's exercise solutions."""
+
+    chapter: str  # e.g. "09", or "amp"
+    dir: str | None = None  # the directory holding the solutions; None: exercises/
+    verbose: bool = False  # pytest's full output instead of one line per function
+
+
+@dataclass(frozen=True)
+class ConformanceRequest:
+    """``bp-mech conformance``: the framework-conformance rows of Part 02."""
+
+    profile: str = "TRAIN-CPU"  # the environment profile (records.environment)
+    all_part02: bool = False  # every chapter's row (required: the only scope there is)
+    require_passed: bool = False  # exit 1 when a row fails or none ran
+
+    def __post_init__(self):
+        check_profile(self.profile)
+        if not self.all_part02:
+            raise UsageError("conformance needs --all-part02")
+
+
+@dataclass(frozen=True)
+class PreflightRequest:
+    """``bp-mech preflight``: check a profile's environment."""
+
+    profile: str  # the environment profile (records.environment)
+
+    def __post_init__(self):
+        check_profile(self.profile)
+
+
+def fields_of(cls, a: argparse.Namespace) -> dict:
+    """The parsed flags that are ``cls``'s fields (the parser's ``dest`` names are the fields' names).
+
+    Args:
+        cls: a request dataclass.
+        a: the parser's namespace.
+
+    Returns:
+        ``{field: value}`` for every field of ``cls`` the namespace holds.
+
+    Example:
+        >>> fields_of(CheckRequest, argparse.Namespace(chapter="09", dir=None, verbose=False, cmd="check"))
+        {'chapter': '09', 'dir': None, 'verbose': False}
+    """
+    return {f.name: vars(a)[f.name] for f in dataclasses.fields(cls) if f.name in vars(a)}
+
+
+def plan_request(a: argparse.Namespace) -> PlanRequest:
+    """``bp-mech plan``'s request: the flags' text read and checked (``PlanRequest.from_flags``).
+
+    Args:
+        a: the parser's namespace of a ``plan`` command.
+
+    Returns:
+        The ``PlanRequest``.
+
+    Raises:
+        PlanError: bad input, in one line (exit 2).
+
+    Example:
+        >>> plan_request(build_parser().parse_args(["plan", "--workload", "tiny-b2s32", "--budget", "1GiB"])).budget
+        1073741824
+    """
+    flags = vars(a)
+    typed = {k: flags[k] for k in ("config", "workload", "device_name", "json", "workers", "keep_outputs", "optimizer",
+                                   "optimizer_impl", "freeze", "lora_rank", "gpus", "shard")}
+    return PlanRequest.from_flags(budget=flags["budget"], batch=flags["batch"], seq=flags["seq"], dtype=flags["dtype"],
+                                  lora_targets=flags["lora_targets"], **typed)
+
+
+def cmd_results(a: ResultsRequest) -> int:
     d = Path(a.dir) if a.dir else RESULTS_DIR
     if not d.exists():
         raise results.RecordError(f"{d}: no such file or directory")
@@ -59,7 +143,7 @@ def cmd_results(a) -> int:
     return 0
 
 
-def cmd_check(a) -> int:
+def cmd_check(a: CheckRequest) -> int:
     """One line per exercise function and a summary (bp_mech.checks.runner); ``-v``: pytest's full output."""
     from bp_mech.checks import runner as check
 
@@ -75,10 +159,7 @@ def cmd_check(a) -> int:
     return check.exit_code(lines)
 
 
-def cmd_conformance(a) -> int:
-    check_profile(a.profile)
-    if not a.all_part02:
-        raise UsageError("conformance needs --all-part02")
+def cmd_conformance(a: ConformanceRequest) -> int:
     rows = []
     for e in registry.EXPERIMENTS.values():
         if hasattr(mod := e.load(), "conformance"):
@@ -90,13 +171,13 @@ def cmd_conformance(a) -> int:
     return 1 if (a.require_passed and (failed or not rows)) else 0
 
 
-def cmd_preflight(a) -> int:
+def cmd_preflight(a: PreflightRequest) -> int:
     report = preflight(a.profile)
     print(json.dumps(report, indent=1))
     return 0 if report["status"] == "ok" else 1
 
 
-def cmd_plan(a) -> int:
+def cmd_plan(r: PlanRequest) -> int:
     import gc
 
     from bp_mech.planner import report as plan_report
@@ -111,7 +192,7 @@ def cmd_plan(a) -> int:
         gc.freeze()
         gc.enable()
     try:
-        return plan_report.run(a, progress=progress_bar)
+        return plan_report.run(r, progress=progress_bar)
     finally:  # the fake model is garbage now: spare the interpreter's last collection a scan of it (~1 s at exit)
         gc.freeze()
 
@@ -139,21 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--state-dir", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: keep the saved training states here")
     r.add_argument("--resume-from", type=Path, help="TRAIN-CONTINUAL-PRETRAIN: resume the 'resumed' candidate from this "
                    "saved training state (a step directory, or a --state-dir whose 'latest' names one)")
-    r.set_defaults(fn=cmd_run)
+    r.set_defaults(fn=runner.run, request=lambda a: RunRequest(**fields_of(RunRequest, a)))
     s = sub.add_parser("results", help="list or validate cached records")
     s.add_argument("action", choices=("list", "validate"))
     s.add_argument("dir", nargs="?", help="default: book/results")
-    s.set_defaults(fn=cmd_results)
+    s.set_defaults(fn=cmd_results, request=lambda a: ResultsRequest(**fields_of(ResultsRequest, a)))
     c = sub.add_parser("check", help="check your solutions of a chapter's exercises")
     c.add_argument("chapter", help="chapter number, e.g. 09 (or 'amp')")
     c.add_argument("--dir", help="directory holding your exNN_*.py (default: exercises/)")
     c.add_argument("-v", "--verbose", action="store_true", help="pytest's full output instead of one line per function")
-    c.set_defaults(fn=cmd_check)
+    c.set_defaults(fn=cmd_check, request=lambda a: CheckRequest(**fields_of(CheckRequest, a)))
     f = sub.add_parser("conformance", help="framework-conformance rows of Part 02")
     f.add_argument("--all-part02", action="store_true")
     f.add_argument("--profile", default="TRAIN-CPU")
     f.add_argument("--require-passed", action="store_true")
-    f.set_defaults(fn=cmd_conformance)
+    f.set_defaults(fn=cmd_conformance, request=lambda a: ConformanceRequest(**fields_of(ConformanceRequest, a)))
     pl = sub.add_parser("plan", help="which memory strategies fit a budget: a fake-tensor step per strategy",
                         epilog="exit status: 0 when a strategy fits the budget; 1 when none does (the plan is "
                                "printed all the same, with what would fit instead); 2 for bad input")
@@ -172,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the optimizer's implementation: default (what PyTorch picks on CUDA: foreach), foreach, "
                          "fused (AdamW, SGD), or for-loop (foreach=False, fused=False)")
     # how the model is fine-tuned (planner.finetune) and with which optimizer
-    pl.add_argument("--dtype", choices=("float32", "bf16", "fp16"), default="float32",
+    pl.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="the weights' dtype, and so their gradients' and the optimizer state's: bf16 or fp16 without "
                          "a float32 master copy (default float32)")
     pl.add_argument("--freeze", metavar="PATTERN",
@@ -186,22 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
     # several GPUs (planner.shard): rank 0's plan, traced in this process
     pl.add_argument("--gpus", type=int, default=1, metavar="N", help="devices the step is spread over (default 1); "
                     "--batch is then the batch per device")
-    pl.add_argument("--shard", choices=("fsdp2", "ddp"),
+    pl.add_argument("--shard", choices=SHARDS,
                     help="with --gpus N: fully_shard on each decoder block and the root (fsdp2), or full replicas "
                          "with gradient buckets (ddp)")
-    pl.set_defaults(fn=cmd_plan)
+    pl.set_defaults(fn=cmd_plan, request=plan_request)
     q = sub.add_parser("preflight", help="check a profile's environment")
     q.add_argument("--profile", required=True)
-    q.set_defaults(fn=cmd_preflight)
+    q.set_defaults(fn=cmd_preflight, request=lambda a: PreflightRequest(**fields_of(PreflightRequest, a)))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         a = build_parser().parse_args(argv)
-        if getattr(a, "cmd", None) == "preflight":
-            check_profile(a.profile)
-        return a.fn(a)
+        return a.fn(a.request(a))  # the command's typed request, checked as it is made
     except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError, TrainingStateError) as e:
         print(f"bp-mech: error: {e}", file=sys.stderr)
         return 2

@@ -26,9 +26,10 @@ class HostPool:
 
     Args:
         pin: allocate page-locked buffers (needed for asynchronous copies; CUDA only).
-        host_region: the context each new buffer is allocated in (default: none). A memory tracker that
-            must tell host bytes from device bytes on a CPU-only machine passes its own
-            (``instruments.tracking.host_side``): the pool does not know who is watching.
+        host_region: the context each new buffer is allocated in (default: none).
+            A memory tracker that must tell host bytes from device bytes on a
+            CPU-only machine passes its own (``tracking.host_side``): the pool
+            does not know who is watching.
 
     Example:
         >>> pool = HostPool(pin=False)
@@ -38,9 +39,11 @@ class HostPool:
         (1, 1024, 1024, 1024)
     """
 
-    def __init__(self, pin: bool, host_region: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(self, pin: bool,
+                 host_region: Callable[[], ContextManager] = contextlib.nullcontext):
         self.pin = pin  # page-locked: needed for asynchronous copies
-        self.host_region = host_region  # entered around each allocation (a tracker's, or nothing)
+        # entered around each allocation (a tracker's, or nothing)
+        self.host_region = host_region
         # nbytes -> uint8 buffers not handed out
         self.idle: dict[int, list] = defaultdict(list)
         self.allocated = 0  # bytes ever allocated

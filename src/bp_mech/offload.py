@@ -260,7 +260,8 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         (32768, 32768)
     """
 
-    def __init__(self, host_region: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(self,
+                 host_region: Callable[[], ContextManager] = contextlib.nullcontext):
         super().__init__(pin_memory=True, device_type="cuda")
         pack, unpack = self.pack_hook, self.unpack_hook
         self.d2h_bytes = self.h2d_bytes = 0

@@ -101,7 +101,7 @@ def trainer_identity(trainer, workload: dict) -> dict:
     """The ``identity`` of a live trainer: its config, its data stream's text, batch and seq, its model's config.
 
     Args:
-        trainer: a ``continual_pretrain.Trainer``.
+        trainer: a ``bench.trainer.Trainer`` (``phase_trainer``'s).
         workload: the record's workload group.
 
     Returns:
@@ -109,8 +109,10 @@ def trainer_identity(trainer, workload: dict) -> dict:
 
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(), TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig
+        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> ident = trainer_identity(t, {"workload_id": "tiny-b1s8"})
         >>> ident["data"]["batch"], ident["data"]["seq"], ident["model_config"]["hidden_size"]
         (1, 8, 64)

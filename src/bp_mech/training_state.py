@@ -1,4 +1,4 @@
-"""The full training state of a ``continual_pretrain.Trainer``: capture, restore, save, load.
+"""The full training state of a trainer (``bench.trainer.Trainer``): capture, restore, save, load.
 
 A run resumed from a saved state continues bit for bit (CPU) where the uninterrupted run
 goes only if the saved state holds everything the next update depends on: the weights
@@ -91,7 +91,7 @@ def capture_state(trainer) -> dict:
     returns the live tensors).
 
     Args:
-        trainer: a ``continual_pretrain.Trainer``.
+        trainer: a ``bench.trainer.Trainer`` (``phase_trainer``'s).
 
     Returns:
         A deep copy of ``{"model", "optimizer", "scaler"}`` (their ``state_dict()``),
@@ -100,10 +100,10 @@ def capture_state(trainer) -> dict:
 
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
-        ...                                         train)
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
-        ...             TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> state = capture_state(t); _ = train(t, 2)
         >>> state["clock"], t.clock.updates
         ({'updates': 0, 'skipped': 0}, 2)
@@ -123,8 +123,8 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
     the clock set last. The global RNGs are set too.
 
     Args:
-        trainer: a ``continual_pretrain.Trainer`` with the same model, optimizer and
-            data stream layout.
+        trainer: a ``bench.trainer.Trainer`` (``phase_trainer``'s) with the same
+            model, optimizer and data stream layout.
         state: a ``capture_state`` dict.
         copy_state: False: use ``state``'s tensors as they are (the caller hands
             ``state`` over).
@@ -134,13 +134,13 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
 
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
-        ...                                         train)
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
-        ...             TextStream(torch.arange(64), 1, 8, 0))
-        >>> state = capture_state(t); first = [row["loss"] for row in train(t, 2)]
+        >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...                   TextStream(torch.arange(64), 1, 8, 0))
+        >>> state = capture_state(t); first = [row.loss for row in train(t, 2)]
         >>> restore_state(t, state)
-        >>> [row["loss"] for row in train(t, 2)] == first
+        >>> [row.loss for row in train(t, 2)] == first
         True
     """
     if copy_state:
@@ -165,9 +165,9 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
     place when complete; an error removes it (and propagates).
 
     Args:
-        trainer: the ``continual_pretrain.Trainer`` to save.
+        trainer: the ``bench.trainer.Trainer`` to save.
         root: the directory of the saved states; created if missing.
-        workload: the record's workload group (``instruments.workload.workload_fields``).
+        workload: the record's workload group (``workload.workload_fields``).
         record: the record's identity (``semantic_id``, run label, candidate), kept as
             the manifest's ``record``.
 
@@ -176,9 +176,10 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
 
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, Trainer
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
-        ...             TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig
+        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
         ...     path = save_training_state(t, root, {"workload_id": "tiny-b1s8"},
         ...                                {"semantic_id": "X"})
@@ -234,8 +235,8 @@ def load_training_state(trainer, path, workload: dict, semantic_id: str | None =
     loaded unless everything checks.
 
     Args:
-        trainer: a ``continual_pretrain.Trainer`` built as the saved one was (its
-            weights may differ).
+        trainer: a ``bench.trainer.Trainer`` (``phase_trainer``'s) built as the
+            saved one was (its weights may differ).
         path: a saved state directory, or a root whose ``latest`` names one.
         workload: the run's workload group, compared with the manifest's.
         semantic_id: the experiment the saved state must have been made for; None: not
@@ -251,10 +252,10 @@ def load_training_state(trainer, path, workload: dict, semantic_id: str | None =
 
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.continual_pretrain import (TextStream, TrainConfig, Trainer,
-        ...                                         train)
-        >>> t = Trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
-        ...             TextStream(torch.arange(64), 1, 8, 0))
+        >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
+        ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
         ...     _ = save_training_state(t, root, {}, {"semantic_id": "X"}); _ = train(t, 2)
         ...     print(load_training_state(t, root, {}, "X")["clock"], t.clock.updates)

@@ -64,7 +64,7 @@ def step(setup, s: S.Strategy):
 
 @pytest.fixture(scope="module")
 def references(setup):
-    return {None: step(setup, S.PLAIN), **{a: step(setup, S.Strategy(amp=a)) for a in S.AMP_NAMES}}
+    return {None: step(setup, S.PLAIN), **{a: step(setup, S.Strategy(amp=a)) for a in S.LowPrecision}}
 
 
 def errors(got, ref):
@@ -117,6 +117,24 @@ def test_names_round_trip():
     assert S.parse("chunked-loss").chunked_loss == chunked_loss.DEFAULT_CHUNK
     assert S.parse("checkpoint-all+offload+fp16+chunked-loss").name == "checkpoint-all+offload+fp16+chunked-loss"
     assert len(set(S.CANDIDATES)) == len(S.CANDIDATES) == 1 + len(S.SINGLES) + len(S.COMBINATIONS)
+
+
+def test_one_vocabulary_for_the_low_precisions():
+    """The strategy's ``amp``, its word in the name, its torch dtype and a record's label come from one
+    member of ``LowPrecision``: no table translates between them."""
+    import json
+
+    import torch
+
+    for p, word, dtype in ((S.LowPrecision.FP16, "fp16", torch.float16), (S.LowPrecision.BF16, "bf16", torch.bfloat16)):
+        s = S.parse(word)
+        assert s.amp is p and s == S.Strategy(amp=p.value) and s.name == word and s.low is dtype
+        assert s.dtype_label == f"{p.value}-autocast" and json.loads(json.dumps(s.fields()))["amp"] == p.value
+    assert S.PLAIN.low is None and S.PLAIN.dtype_label == "float32" and S.LowPrecision.words() == ("fp16", "bf16")
+    with pytest.raises(ValueError, match="unknown amp dtype 'float8'"):
+        S.Strategy(amp="float8")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        S.LowPrecision.of_word("fp8")
 
 
 @pytest.mark.parametrize("bad", ["checkpoint", "fp16+bf16", "micro1", "micro", "offload+offload", "chunked-loss-x",

@@ -66,24 +66,24 @@ def test_bytes_and_plain_floats_are_formatted():
 
 def test_the_memory_strategies_rule_compares_as_the_table_says():
     lo, hi, t = decision.MIN_USEFUL_SAVING, decision.MIN_PEAK_SAVING, decision.MAX_TIME_RATIO
-    assert decision.decide(True, hi, t)[0] == "accept"  # at most the bound, at least the floor
-    assert decision.decide(True, hi, math.nextafter(t, 2))[0] == "tune"
-    assert decision.decide(True, math.nextafter(hi, 0), 1.0)[0] == "tune"
-    assert decision.decide(True, math.nextafter(lo, 0), 1.0)[0] == "reject"
-    assert decision.decide(True, hi, 1.0, noise="spread")[0] is None
-    assert decision.decide(False, 1.0, 1.0)[0] == "reject"
+    assert decision.decide(True, hi, t).verdict == "accept"  # at most the bound, at least the floor
+    assert decision.decide(True, hi, math.nextafter(t, 2)).verdict == "tune"
+    assert decision.decide(True, math.nextafter(hi, 0), 1.0).verdict == "tune"
+    assert decision.decide(True, math.nextafter(lo, 0), 1.0).verdict == "reject"
+    assert decision.decide(True, hi, 1.0, noise="spread").verdict is None
+    assert decision.decide(False, 1.0, 1.0).verdict == "reject"
 
 
 def test_accumulation_and_amp_compare_as_the_table_says():
     tol = accumulation.EQUIV_TOL["cpu"]
     s, c = decision.MIN_PEAK_SAVING, accumulation.MAX_TIME_COST
-    assert accumulation.decide(tol, tol, s, 1 + c)[0] == "accept"
-    assert accumulation.decide(tol, tol, s, math.nextafter(1 + c, 2))[0] == "tune"
-    assert accumulation.decide(tol, tol, math.nextafter(s, 0), 1.0)[0] == "tune"
-    assert accumulation.decide(math.nextafter(tol, 1), tol, s, 1.0)[0] == "reject"
+    assert accumulation.decide(tol, tol, s, 1 + c).verdict == "accept"
+    assert accumulation.decide(tol, tol, s, math.nextafter(1 + c, 2)).verdict == "tune"
+    assert accumulation.decide(tol, tol, math.nextafter(s, 0), 1.0).verdict == "tune"
+    assert accumulation.decide(math.nextafter(tol, 1), tol, s, 1.0).verdict == "reject"
     s, c, f, loss = decision.MIN_PEAK_SAVING, amp.MAX_TIME_COST, amp.MAX_SKIPPED_FRACTION, amp.LOSS_REL_TOL
-    assert amp.decide(True, f, loss, s, 1 + c)[0] == "accept"
-    assert amp.decide(True, f, loss, s, math.nextafter(1 + c, 2))[0] == "tune"
-    assert amp.decide(True, f, loss, math.nextafter(s, 0), 1.0)[0] == "tune"
-    assert amp.decide(True, math.nextafter(f, 1), 0.0, s, 1.0)[0] == "reject"
-    assert amp.decide(True, 0.0, math.nextafter(loss, 1), s, 1.0)[0] == "reject"
+    assert amp.decide(True, f, loss, s, 1 + c).verdict == "accept"
+    assert amp.decide(True, f, loss, s, math.nextafter(1 + c, 2)).verdict == "tune"
+    assert amp.decide(True, f, loss, math.nextafter(s, 0), 1.0).verdict == "tune"
+    assert amp.decide(True, math.nextafter(f, 1), 0.0, s, 1.0).verdict == "reject"
+    assert amp.decide(True, 0.0, math.nextafter(loss, 1), s, 1.0).verdict == "reject"

@@ -72,10 +72,10 @@ def test_measure_resident_and_incremental_peak(setup):
     (1e-7, 0.05, 0.8, "noise", "tune"),  # so does a peak that barely falls
     (1e-7, 0.5, 0.8, "noise", None), (1e-7, 0.5, 1.6, "noise", None)])  # the rest would need the time
 def test_decision_rule(diff, saving, time, noise, want):
-    decision, nxt = experiment.decide(diff, 1e-5, saving, time, noise)
-    assert decision == want and nxt  # every outcome says what to do next
+    d = experiment.decide(diff, 1e-5, saving, time, noise)
+    assert d.verdict == want and d.reason and d.next_step  # every outcome says why and what to do next
     if want is None and noise:
-        assert "time ratio is noise (noise)" in nxt and "GPU" in nxt
+        assert "is noise (noise)" in d.reason and "GPU" in d.next_step
 
 
 def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
         assert m["peak_saving"] == 1 - r.peak_allocated / next(
             x for x in recs if x.candidate == "plain" and x.workload_id == r.workload_id).peak_allocated
         want = experiment.decide(r.grad_error, 1e-5, m["peak_saving"], m["time_ratio"], r.timing_noise)
-        assert (r.decision, r.next_step) == want
+        assert dict(decision=r.decision, next_step=r.next_step) == want.record_fields()
     c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
     assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
     monkeypatch.undo()  # the plan of the real configs
@@ -152,8 +152,9 @@ def test_oom_in_one_candidate_is_its_failure(monkeypatch, together):
 
 
 def test_the_decision_gates_on_the_gradient():
-    assert experiment.decide(5e-5, experiment.EQUIV_TOL["cuda"], 0.5, 1.0)[0] == "accept"
-    assert experiment.decide(5e-4, experiment.EQUIV_TOL["cuda"], 0.5, 1.0)[0] == "reject"
+    assert experiment.decide(5e-5, experiment.EQUIV_TOL["cuda"], 0.5, 1.0).verdict == "accept"
+    assert experiment.decide(5e-4, experiment.EQUIV_TOL["cuda"], 0.5, 1.0).reason == \
+        "token-weighted gradient off the full batch by 5.00e-04 > EQUIV_TOL 0.0001"
     assert experiment.config_for("cuda").timed >= 20 and experiment.config_for("cpu").timed >= 20  # enough for a P95
 
 

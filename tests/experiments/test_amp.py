@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bp_mech import amp
+from bp_mech.bench import trainer
 from bp_mech.bench.timing import MAX_RATIO_SPREAD
 from bp_mech.experiments import amp as experiment
 from bp_mech.experiments import decision, harness
@@ -18,24 +18,24 @@ from bp_mech.records import registry, results
 
 def test_decision_rule():
     # (finite, skipped fraction, loss rel. diff, peak saving, time ratio)
-    assert decide(True, 0.0, 0.001, 0.11, 1.02) == ("accept", None)  # saving above the shared floor
-    assert decide(True, 0.0, 0.001, 0.03, 1.00)[0] == "tune"  # saving below decision.MIN_PEAK_SAVING
-    assert decide(True, 0.0, 0.001, decision.MIN_PEAK_SAVING, 1.00)[0] == "accept"  # at the threshold
-    assert decide(True, 0.0, 0.001, -0.10, 1.00)[0] == "tune"  # a higher peak
-    assert decide(True, 0.0, 0.001, 0.20, 1.50)[0] == "tune"  # too slow
-    assert decide(False, 0.0, 0.001, 0.20, 1.00)[0] == "reject"
-    assert decide(True, 0.5, 0.001, 0.20, 1.00)[0] == "reject"  # too many skipped steps
-    assert decide(True, 0.0, 0.05, 0.20, 1.00)[0] == "reject"  # loss off FP32
-    assert decide(True, 0.0, math.nan, 0.20, 1.00)[0] == "reject"
-    assert decide(True, 0.0, 0.001, math.nan, 1.00)[0] == "tune"  # no peak to compare: no memory win shown
+    assert decide(True, 0.0, 0.001, 0.11, 1.02).record_fields() == dict(decision="accept", next_step=None)
+    assert decide(True, 0.0, 0.001, 0.03, 1.00).verdict == "tune"  # saving below decision.MIN_PEAK_SAVING
+    assert decide(True, 0.0, 0.001, decision.MIN_PEAK_SAVING, 1.00).verdict == "accept"  # at the threshold
+    assert decide(True, 0.0, 0.001, -0.10, 1.00).verdict == "tune"  # a higher peak
+    assert decide(True, 0.0, 0.001, 0.20, 1.50).reason.endswith("1.50x FP32's (> 1 + MAX_TIME_COST 1.1x)")  # too slow
+    assert decide(False, 0.0, 0.001, 0.20, 1.00).verdict == "reject"
+    assert decide(True, 0.5, 0.001, 0.20, 1.00).reason == "skipped fraction 50% > MAX_SKIPPED_FRACTION 25%"
+    assert decide(True, 0.0, 0.05, 0.20, 1.00).reason == "held-out loss 5.00% off FP32's (LOSS_REL_TOL 2%)"
+    assert decide(True, 0.0, math.nan, 0.20, 1.00).verdict == "reject"
+    assert decide(True, 0.0, 0.001, math.nan, 1.00).verdict == "tune"  # no peak to compare: no memory win shown
     for args in [(True, 0.0, 0.001, 0.20, 1.00), (True, 0.0, 0.001, 0.20, 1.50)]:  # noise: the time decides nothing
-        outcome, nxt = decide(*args, noise="median ratio 1.00 and P95 ratio 3.00 differ")
-        assert outcome is None and "noise (median ratio 1.00" in nxt and "GPU" in nxt
+        d = decide(*args, noise="median ratio 1.00 and P95 ratio 3.00 differ")
+        assert d.verdict is None and "noise (median ratio 1.00" in d.reason and "GPU" in d.next_step
     # what does not depend on the time still decides under noise; a tune or reject always says what next
-    assert decide(True, 0.0, 0.001, 0.03, 1.00, noise="x")[0] == "tune"
-    assert decide(False, 0.0, 0.001, 0.20, 1.00, noise="x")[0] == "reject"
+    assert decide(True, 0.0, 0.001, 0.03, 1.00, noise="x").verdict == "tune"
+    assert decide(False, 0.0, 0.001, 0.20, 1.00, noise="x").verdict == "reject"
     for args in [(True, 0.0, 0.001, 0.03, 1.0), (True, 0.0, 0.001, 0.2, 1.5), (False, 0.0, 0.001, 0.2, 1.0)]:
-        assert decide(*args)[1]
+        assert decide(*args).next_step
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_cpu_run_records(cpu_records, tmp_path):
         assert (r.timing_noise is not None) == (spread > MAX_RATIO_SPREAD)  # AMP is not "strictly more work"
         want = decide(r.all_finite, r.skipped_updates / len(m["applied_per_step"]), m["loss_rel_diff"],
                       m["peak_saving"], m["time_ratio"], noise=r.timing_noise)
-        assert (r.decision, r.next_step) == want
+        assert dict(decision=r.decision, next_step=r.next_step) == want.record_fields()
         if r.decision in ("tune", "reject") or r.decision is None:
             assert r.next_step
     assert cpu_records["fp16"].metrics["loss_scale_trace"][0] == cfg.init_scale
@@ -194,7 +194,7 @@ def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
         made.append(torch.optim.AdamW(params, lr=lr, fused=True, **kw))
         return made[-1]
 
-    monkeypatch.setattr(amp, "make_adamw", fused)
+    monkeypatch.setattr(trainer, "make_adamw", fused)  # the overflow sample's AdamW: bench.trainer's
     from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 
     w = parse_workload("tiny-b1s16")

@@ -29,12 +29,16 @@ def test_run_writes_valid_records(monkeypatch, tmp_path, cpu_only):
 
 def test_decide_names_every_failed_check():
     tol64, tol32, tol_module, linear = experiment.TOL64, experiment.TOL32, experiment.TOL_MODULE, experiment.LINEAR_MAX
-    assert experiment.decide("autograd", 1.0, 1.0, None, 2.0) == (None, None)  # the reference
-    assert experiment.decide("recompute", tol64, tol32, tol_module, linear) == ("accept", None)
-    assert experiment.decide("saved_probs", 0.0, 0.0, 0.0, 2.0) == ("accept", None)  # claims no linear state
-    decision, next_step = experiment.decide("recompute", 2 * tol64, 0.0, 2 * tol_module, 2.0)
-    assert decision == "reject" and next_step == "failed checks: float64, qwen2_module, linear_state"
-    assert experiment.decide("sdpa", 0.0, 2 * tol32, None, 1.0) == ("reject", "failed checks: float32")
+    ref = experiment.decide("autograd", 1.0, 1.0, None, 2.0)  # the reference
+    assert ref.record_fields() == dict(decision=None, next_step=None) and "reference" in ref.reason
+    assert experiment.decide("recompute", tol64, tol32, tol_module, linear).record_fields() == \
+        dict(decision="accept", next_step=None)
+    assert experiment.decide("saved_probs", 0.0, 0.0, 0.0, 2.0).verdict == "accept"  # claims no linear state
+    d = experiment.decide("recompute", 2 * tol64, 0.0, 2 * tol_module, 2.0)
+    assert d.verdict == "reject" and d.next_step.endswith("failed checks: float64, qwen2_module, linear_state")
+    assert d.reason == "float64 error 2e-10 > TOL64 1e-10; layer error 2e-05 > TOL_MODULE 1e-05; saved bytes grow " \
+        "as T^2.00 > T^LINEAR_MAX 1.1"
+    assert experiment.decide("sdpa", 0.0, 2 * tol32, None, 1.0).reason == "float32 error 2e-05 > TOL32 1e-05"
 
 
 def test_plan_for_qwen05():

@@ -22,11 +22,11 @@ from bp_mech.records.results import load_record, save_record
 def test_decide_rule_and_the_seed_reference():
     s = references.SEED["TRAIN-CHECKPOINT"]  # the reference run's figures, in one place
     assert s.strategy == "checkpoint-all" and references.for_strategy("checkpoint-all") is s
-    assert decision.decide(True, s.peak_saving, s.median_ratio)[0] == s.decision == "accept"
-    assert decision.decide(False, 0.5, 1.0)[0] == "reject"
-    assert decision.decide(True, 0.01, 1.0)[0] == "reject"
-    assert decision.decide(True, 0.08, 1.1)[0] == "tune"  # between MIN_USEFUL_SAVING and MIN_PEAK_SAVING
-    assert decision.decide(True, 0.40, 3.0)[0] == "tune"
+    assert decision.decide(True, s.peak_saving, s.median_ratio).verdict == s.decision == "accept"
+    assert decision.decide(False, 0.5, 1.0).verdict == "reject"
+    assert decision.decide(True, 0.01, 1.0).verdict == "reject"
+    assert decision.decide(True, 0.08, 1.1).verdict == "tune"  # between MIN_USEFUL_SAVING and MIN_PEAK_SAVING
+    assert decision.decide(True, 0.40, 3.0).verdict == "tune"
 
 
 def test_run_writes_valid_records(tmp_path, cpu_only):

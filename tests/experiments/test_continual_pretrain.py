@@ -38,7 +38,8 @@ def test_run_records(small, tmp_path, cpu_only):
     assert base.updates == 0 and base.decision is None
     assert dom.metrics["domain_gain"] == evals[0]["domain"] - evals[-1]["domain"]
     assert dom.metrics["holdout_drift"] == evals[-1]["holdout"] - evals[0]["holdout"]
-    assert (dom.decision, dom.next_step) == experiment.decide_domain(dom.metrics, True)
+    want = experiment.decide_domain(dom.metrics["domain_gain_rel"], dom.metrics["holdout_drift_rel"], True)
+    assert dict(decision=dom.decision, next_step=dom.next_step) == want.record_fields()
     assert dom.metrics["updates_by_run"]["domain"] == 6 and dom.skipped_updates == 0
     assert dom.updates == 6 + 1 + SMALL.warmup + SMALL.timed + 1 and dom.strategy == base.strategy == "plain"
     assert dom.peak_allocated > 0 and dom.step_median_s > 0 and dom.threads == 1
@@ -59,13 +60,13 @@ def test_run_records(small, tmp_path, cpu_only):
 ])
 def test_decision_rule(first, last, want):
     gd = cpt.gain_and_drift([dict(update=0, **first), dict(update=10, **last)])
-    assert experiment.decide_domain(gd, True)[0] == want
-    assert experiment.decide_domain(gd, False)[0] == "reject"
-    assert experiment.decide_resume(dict(loss_rel_diff=0.0, weight_rel_diff=0.0), "cpu")[0] == "accept"
-    assert experiment.decide_resume(dict(loss_rel_diff=1e-7, weight_rel_diff=0.0), "cpu")[0] == "reject"
-    assert experiment.decide_resume(dict(loss_rel_diff=1e-7, weight_rel_diff=1e-6), "cuda")[0] == "accept"
-    assert experiment.decide_resume(dict(loss_rel_diff=math.inf, weight_rel_diff=0.0), "cuda")[0] == "reject"
-    assert experiment.decide_resume(dict(loss_rel_diff=0.0, weight_rel_diff=math.nan), "cpu")[0] == "reject"
+    assert experiment.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], True).verdict == want
+    assert experiment.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], False).verdict == "reject"
+    assert experiment.decide_resume(0.0, 0.0, "cpu").verdict == "accept"
+    assert experiment.decide_resume(1e-7, 0.0, "cpu").reason == "losses differ by 1e-07, weights by 0 (RESUME_TOL 0 on cpu)"
+    assert experiment.decide_resume(1e-7, 1e-6, "cuda").verdict == "accept"
+    assert experiment.decide_resume(math.inf, 0.0, "cuda").verdict == "reject"
+    assert experiment.decide_resume(0.0, math.nan, "cpu").verdict == "reject"
 
 
 def test_plan():

@@ -23,14 +23,15 @@ def test_a_line_off_by_more_than_its_tolerance_is_tune_with_the_line_named():
     """The decision uses both: a large line off by 10 % fails even where its stage total is within 5 %."""
     formula = ledger.theoretical(ARCHITECTURES[TINY.arch], TINY.batch, TINY.seq)
     measured = lifecycle.track(TINY)
-    assert experiment.decide(formula, measured)[:2] == ("accept", None)
+    assert experiment.decide(formula, measured).record_fields() == dict(decision="accept", next_step=None)
     wrong = copy.deepcopy(formula)
     wrong.stages["zero_grad"]["optimizer_states"] = int(1.1 * formula.stages["zero_grad"]["optimizer_states"])
     wrong.stages["zero_grad"]["parameters"] -= wrong.stages["zero_grad"]["optimizer_states"] - \
         formula.stages["zero_grad"]["optimizer_states"]  # the stage total unchanged
-    decision, next_step, m = experiment.decide(wrong, measured)
-    assert abs(m["formula_error"]["zero_grad"]) < 1e-9 and decision == "tune"
-    assert m["worst_line"] in ("zero_grad/optimizer_states", "zero_grad/parameters") and m["worst_line"] in next_step
+    d, m = experiment.decide(wrong, measured), experiment.formula_errors(wrong, measured)
+    assert abs(m["formula_error"]["zero_grad"]) < 1e-9 and d.verdict == "tune"
+    assert m["worst_line"] in ("zero_grad/optimizer_states", "zero_grad/parameters") and m["worst_line"] in d.next_step
+    assert f"line {m['worst_line']} is off by " in d.reason and d.reason.endswith("(CLASS_TOL 3%)")
 
 
 def test_conformance_against_memtracker():

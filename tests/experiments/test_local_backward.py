@@ -17,11 +17,14 @@ def test_run_gives_one_accepted_record_per_op():
 
 
 def test_decide_rejects_any_error_beyond_its_tolerance():
-    ok = dict(op="rmsnorm", output_error=1e-16, grad_errors={"x": 1e-15, "w": 1e-14}, fd_errors={"x": 1e-9})
-    assert experiment.decide(ok) == ("accept", None)
-    for key, bad in (("output_error", 1e-8), ("grad_errors", {"x": 1e-15, "w": 1e-8}), ("fd_errors", {"x": 1e-4})):
-        decision, next_step = experiment.decide(dict(ok, **{key: bad}))
-        assert decision == "reject" and "rmsnorm" in next_step
+    ok = dict(output_error=1e-16, grad_error=1e-14, fd_error=1e-9)
+    assert experiment.decide("rmsnorm", **ok).record_fields() == dict(decision="accept", next_step=None)
+    for key, bad, why in (("output_error", 1e-8, "output error 1e-08 > TOL64 1e-10"),
+                          ("grad_error", 1e-8, "gradient error 1e-08 > TOL64 1e-10"),
+                          ("fd_error", 1e-4, "finite-difference error 0.0001 > TOL_FD 1e-06"),
+                          ("grad_error", float("nan"), "gradient error nan > TOL64")):
+        d = experiment.decide("rmsnorm", **dict(ok, **{key: bad}))
+        assert d.verdict == "reject" and why in d.reason and d.next_step == "inspect the backward of rmsnorm"
 
 
 def test_conformance_against_transformers_modules():

@@ -1,12 +1,16 @@
 """The suite runner (``bp_mech.experiments.runner``) through ``bp-mech run --suite``: the GPU suite's
 dry run (every experiment, its estimate, the total), records saved as they are made, a failing
-experiment reported and the rest run on."""
+experiment reported and the rest run on; the command's typed request (``RunRequest``)."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from bp_mech.cli import main
+from bp_mech.experiments import runner
+from bp_mech.experiments.runner import RunRequest, UsageError
 from conftest import gpu_suite_ids, one_error_line
 
 # --- the GPU suite: workload, dry-run totals, records saved as made, failures ----------------
@@ -137,3 +141,28 @@ def test_an_invalid_record_is_refused_once_and_the_rest_are_saved(tmp_path, caps
 
 
 # --- the pretrained path: resolved once, a missing cache is one line ----------------------
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(), "run needs an experiment ID or --suite gpu"),
+    (dict(suite="tpu"), "unknown suite 'tpu'"),
+    (dict(suite="gpu", id="TRAIN-OFFLOAD"), "either an experiment ID or --suite, not both"),
+    (dict(suite="cpu", state_dir=Path("s"), resume_from=Path("r")), "--state-dir, --resume-from applies to one"),
+])
+def test_a_run_request_refuses_bad_input_when_it_is_made(fields, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        RunRequest(**fields)
+
+
+def test_a_run_request_has_its_mode_source_and_options():
+    r = RunRequest(id="TRAIN-CONTINUAL-PRETRAIN", domain_text=Path("d.txt"), local_files_only=True)
+    assert (r.mode_or_default, r.options) == ("cpu", dict(domain_text=Path("d.txt")))
+    assert r.source == dict(source="config", model_id=None, revision="main", local_files_only=True)
+    assert RunRequest(suite="gpu").mode_or_default == "real_gpu" and RunRequest(id="X", mode="dry_run").source is None
+
+
+def test_the_command_hands_run_its_request(monkeypatch):
+    got = []
+    monkeypatch.setattr(runner, "run_one", lambda *a: got.append(a) or 0)
+    assert main(["run", "TRAIN-LOCAL-BACKWARD", "--workload", "tiny-b1s8", "--run-label", "x", "--smoke"]) == 0
+    assert got == [("TRAIN-LOCAL-BACKWARD", "cpu", "tiny-b1s8", None, "x", None, True, {})]

@@ -42,10 +42,12 @@ def test_naive_trace_matches_transformers_stepped_every_call():
 
 
 def test_decide_accepts_only_an_on_time_exact_clock():
-    on_time = dict(shifts={"warmup_end": 0, "decay_start": 0, "end": 0}, lr_error_max=0.0)
-    assert experiment.decide(on_time) == ("accept", None)
-    assert experiment.decide(dict(on_time, lr_error_max=1e-18))[0] == "reject"  # exact, no tolerance
-    assert experiment.decide(dict(on_time, shifts={"warmup_end": 0, "decay_start": -1, "end": 0}))[0] == "reject"
+    on_time = {"warmup_end": 0, "decay_start": 0, "end": 0}
+    assert experiment.decide(on_time, 0.0).record_fields() == dict(decision="accept", next_step=None)
+    late = experiment.decide(on_time, 1e-18)  # exact, no tolerance
+    assert late.verdict == "reject" and late.reason == "a rate off wsd_lr at its true index by 1e-18"
+    early = experiment.decide(dict(on_time, decay_start=-1, end=None), 0.0)
+    assert early.reason == "boundaries off their nominal update: decay_start by -1, end never reached"
 
 
 def test_conformance_passes():

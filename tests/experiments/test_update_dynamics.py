@@ -2,6 +2,7 @@
 decision rule, the records, the measurement's paths (an out-of-memory candidate), diverged traces and
 the conformance check."""
 
+import dataclasses
 import math
 
 import pytest
@@ -66,7 +67,8 @@ def test_update_ratio_measures_the_step(setup):
 ])
 def test_decision_rule(rows, want):
     rows = [dict(r, grad_norm=1.0, clip_coef=1.0, groups={"mlp": dict(ratio=0.01)}) for r in rows]
-    assert experiment.decide(experiment.summarize(rows))[0] == want
+    d = experiment.decide(experiment.summarize(rows))
+    assert d.verdict == want and d.reason and d.next_step
 
 
 
@@ -82,11 +84,11 @@ def test_the_update_ratio_decides_at_its_bound():
     MAX_UPDATE_RATIO of its norm; at the bound it is accepted."""
     hi = experiment.MAX_UPDATE_RATIO
     summary = experiment.summarize(_rows([0.01, hi, 0.01], [1.0, 1.0, 1.0]))
-    assert experiment.decide(summary)[0] == "accept"
+    assert experiment.decide(summary).verdict == "accept"
     summary = experiment.summarize(_rows([0.01, math.nextafter(hi, 1), 0.01], [1.0, 1.0, 1.0]))
-    assert summary["max_ratio_at"] == dict(update=1, group="mlp")
-    decision, next_step = experiment.decide(summary)
-    assert decision == "tune" and "update 1 moved mlp" in next_step and "loss" not in next_step
+    assert summary.max_ratio_at == dict(update=1, group="mlp")
+    d = experiment.decide(summary)
+    assert d.verdict == "tune" and d.reason == "finite, but update 1 moved mlp by 0.1× its norm (> MAX_UPDATE_RATIO 0.1)"
 
 
 def test_a_gradient_norm_spike_decides_without_a_loss_spike():
@@ -95,18 +97,18 @@ def test_a_gradient_norm_spike_decides_without_a_loss_spike():
     assert experiment.grad_spike([2.0, 1.0, 1.0, k]) == k  # the median of 2, 1, 1, not the first
     assert experiment.grad_spike([2.0]) == 1.0 and experiment.grad_spike([0.0, 1.0]) == math.inf
     ok = experiment.summarize(_rows([0.01] * 4, [2.0, 1.0, 1.0, k]))
-    assert experiment.decide(ok)[0] == "accept"
+    assert experiment.decide(ok).verdict == "accept"
     bad = experiment.summarize(_rows([0.01] * 4, [2.0, 1.0, 1.0, math.nextafter(k, 3)]))
-    decision, next_step = experiment.decide(bad)
-    assert decision == "tune" and "gradient norm" in next_step
+    d = experiment.decide(bad)
+    assert d.verdict == "tune" and "a gradient norm reached 2.0× the earlier median (> GRAD_SPIKE_MAX 2)" in d.reason
 
 
 def test_the_high_lr_is_tuned_by_its_first_update(setup):
     """100x the LR moves the freshly initialised weights by several times their norm in update 0."""
     model, init, batches = setup
     summary = experiment.summarize(experiment.trace(model, init, batches, "high_lr", CFG, "cpu"))
-    assert summary["max_ratio_at"]["update"] == 0 and max(summary["max_ratio"].values()) > 1
-    assert experiment.decide(summary)[0] == "tune"
+    assert summary.max_ratio_at["update"] == 0 and max(summary.max_ratio.values()) > 1
+    assert experiment.decide(summary).verdict == "tune"
 
 def test_run_records(tmp_path, monkeypatch):
     monkeypatch.setattr(experiment, "config_for", lambda arch, device, smoke=False: CFG)
@@ -115,7 +117,9 @@ def test_run_records(tmp_path, monkeypatch):
     for r in recs:
         results.save_record(r, tmp_path)
         assert r.failure is None and r.peak_allocated > 0 and r.step_median_s > 0 and r.strategy == "plain"
-        assert len(r.metrics["trace"]) == 6 and (r.decision, r.next_step) == experiment.decide(experiment.summarize(r.metrics["trace"]))
+        want = experiment.decide(experiment.summarize(r.metrics["trace"]))
+        assert len(r.metrics["trace"]) == 6 and dict(decision=r.decision, next_step=r.next_step) == want.record_fields()
+        assert r.metrics["summary"] == dataclasses.asdict(experiment.summarize(r.metrics["trace"]))
         assert r.threads == 1 and r.metrics["interleaved"] and len(r.metrics["step_samples_s"]) == CFG.timed
         by_run = r.metrics["updates_by_run"]
         assert by_run == dict(trace=6, measurement=2 + CFG.warmup + CFG.timed) and r.updates == sum(by_run.values())

@@ -1,16 +1,32 @@
 """Every causal LM Transformers builds, through ``bp-mech plan`` (``bp_mech.planner.sweep``): each model type of
 the causal-LM mapping, its default config cut to two layers, at batch 1 x seq 64, is planned or refused
 with one line; none crashes. The planned ones include every family validated against a real step
-(test_plan.py). Slow (a few minutes on two cores), run by ``make test`` and CI."""
+(test_plan.py).
+
+The whole sweep takes minutes on two cores, so it is a computed record (``book.computations.SWEEP``),
+made by ``make records`` (or ``python -m bp_mech.planner.sweep`` to see it) and refused when the code or
+the libraries changed since; these tests read it. A sample of model types is planned live here and must
+come out as the record says."""
 
 import pytest
 
+from bp_mech.book import computations
 from bp_mech.planner import inputs, plan, sweep
+
+# planned live by every test run: two validated families, and every 16th model type of the mapping
+SAMPLE_EVERY = 16
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return sweep.sweep(workers=plan.default_workers())
+    return computations.value(computations.SWEEP.name)
+
+
+def test_a_sample_planned_now_comes_out_as_the_record_says(outcomes):
+    types = sweep.model_types()
+    sample = ["qwen2", "gpt2", *types[::SAMPLE_EVERY]]
+    live = sweep.sweep(sample, workers=plan.default_workers())
+    assert {t: outcomes[t] for t in sample} == live
 
 
 def test_no_model_type_crashes(outcomes):

@@ -160,12 +160,15 @@ def test_records_validate_and_say_how_many_processes(one_process, two_processes,
 
 
 def test_decision_rule():
+    assert baseline.decide(True, 5.0, 3.0, 2, (0.0, 0.0, 0.0)).verdict == "accept"
+    d = baseline.decide(True, 5.0, 3.0, 2, (1e-3, 0.0, math.nan))
+    assert d.verdict == "reject" and d.reason == ("2 processes do not reproduce 1 process: first gradient 0.001 > "
+                                                  "GRAD_TOL 1e-05; parameters nan > PARAM_TOL 0.0001")
+    assert baseline.decide(False, 5.0, 3.0).verdict == "reject"
+    assert baseline.decide(True, 5.0, 5.0).reason == "the holdout loss did not fall (5.0000 -> 5.0000)"
+    assert baseline.decide(True, 5.0, math.nan).verdict == "tune"
     eq_ok = dict(grad_rel_diff=0.0, loss_rel_diff=0.0, param_rel_diff=0.0, param_rel_diff_early=0.0)
-    assert baseline.decide(True, 5.0, 3.0, eq_ok, 2)[0] == "accept"
-    assert baseline.decide(True, 5.0, 3.0, dict(eq_ok, grad_rel_diff=1e-3), 2)[0] == "reject"
-    assert baseline.decide(False, 5.0, 3.0, None, 1)[0] == "reject"
-    assert baseline.decide(True, 5.0, 5.0, None, 1)[0] == "tune"
-    assert baseline.decide(True, 5.0, math.nan, None, 1)[0] == "tune"
+    assert baseline.equal(eq_ok) is True and baseline.equal(dict(eq_ok, loss_rel_diff=2e-5)) is False
 
 
 # --- launching, the GPU path, the plan -------------------------------------------------------

@@ -16,9 +16,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Failed:
-    """What could not run, and why: an allocation that failed, in words (an arm's ``failure``)."""
+    """What could not run, and why, in words: an allocation that failed (``attempt``: an arm's ``failure``), or
+    a step the fake trace could not run (``planner.trace.traced``: the strategy is left out of the plan)."""
 
-    failure: str  # "out of memory: ..." or "allocation failed (Class): ..."
+    failure: str  # "out of memory: ...", "allocation failed (Class): ..." or the exception in one line
     name: str = ""  # the arm, where there is one
 
 

@@ -1,13 +1,30 @@
 """The training step: one full update under a memory strategy, watched through its phases.
 
-Every measured step of the book is this one function (``train_step``): the experiments' timed and
-tracked steps, Part 02 · 43's ledger (``planner.lifecycle``), ``bp-mech plan``'s fake-tensor trace and
-the profiler of project 74. Its phases, in order::
+Every measured step and every training loop of the package is this one function (``train_step``): the
+experiments' timed and tracked steps, Part 02 · 43's ledger (``planner.lifecycle``), ``bp-mech plan``'s
+fake-tensor trace, the profiler of project 74, and the loops that keep state from one update to the
+next through ``bench.trainer.Trainer`` (AMP's overflow sample, Part 02 · 12's clock run, Part 02 · 56's
+continual pretraining and its conformance, the book's clock plots) or call it directly (Part 02 · 11's
+token-weighted equivalence run). Its phases, in order::
 
     for each micro-batch:  "forward"   (under the strategy's offload hooks and autocast)
                            "backward"  (the loss scaled under fp16)
-    "optimizer"            (unscale and clip when asked, the optimizer's step through the scaler, the LR clock)
+    "optimizer"            (``apply_update``: unscale and clip when asked, the optimizer's step through
+                            the scaler, the LR clock)
     "zero_grad"            (set_to_none: the next step starts with no gradients)
+
+What stays outside it, on purpose (``tests/bench/test_step_users.py`` holds the same list and fails on
+any other loop that calls a backward and an optimizer's step):
+
+* a framework's own idiom that a chapter shows as such: Accelerate's ``accelerator.backward`` inside
+  ``accelerator.accumulate`` and the prepared optimizer's step, in ``accumulation.accelerate_updates``
+  (Part 02 · 11) and in project 73's loop ``projects.baseline_loop.run_updates`` (its divisor counts
+  target tokens across processes);
+* a mistake a chapter demonstrates, which no strategy should carry: ``amp.clipping_order`` (clipping the
+  still-scaled gradients) and the naive mean-of-means normalisation of Part 02 · 11's equivalence
+  run, ``experiments.accumulation_updates.train_updates``;
+* references that drive torch's own ``GradScaler`` on one parameter, to compare a scaler with:
+  ``experiments.amp.conformance`` and the exercise checks (``bp_mech.checks``).
 
 An *observer* is a callable ``observer(phase, state) -> context manager`` entered around each phase
 (``state``: a ``StepState``, the loss of the micro-batch once its forward has run): the ledger's
@@ -150,23 +167,56 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
                 if p.grad is not None:
                     p.grad.mul_(1.0 / scale)
         return StepResult(loss, False, None, scale)
-    norm = None
     with _phase("optimizer", state, observers):
-        if max_norm is not None:
-            # BEFORE clipping: max_norm is in the units of the true gradient
-            scaler.unscale_(opt)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if scaler.is_enabled():
-            # skipped (scale backed off) when a gradient is inf/NaN
-            done = scaler_step(scaler, opt)
-        else:
-            opt.step()
-            done = True
-        if clock is not None:
-            clock.step(done)
+        done, norm = apply_update(model, opt, scaler, max_norm, clock)
     with _phase("zero_grad", state, observers):
         opt.zero_grad(set_to_none=True)
     return StepResult(loss, done, norm, scale)
+
+
+def apply_update(model, opt, scaler: torch.amp.GradScaler,
+                 max_norm: float | None = None,
+                 clock: UpdateClock | None = None) -> tuple[bool, torch.Tensor | None]:
+    """``train_step``'s optimizer phase: unscale, clip, step through the scaler, clock.
+
+    Args:
+        model: the model whose gradients the backward left (times the scale).
+        opt: its optimizer.
+        scaler: the step's GradScaler; disabled (every strategy but fp16), it
+            passes every call through and the optimizer always steps.
+        max_norm: clip the total gradient norm to it, after unscaling (None: no
+            clipping).
+        clock: an LR clock (``scheduler.UpdateClock``) told whether the update
+            was applied (None: none).
+
+    Returns:
+        ``(applied, norm)``: False when the scaler skipped the update (a gradient
+        was inf/NaN); the total norm before clipping (None without ``max_norm``).
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1, bias=False)
+        >>> opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        >>> _ = m.weight.data.fill_(1.0)
+        >>> m.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5
+        >>> off = torch.amp.GradScaler("cpu", enabled=False)
+        >>> done, norm = apply_update(m, opt, off, max_norm=1.0)
+        >>> done, norm.item(), [round(x, 4) for x in m.weight[0].tolist()]
+        (True, 5.0, [0.4, 0.2])
+    """
+    norm = None
+    if max_norm is not None:
+        # BEFORE clipping: max_norm is in the units of the true gradient
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if scaler.is_enabled():
+        # skipped (scale backed off) when a gradient is inf/NaN
+        done = scaler_step(scaler, opt)
+    else:
+        opt.step()
+        done = True
+    if clock is not None:
+        clock.step(done)
+    return done, norm
 
 
 def optimizer_state(opt) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -36,23 +37,86 @@ import torch
 from bp_mech import accumulation, amp, checkpointing, chunked_loss, offload
 from bp_mech.instruments.tracking import host_side
 
-AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}  # Strategy.amp -> its word in a name
-_AMP_DTYPES = {v: k for k, v in AMP_NAMES.items()}
+
+class LowPrecision(enum.StrEnum):
+    """The 16-bit float formats autocast runs in: the one vocabulary of a strategy's ``amp``, its word in a
+    strategy name, its torch dtype, the label a record's ``dtype`` shows, and ``bp-mech plan --dtype``.
+
+    A member is named by its word (``FP16`` spells ``fp16``) and valued by torch's dtype name, so it equals
+    that string (``LowPrecision.FP16 == "float16"``) and a record stores the string.
+
+    Example:
+        >>> p = LowPrecision("bfloat16")
+        >>> p.word, p.dtype, p.label, LowPrecision.of_word("fp16") is LowPrecision.FP16
+        ('bf16', torch.bfloat16, 'bfloat16-autocast', True)
+    """
+
+    FP16 = "float16"  # IEEE half: 5 exponent bits, needs a GradScaler
+    BF16 = "bfloat16"  # bfloat16: float32's exponent range, 8-bit significand
+
+    @property
+    def word(self) -> str:
+        """Its word in a strategy name (``fp16``, ``bf16``)."""
+        return self.name.lower()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype autocast computes in."""
+        return getattr(torch, self.value)
+
+    @property
+    def label(self) -> str:
+        """What a record's ``dtype`` says of a run under it (``float16-autocast``)."""
+        return f"{self.value}-autocast"
+
+    @classmethod
+    def of_word(cls, word: str) -> "LowPrecision":
+        """The member a strategy name's word spells.
+
+        Args:
+            word: ``fp16`` or ``bf16``.
+
+        Returns:
+            The member.
+
+        Raises:
+            ValueError: for any other word.
+
+        Example:
+            >>> LowPrecision.of_word("bf16").value
+            'bfloat16'
+        """
+        try:
+            return cls[word.upper()]
+        except KeyError:
+            raise ValueError(f"unknown precision {word!r}; one of {', '.join(p.word for p in cls)}") from None
+
+    @classmethod
+    def words(cls) -> tuple[str, ...]:
+        """Every member's word, in order (``("fp16", "bf16")``)."""
+        return tuple(p.word for p in cls)
+
+
+FLOAT32 = "float32"  # a record's ``dtype`` for a strategy without autocast
 
 
 @dataclass(frozen=True)
 class Strategy:
     checkpoint: str = "plain"  # checkpointing.CONFIGURATIONS: plain | checkpoint-all | checkpoint-every2 | checkpoint-mlp
     offload: bool = False  # chapter 42's ActivationOffload around the forward
-    amp: str | None = None  # None | "float16" | "bfloat16" (autocast; fp16 with a GradScaler)
+    amp: LowPrecision | None = None  # None | "float16" | "bfloat16" (autocast; fp16 with a GradScaler)
     micro_batches: int = 1  # accumulation: k token-weighted micro-batches per update
     chunked_loss: int | None = None  # None: full fp32 logits; n: the loss over the vocabulary in chunks of n tokens
 
     def __post_init__(self):
         if self.checkpoint not in checkpointing.CONFIGURATIONS:
             raise ValueError(f"unknown checkpointing {self.checkpoint!r}; one of {checkpointing.CONFIGURATIONS}")
-        if self.amp not in (None, *AMP_NAMES):
-            raise ValueError(f"unknown amp dtype {self.amp!r}; one of None, {', '.join(AMP_NAMES)}")
+        if self.amp is not None:
+            try:  # the string spellings a caller may pass ("float16") become the member
+                object.__setattr__(self, "amp", LowPrecision(self.amp))
+            except ValueError:
+                raise ValueError(f"unknown amp dtype {self.amp!r}; one of None, "
+                                 f"{', '.join(p.value for p in LowPrecision)}") from None
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.chunked_loss is not None and self.chunked_loss < 1:
@@ -64,7 +128,7 @@ class Strategy:
         "checkpoint-all+offload+fp16+micro2+chunked-loss" (``parse`` reads it back)."""
         parts = [self.checkpoint] if self.checkpoint != "plain" else []
         parts += ["offload"] if self.offload else []
-        parts += [AMP_NAMES[self.amp]] if self.amp else []
+        parts += [self.amp.word] if self.amp else []
         parts += [f"micro{self.micro_batches}"] if self.micro_batches > 1 else []
         if self.chunked_loss is not None:
             default = self.chunked_loss == chunked_loss.DEFAULT_CHUNK
@@ -74,7 +138,13 @@ class Strategy:
     @property
     def low(self) -> torch.dtype | None:
         """The autocast dtype (None: float32 throughout)."""
-        return getattr(torch, self.amp) if self.amp else None
+        return self.amp.dtype if self.amp else None
+
+    @property
+    def dtype_label(self) -> str:
+        """What a record's ``dtype`` says of the strategy's steps: ``float32``, or ``float16-autocast`` /
+        ``bfloat16-autocast`` (``LowPrecision.label``)."""
+        return self.amp.label if self.amp else FLOAT32
 
     def fields(self) -> dict:
         """The strategy's fields as a dict (JSON-able: what a record's metrics keep)."""
@@ -102,8 +172,8 @@ def parse(name: str) -> Strategy:
             put("checkpoint", part, part)
         elif part == "offload":
             put("offload", True, part)
-        elif part in _AMP_DTYPES:
-            put("amp", _AMP_DTYPES[part], part)
+        elif part in LowPrecision.words():
+            put("amp", LowPrecision.of_word(part), part)
         elif part.startswith("micro") and part[5:].isdigit() and int(part[5:]) > 1:
             put("micro_batches", int(part[5:]), part)
         elif part == "chunked-loss":
@@ -158,9 +228,9 @@ class Applied:
         if hooks is not None:
             self.offload = hooks
         elif strategy.offload:
-            # its host-side copies are booked as host memory by any storage tracker watching
-            self.offload = offload.ActivationOffload(model.parameters(), cfg, self.device,
-                                                     host_region=host_side)
+            # its host copies are booked as host memory by any tracker watching
+            self.offload = offload.ActivationOffload(
+                model.parameters(), cfg, self.device, host_region=host_side)
         else:
             self.offload = None
         # fp16 only (bf16 has float32's exponent range); disabled, it passes every call

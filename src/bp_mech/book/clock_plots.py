@@ -3,17 +3,21 @@ phases of a warmup-stable-decay schedule, in Part 02 · 12 (the scheduler clock)
 (continual pretraining).
 
 ``wsd_phases`` names the phases of a ``scheduler.WSDConfig`` in updates; ``train_through_wsd``
-trains a workload's model on the book's general text with chapter 56's ``Trainer`` (whose update
-clock is chapter 12's) and returns one row per step; ``plot_wsd_run`` draws rows like those (or
+trains a workload's model on the book's general text with chapter 56's trainer
+(``bench.trainer.phase_trainer``: the one training step, chapter 12's update clock) and returns one
+row per step; ``plot_wsd_run`` draws rows like those (or
 the step rows a continual-pretraining record holds) with the phases shaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib.pyplot as plt
 
+from bp_mech.bench.trainer import phase_trainer
 from bp_mech.instruments.workload import build_model, parse_workload
-from bp_mech.continual_pretrain import TextStream, Trainer, TrainConfig, load_texts, train
+from bp_mech.continual_pretrain import TextStream, TrainConfig, load_texts, train
 from bp_mech.scheduler import WSDConfig
 
 PHASE_COLOURS = {"warmup": "tab:orange", "stable": "tab:green", "decay": "tab:purple"}
@@ -42,16 +46,16 @@ def wsd_phases(cfg: WSDConfig) -> list[tuple[str, int, int]]:
 def train_through_wsd(workload_id: str, cfg: WSDConfig, seed: int = 0) -> list[dict]:
     """Train ``workload_id``'s model on the book's general text through one WSD schedule.
 
-    Chapter 56's ``Trainer`` (AdamW, GradScaler, global-norm clip, chapter 12's update clock)
-    runs until the clock has counted ``cfg.total`` applied updates.
+    Chapter 56's trainer (``bench.trainer.phase_trainer``: AdamW, global-norm clip, chapter 12's
+    update clock, plain float32) runs until the clock has counted ``cfg.total`` applied updates.
 
     Args:
         workload_id: e.g. ``"tiny-b2s64"``: model, batch and sequence length.
-        cfg: the schedule; its decay must be cosine (the ``Trainer``'s).
+        cfg: the schedule; its decay must be cosine (the ``TrainConfig``'s).
         seed: seed of the data stream (which windows of the text each batch holds).
     Returns:
-        One row per step (``Trainer.step``): ``update``, ``loss``, ``applied``, ``lr``,
-        ``grad_norm``.
+        One row per step, as a dict (``bench.trainer.Row``'s fields: ``update``, ``loss``,
+        ``applied``, ``lr``, ``grad_norm``, ...), as a record keeps it.
     Example:
         >>> rows = train_through_wsd("tiny-b1s8", WSDConfig(warmup=1, stable=1, decay=1,
         ...                          decay_type="cosine"))
@@ -59,13 +63,13 @@ def train_through_wsd(workload_id: str, cfg: WSDConfig, seed: int = 0) -> list[d
         ([1, 2, 3], 0.001)
     """
     if cfg.decay_type != "cosine":
-        raise ValueError(f"the Trainer decays by cosine, not {cfg.decay_type!r}")
+        raise ValueError(f"the trainer's TrainConfig decays by cosine, not {cfg.decay_type!r}")
     w = parse_workload(workload_id)
     phase = TrainConfig(updates=cfg.total, lr=cfg.base_lr, warmup=cfg.warmup, decay=cfg.decay,
                         min_lr_ratio=cfg.min_lr_ratio, seed=seed)
     ids = load_texts(w=w)["general"].ids
-    trainer = Trainer(build_model(w), phase, TextStream(ids, w.batch, w.seq, seed))
-    return train(trainer, cfg.total)
+    trainer = phase_trainer(build_model(w), phase, TextStream(ids, w.batch, w.seq, seed))
+    return [dataclasses.asdict(r) for r in train(trainer, cfg.total)]
 
 
 def plot_wsd_run(rows: list[dict], cfg: WSDConfig, title: str, evals: list[dict] | None = None):

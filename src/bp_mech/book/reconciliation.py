@@ -1,10 +1,11 @@
 """The course's reference figure beside the book's ledger (Part 02 · 11, 19, 42, mixed precision): the
-table of ``planner.reference_gap``, computed at build time, as a chapter shows it."""
+table of ``planner.reference_gap``, read from its computed record, as a chapter shows it."""
 
 from __future__ import annotations
 
 from bp_mech.book.report import markdown_table
-from bp_mech.planner.reference_gap import DEFINITIONS, Gap, reference_gap
+from bp_mech.book.computations import value
+from bp_mech.planner.reference_gap import Gap
 
 # what each single definition of ``planner.definitions`` means, in a reader's words
 MEANING = {
@@ -55,6 +56,7 @@ def gap_table(gap: Gap):
     return markdown_table(gap_rows(gap))
 
 
-def reconcile(semantic_id: str, definitions=None) -> Gap:
-    """``reference_gap`` of one course reference at its workload, every definition by default."""
-    return reference_gap(semantic_id, list(definitions or DEFINITIONS))
+def reconcile(semantic_id: str) -> Gap:
+    """``reference_gap`` of one course reference at its workload under every definition, as its computed
+    record holds it (``book.computations``: traced by ``make records``, refused when stale)."""
+    return value(f"reference-gap__{semantic_id}")

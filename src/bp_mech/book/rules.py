@@ -173,8 +173,8 @@ LINKS = (("timing.MAX_RATIO_SPREAD", "decision.MAX_TIME_RATIO"), ("decision.MAX_
 DECIDERS = dict(timing=("timing_noise",), compare=("tolerance",), decision=("decide",),
                 accumulation=("decide", "arm_record"), amp=("decide",), update_dynamics=("decide",),
                 continual_pretrain=("decide_domain", "decide_resume"), ledger=("decide", "class_errors"),
-                profiling=("outcome",), memory_strategy=("budget_for",), plan=("headroom", "needed_bytes"),
-                baseline=("decide", "equal"), local_backward=("decide",), attention_backward=("decide",),
+                profiling=("decide",), memory_strategy=("budget_for",), plan=("headroom", "needed_bytes"),
+                baseline=("decide", "beyond"), local_backward=("decide",), attention_backward=("decide",),
                 scheduler=("decide",))
 
 

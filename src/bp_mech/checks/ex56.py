@@ -4,8 +4,9 @@
   losses range widely and on batches with different numbers of targets (right padding and a hole in the
   middle): a mean of per-batch means, a count that includes the ignored positions, or a missing shift
   gives another number.
-* ``capture_state`` / ``restore_state``: the package's ``Trainer`` trains a tiny Qwen2 uninterrupted; at
-  update ``AT`` the solution captures its state, and the check takes its own snapshot. A fresh trainer
+* ``capture_state`` / ``restore_state``: the package's trainer (``bench.trainer.phase_trainer``, under fp16
+  so that its GradScaler has a state to lose: the scale grows every two updates) trains a tiny Qwen2
+  uninterrupted; at update ``AT`` the solution captures its state, and the check takes its own snapshot. A fresh trainer
   (another init, another data seed, the global RNG moved) restores the state; its clock, data position,
   generator, GradScaler, global RNG, AdamW state and weights must equal the snapshot, and training on must
   give the uninterrupted run's losses and weights bit for bit (CPU, same kernels). The contract around it:
@@ -21,7 +22,9 @@ import types
 
 import torch
 
+from bp_mech.bench.strategy import parse
 from bp_mech.bench.timing import timing_threads
+from bp_mech.bench.trainer import phase_trainer
 from bp_mech.checks.common import assert_value, call
 from bp_mech.checks.ex56_contract import CHECKS as CONTRACT
 from bp_mech.checks.ex56_contract import _fingerprint, _same
@@ -93,9 +96,9 @@ def _setup():
     ids = tokenize(load_text("domain"))
     cfg = cpt.TrainConfig(updates=UPDATES, lr=3e-3, warmup=3, decay=3, growth_interval=2, seed=7)
 
-    def trainer(seed, **config):
-        return cpt.Trainer(build_model(w.replace(seed=seed), **config), cfg,
-                           cpt.TextStream(ids, w.batch, w.seq, cfg.seed + seed))
+    def trainer(seed, **config):  # fp16: an enabled GradScaler, whose state resumes too
+        return phase_trainer(build_model(w.replace(seed=seed), **config), cfg,
+                             cpt.TextStream(ids, w.batch, w.seq, cfg.seed + seed), strategy=parse("fp16"))
 
     return cpt, trainer
 
@@ -172,7 +175,7 @@ def _check_restore(m):
     snap = _snapshot(ref)
     state = call("capture_state", m.capture_state, ref, at=f"update {AT}")
     kept = _fingerprint(state)
-    want = [r["loss"] for r in cpt.train(ref, UPDATES)]
+    want = [r.loss for r in cpt.train(ref, UPDATES)]
     assert _same(kept, _fingerprint(state)), (f"capture_state: the captured state changed when the trainer trained "
                                               f"on from update {AT} (it holds a live object or tensor, not a copy)")
     torch.manual_seed(999)  # a new process: another global RNG state, another init, another data seed
@@ -194,7 +197,7 @@ def _check_restore(m):
             have = got["optimizer"]["state"].get(i, {}).get(k)
             assert have is not None and torch.equal(have, v), \
                 f"restore_state: AdamW's {k} of parameter {i} differs from the capture's {at} (restore the optimizer)"
-    have = [r["loss"] for r in cpt.train(fresh, UPDATES)]
+    have = [r.loss for r in cpt.train(fresh, UPDATES)]
     diff = max((abs(a - b) for a, b in zip(have, want)), default=0.0) if len(have) == len(want) else float("inf")
     assert diff == 0.0, (f"restore_state: the resumed run's losses differ from the uninterrupted run's by up to "
                          f"{diff:.3g} over updates {AT + 1}..{UPDATES} (bit for bit expected on the CPU)")

@@ -3,10 +3,12 @@ micro-batches (``bp_mech.accumulation``) on the same padded data and the same in
 sequence lengths.
 
 The arms are the strategies ``plain`` (the full batch), ``micro2`` and ``micro4``. Per arm it records
-the loss, gradient and parameter differences to the full batch (both normalisations, through the
-chapter's own ``accumulation.accumulated_backward``: the equivalence run), the absolute and incremental
-peak, and the step median/P95 of the one training step (``bench.step.train_step`` under the arm's
-strategy: Transformers' token-weighted loss over k micro-batches). The measurement is the harness's
+the loss, gradient and parameter differences to the full batch (the equivalence run,
+``experiments.accumulation_updates``: token-weighted through the one training step under the
+arm's strategy, naive through the chapter's ``accumulation.accumulated_backward``, the mistake
+shown), the absolute and incremental peak, and the step median/P95 of the one training step
+(``bench.step.train_step`` under the arm's strategy: Transformers' token-weighted loss over k
+micro-batches). The measurement is the harness's
 (``harness.measure``, own weights): on the CPU every arm gets its own model copy and AdamW, alive
 together, timed interleaved on one intra-op thread; on CUDA they run one after another on the one
 model. A micro-batch arm does strictly more work than the full batch (k passes for one update), so
@@ -19,21 +21,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from bp_mech import accumulation
-from bp_mech.bench.compare import all_finite, relative_l2
+from bp_mech.bench.compare import relative_l2
 from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.instruments.workload import Workload, build_model
 from bp_mech.instruments.adamw import make_adamw
+from bp_mech.experiments.accumulation_updates import train_updates
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
 from bp_mech.experiments import decision, harness
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 CANDIDATES = ("plain", "micro2", "micro4")  # strategy names: the full batch, 2 and 4 micro-batches
@@ -81,26 +84,6 @@ def seq_lengths(w: Workload, cfg: AccumConfig) -> list[int]:
 
 # --- the equivalence run ---------------------------------------------------------------
 
-def train_updates(model, init: dict, batches, k: int, norm: str, cfg: AccumConfig, device) -> dict:
-    """``len(batches)`` updates from ``init``; the losses, the first update's gradient and the
-    parameters after update 1 (snapshots); the model holds the parameters after the last."""
-    model.load_state_dict(init)
-    model.zero_grad(set_to_none=True)  # after a failed candidate, stale gradients may remain
-    opt = make_adamw(model.parameters(), cfg.lr, device)
-    losses, finite, out = [], True, {}
-    for i, b in enumerate(batches):
-        losses.append(accumulation.accumulated_backward(model, b, k, norm).item())
-        finite &= all_finite(p.grad for p in model.parameters())
-        if i == 0:
-            out["grad"] = accumulation.snapshot(p.grad for p in model.parameters())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i == 0:
-            out["params_1"] = accumulation.snapshot(model.parameters())
-    out.update(losses=losses, finite=finite and all(math.isfinite(x) for x in losses))
-    return out
-
-
 def equivalence(model, init: dict, batches, cfg: AccumConfig, device) -> dict:
     """Each candidate and normalisation against the full batch: {candidate: {norm: diffs}}."""
     ref = train_updates(model, init, batches, 1, "token", cfg, device)
@@ -146,20 +129,41 @@ def measure(model, init: dict, batches, cfg: AccumConfig, device, progress=None,
 
 
 def decide(equiv_diff: float | None, tol: float, peak_saving: float | None, time_ratio: float | None,
-           noise: str | None = None):
-    """The documented rule; returns (decision, next_step)."""
+           noise: str | None = None) -> Decision:
+    """A micro-batch arm's decision against the full batch, by the rule above.
+
+    Args:
+        equiv_diff: the token-weighted first gradient's relative L2 difference from the full batch's.
+        tol: its bound (``EQUIV_TOL`` of the device).
+        peak_saving: 1 - peak / the full batch's (None: no full-batch measurement).
+        time_ratio: median step / the full batch's (None: no full-batch measurement).
+        noise: why the time ratio is noise (``bench.timing.timing_noise``), or None.
+
+    Returns:
+        The ``Decision``; its reason names the numbers that fired the rule.
+
+    Example:
+        >>> decide(2e-5, 1e-5, 0.3, 1.1).reason
+        'token-weighted gradient off the full batch by 2.00e-05 > EQUIV_TOL 1e-05'
+    """
     if equiv_diff is None or equiv_diff > tol:
-        return "reject", "the token-weighted gradient does not match the full batch's: fix the loss normalisation"
+        off = "not compared" if equiv_diff is None else f"off the full batch by {equiv_diff:.2e} > EQUIV_TOL {tol:g}"
+        return Decision("reject", f"token-weighted gradient {off}", "fix the loss normalisation")
     if peak_saving is None or time_ratio is None:
-        return None, "no full-batch measurement to compare with (it failed); see the failure field"
+        return Decision(None, "no full-batch measurement to compare with (it failed)", "see the failure field")
+    saving = f"correct (gradient within {equiv_diff:.1e}), peak saving {peak_saving:.1%}"
     if peak_saving < decision.MIN_PEAK_SAVING:
-        return "tune", "correct, but the peak barely falls: prefer the full batch while it fits"
+        return Decision("tune", f"{saving} < MIN_PEAK_SAVING {decision.MIN_PEAK_SAVING:.0%}",
+                        "the peak barely falls: prefer the full batch while it fits")
     if noise is not None:
-        return None, (f"correct and saves memory, but the time ratio is noise ({noise}): "
-                      "time it on the target GPU or a quiet machine")
+        return Decision(None, f"{saving}, but the time ratio {time_ratio:.2f}x is noise ({noise})",
+                        "time it on the target GPU or a quiet machine")
+    rise = f"the median step rises by {time_ratio - 1:.0%}"
     if time_ratio - 1 <= MAX_TIME_COST:
-        return "accept", "use it when the full batch does not fit; it saves memory at a bounded time cost"
-    return "tune", "correct, but the saving does not pay for the time: prefer the full batch while it fits"
+        return Decision("accept", f"{saving}; {rise} (<= MAX_TIME_COST {MAX_TIME_COST:.0%})",
+                        "use it when the full batch does not fit; it saves memory at a bounded time cost")
+    return Decision("tune", f"{saving}, but {rise} (> MAX_TIME_COST {MAX_TIME_COST:.0%})",
+                    "the saving does not pay for the time: prefer the full batch while it fits")
 
 
 def run(ctx) -> list:
@@ -191,13 +195,13 @@ def arm_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None, m, ba
     peak_saving = 1 - m.peak.allocated / base.peak.allocated if compared else None
     time_ratio = m.timing.median_s / base.timing.median_s if compared else None
     noise = timing_noise(m.timing, base.timing, more_work=True) if compared and name != PLAIN.name else None
-    if name == PLAIN.name:
-        outcome, next_step = None, "the baseline: every other arm is compared with it"
-    else:
-        outcome, next_step = decide(tok.get("grad_rel_diff"), EQUIV_TOL[torch.device(ctx.device).type], peak_saving,
-                                    time_ratio, noise)
     if failure:
-        outcome, next_step = None, f"failed: {failure}"
+        decided = Decision.failed(failure)
+    elif name == PLAIN.name:
+        decided = Decision(None, "the baseline", "every other arm is compared with it")
+    else:
+        decided = decide(tok.get("grad_rel_diff"), EQUIV_TOL[torch.device(ctx.device).type], peak_saving, time_ratio,
+                         noise)
     k, E = MICRO[name], ctx.workload.batch * cfg.micro_max
     by_run = dict(equivalence_token=cfg.updates if eq else None,
                   equivalence_naive=(cfg.updates if eq else None) if name != PLAIN.name else 0,
@@ -208,7 +212,7 @@ def arm_record(ctx, name: str, cfg: AccumConfig, batches, eq: dict | None, m, ba
     return ctx.record(
         name, strategy=name, input_shape=[E // k, ctx.workload.seq], effective_batch=E, **measured,
         output_error=tok.get("loss_rel_diff"), grad_error=tok.get("grad_rel_diff"), all_finite=tok.get("finite"),
-        timing_noise=noise, failure=failure, decision=outcome, next_step=next_step,
+        timing_noise=noise, failure=failure, **decided.record_fields(),
         metrics=dict(
             micro_batches=k, micro_batch_size=E // k, seq=ctx.workload.seq, lr=cfg.lr, timed_steps=cfg.timed,
             target_tokens=[[int(accumulation.count_targets(mb["labels"])) for mb in accumulation.split(b, k)]

@@ -8,8 +8,8 @@ interleaved on one CPU thread, one after another alone on CUDA. One warm update 
 AdamW's moments. ``updates`` counts the steps that applied an update, ``skipped_updates`` those the
 scaler skipped: together every step of the measurement (warm, tracked, warm-up and timed),
 ``len(metrics.applied_per_step)``, the warm update first. The overflow
-sample injects overflows into the chapter's own loop (``amp.AmpTrainer``) and checks GradScaler against
-``amp.DynamicLossScaler``, the parameters and the LR clock.
+sample (``experiments.amp_overflow``) injects overflows into the same step (``bench.trainer.Trainer``
+under ``fp16``) and checks GradScaler against ``amp.DynamicLossScaler``, the parameters and the LR clock.
 """
 
 from __future__ import annotations
@@ -25,22 +25,22 @@ from bp_mech import amp
 from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
-from bp_mech.bench.strategy import Applied, parse
+from bp_mech.bench.strategy import Applied, LowPrecision, Strategy, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.instruments.workload import build_model, make_batches
 from bp_mech.instruments.adamw import make_adamw
 from bp_mech.experiments import decision, harness
 from bp_mech.experiments.amp_overflow import overflow_record, overflow_sample
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
+from bp_mech.records.decision import Decision
 from bp_mech.records.environment import bf16_supported
 from bp_mech.records.results import json_safe
 from bp_mech.scheduler import UpdateClock, WSDConfig, scaler_step, wsd_lr
 from bp_mech.update_dynamics import clip_coefficient
 
 CANDIDATES = ("plain", "fp16", "bf16", "fp16-overflow")  # strategy names, and the overflow sample
-LOW = {"plain": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp16-overflow": torch.float16}
 TIMED = {name: parse(name) for name in ("plain", "fp16", "bf16")}  # the arms measured with the one step
-DTYPE_LABEL = {None: "float32", torch.float16: "float16-autocast", torch.bfloat16: "bfloat16-autocast"}
+OVERFLOW = "-overflow"  # the overflow sample's suffix on the strategy it runs under (fp16)
 
 # Decision rule for an AMP candidate, from ratios to the FP32 run of the same workload:
 #   reject  if a step applied non-finite gradients, the skipped fraction exceeds
@@ -84,9 +84,14 @@ def config_for(device, smoke: bool = False) -> AmpConfig:
     return dataclasses.replace(cfg, timed=SMOKE_SCHEDULE[0], warmup=SMOKE_SCHEDULE[1]) if smoke else cfg
 
 
+def strategy_of(candidate: str) -> Strategy:
+    """The strategy a candidate's steps run under: its own name, the overflow sample ``fp16``'s."""
+    return parse(candidate.removesuffix(OVERFLOW))
+
+
 def available(candidate: str, device: str) -> bool:
     """BF16 only where the device and PyTorch report support; the others always."""
-    return LOW[candidate] is not torch.bfloat16 or bf16_supported(torch.device(device).type)
+    return strategy_of(candidate).amp is not LowPrecision.BF16 or bf16_supported(torch.device(device).type)
 
 
 @dataclass
@@ -144,28 +149,56 @@ def measure(base, names, cfg: AmpConfig, device: str, batches: list[dict], progr
 
 
 def decide(finite: bool, skipped_fraction: float, loss_rel_diff: float, peak_saving: float, time_ratio: float,
-           noise: str | None = None):
-    """(decision, next_step) by the rule stated above the constants."""
-    if not finite or skipped_fraction > MAX_SKIPPED_FRACTION or not loss_rel_diff <= LOSS_REL_TOL:
-        return "reject", "non-finite, too many skipped steps, or loss off FP32 beyond tolerance: keep FP32 here"
+           noise: str | None = None) -> Decision:
+    """An AMP candidate's decision against the FP32 run, by the rule stated above the constants.
+
+    Args:
+        finite: no applied step had non-finite gradients, the parameters and the held-out loss are finite.
+        skipped_fraction: steps the scaler skipped / all steps.
+        loss_rel_diff: |held-out loss - FP32's| / FP32's.
+        peak_saving: 1 - peak / FP32's peak.
+        time_ratio: median step time / FP32's.
+        noise: why the time ratio is noise (``bench.timing.timing_noise``), or None.
+
+    Returns:
+        The ``Decision``; its reason names the numbers that fired the rule.
+
+    Example:
+        >>> decide(True, 0.0, 0.001, 0.11, 1.02).verdict
+        'accept'
+        >>> decide(True, 0.5, 0.001, 0.11, 1.02).reason
+        'skipped fraction 50% > MAX_SKIPPED_FRACTION 25%'
+    """
+    why = [w for w, bad in (
+        ("a step applied non-finite gradients", not finite),
+        (f"skipped fraction {skipped_fraction:.0%} > MAX_SKIPPED_FRACTION {MAX_SKIPPED_FRACTION:.0%}",
+         skipped_fraction > MAX_SKIPPED_FRACTION),
+        (f"held-out loss {loss_rel_diff:.2%} off FP32's (LOSS_REL_TOL {LOSS_REL_TOL:.0%})",
+         not loss_rel_diff <= LOSS_REL_TOL)) if bad]
+    if why:
+        return Decision("reject", "; ".join(why), "keep FP32 here")
+    saving = f"peak saving {peak_saving:.1%}"
     if not peak_saving >= decision.MIN_PEAK_SAVING:
-        return "tune", "numerically fine, but no memory saving on this device: measure on the target GPU"
+        return Decision("tune", f"numerically fine, but {saving} < MIN_PEAK_SAVING {decision.MIN_PEAK_SAVING:.0%}",
+                        "no memory saving on this device: measure on the target GPU")
     if noise is not None:
-        return None, (f"numerically fine and saves memory, but the time ratio is noise ({noise}): "
-                      "time it on the target GPU or a quiet machine")
+        return Decision(None, f"numerically fine and {saving}, but the time ratio {time_ratio:.2f}x is noise ({noise})",
+                        "time it on the target GPU or a quiet machine")
     if time_ratio <= 1 + MAX_TIME_COST:
-        return "accept", None
-    return "tune", "numerically fine and saves memory, but too slow on this device: measure on the target GPU"
+        return Decision("accept", f"numerically fine, {saving}, median step {time_ratio:.2f}x FP32's (<= 1 + "
+                        f"MAX_TIME_COST {1 + MAX_TIME_COST:g}x)")
+    return Decision("tune", f"numerically fine and {saving}, but the median step is {time_ratio:.2f}x FP32's (> 1 + "
+                    f"MAX_TIME_COST {1 + MAX_TIME_COST:g}x)", "too slow on this device: measure on the target GPU")
 
 
 def timed_record(ctx, name: str, m: harness.Measured, plain: harness.Measured | None, cfg: AmpConfig):
     """A timed arm's record; ratios and decision against ``plain`` (None if it failed)."""
-    o, dtype = m.finish, DTYPE_LABEL[LOW[name]]
+    o, dtype = m.finish, TIMED[name].dtype_label
     t = o.trace
     finite = o.finite_params and math.isfinite(o.eval_loss) and all(f for f, a in zip(t["finite"], t["applied"]) if a)
     metrics = dict(eval_loss=o.eval_loss, loss_scale_trace=t["scale"], finite_per_step=t["finite"],
                    applied_per_step=t["applied"], loss_per_step=t["loss"], grad_norm_per_step=t["grad_norm"],
-                   clip_coef_per_step=t["clip_coef"], lr_per_step=t["lr"], scaler=LOW[name] is torch.float16,
+                   clip_coef_per_step=t["clip_coef"], lr_per_step=t["lr"], scaler=TIMED[name].amp is LowPrecision.FP16,
                    autocast_dtype=dtype, base_lr=cfg.schedule.base_lr, step_samples_s=m.timing.samples,
                    wall_samples_s=m.timing.wall_samples, interleaved=m.timing.interleaved)
     fields = dict(dtype=dtype, strategy=name, **m.record_fields(), all_finite=finite)
@@ -181,9 +214,8 @@ def timed_record(ctx, name: str, m: harness.Measured, plain: harness.Measured | 
                       loss_rel_diff=abs(o.eval_loss - plain.finish.eval_loss) / abs(plain.finish.eval_loss))
         metrics.update(ratios)
         fields["timing_noise"] = noise
-        fields["decision"], fields["next_step"] = decide(
-            finite, fields["skipped_updates"] / len(t["applied"]), ratios["loss_rel_diff"], ratios["peak_saving"],
-            ratios["time_ratio"], noise=noise)
+        fields.update(decide(finite, fields["skipped_updates"] / len(t["applied"]), ratios["loss_rel_diff"],
+                             ratios["peak_saving"], ratios["time_ratio"], noise=noise).record_fields())
     return ctx.record(name, metrics=json_safe(metrics), **fields)  # a diverged run's NaN -> null
 
 
@@ -201,7 +233,7 @@ def run(ctx) -> list:
         r = attempt(overflow_sample, base, cfg, device, batches) if name == "fp16-overflow" else timed[name]
         failure = r.failure if isinstance(r, Failed) else None  # an out-of-memory is that arm's failure
         if failure:
-            recs.append(ctx.record(name, strategy=name if name in TIMED else None, dtype=DTYPE_LABEL[LOW[name]],
+            recs.append(ctx.record(name, strategy=name if name in TIMED else None, dtype=strategy_of(name).dtype_label,
                                    failure=failure, next_step="failed: see the failure"))
         else:
             recs.append(overflow_record(ctx, name, r, cfg) if name == "fp16-overflow"
@@ -220,7 +252,7 @@ def dry_run(ctx) -> dict:
         for c in CANDIDATES:
             overflow = c == "fp16-overflow"
             seconds[c] = round(SETUP_S[dev] + dry_run_seconds(w.arch, tokens, cfg.overflow_n if overflow else steps,
-                                                              dev, low=LOW[c] is not None)
+                                                              dev, low=strategy_of(c).low is not None)
                                + dry_run_seconds(w.arch, tokens, 1 if overflow else 1 / 3, dev), 1)  # fp32 inject / eval
         return cfg.timed, cfg.warmup, dict(config=asdict(cfg), estimated_seconds_per_candidate=seconds,
                                            estimated_seconds=round(ASSUMED_BUILD_S[dev] + sum(seconds.values()), 1))
@@ -233,7 +265,8 @@ def dry_run(ctx) -> dict:
 
 def conformance():
     """DynamicLossScaler vs torch.amp.GradScaler (scale and skips over an overflow pattern), and
-    unscale_and_clip_ vs GradScaler.unscale_ + clip_grad_norm_ (float32, CPU)."""
+    unscale_and_clip_ vs GradScaler.unscale_ + clip_grad_norm_ (float32, CPU). The reference is torch's own
+    GradScaler driving an SGD on one parameter, not a training loop (``bench.step`` lists it)."""
     from bp_mech.records.registry import ConformanceRow
 
     p = torch.zeros(1, requires_grad=True)

@@ -28,6 +28,7 @@ from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import release_memory
 from bp_mech.bench.timing import time_interleaved
 from bp_mech.instruments.peak import PeakMemory
+from bp_mech.records.decision import Decision
 
 CANDIDATES = ("autograd", *STRATEGIES, "sdpa")  # autograd is the reference
 SWEEP_T = (128, 256, 512, 1024, 2048)  # sequence lengths of the saved-state sweep
@@ -144,18 +145,42 @@ def backward_times(names, cfg: AttnConfig, T: int, rounds: int, warmup: int, dev
 # --- the decision, the run ------------------------------------------------------------
 
 def decide(name: str, error64: float, error32: float, module_error: float | None,
-           growth: float) -> tuple[str | None, str | None]:
-    """(decision, next step) of a candidate by the rule above.
+           growth: float) -> Decision:
+    """A candidate's decision by the rule above (none for the reference, autograd).
 
-    (None, None) for the reference."""
+    Args:
+        name: the candidate.
+        error64: its worst float64 error against autograd.
+        error32: its worst float32 error against SDPA.
+        module_error: the layer's error against Qwen2Attention (None: no layer).
+        growth: the exponent of its saved bytes' growth in T.
+
+    Returns:
+        The ``Decision``: reject names every failed check with its number.
+
+    Example:
+        >>> decide("sdpa", 0.0, 2e-5, None, 1.0).reason
+        'float32 error 2e-05 > TOL32 1e-05'
+    """
     if name == "autograd":
-        return None, None
-    failed = [check for check, bad in (
-        ("float64", error64 > TOL64), ("float32", error32 > TOL32),
-        ("qwen2_module", module_error is not None and module_error > TOL_MODULE),
-        ("linear_state", name in CLAIMS_LINEAR and growth > LINEAR_MAX)) if bad]
-    return (("reject", f"failed checks: {', '.join(failed)}") if failed
-            else ("accept", None))
+        return Decision(None, "the reference: every candidate is compared with it")
+    linear = name in CLAIMS_LINEAR
+    checks = (
+        ("float64", f"float64 error {error64:.2g}", error64, "TOL64", TOL64),
+        ("float32", f"float32 error {error32:.2g}", error32, "TOL32", TOL32),
+        ("qwen2_module", f"layer error {module_error or 0.0:.2g}",
+         module_error if module_error is not None else 0.0, "TOL_MODULE", TOL_MODULE),
+        ("linear_state", f"saved bytes grow as T^{growth:.2f}",
+         growth if linear else 0.0, "T^LINEAR_MAX", LINEAR_MAX))
+    failed = [(check, f"{what} > {bound} {tol:g}")
+              for check, what, value, bound, tol in checks if value > tol]
+    if failed:
+        return Decision("reject", "; ".join(why for _, why in failed),
+                        "inspect the backward: failed checks: "
+                        + ", ".join(check for check, _ in failed))
+    shown = checks[:2] + (checks[3:] if linear else ())
+    return Decision("accept", ", ".join(
+        f"{what} <= {bound} {tol:g}" for _, what, _, bound, tol in shown))
 
 
 def _tolerances() -> dict:
@@ -190,13 +215,13 @@ def run(ctx) -> list:
         e64, e32 = (max(errs[n][k].values()) for k in ("float64_vs_autograd", "float32_vs_sdpa"))
         module = qwen2_module_error(n, ctx.workload.arch, device=dev) if n in STRATEGIES else None
         slope, t, ref = growth_exponent(swept[n]), times[n], n == "autograd"
-        decision, next_step = decide(n, e64, e32, module, slope)
+        decided = decide(n, e64, e32, module, slope)
         recs.append(ctx.record(
             n, output_error=None if ref else errs[n]["float64_vs_autograd"]["output"],
             grad_error=None if ref else max(errs[n]["float64_vs_autograd"][g] for g in ("dq", "dk", "dv")),
             all_finite=errs[n]["finite"], **pm.peak.record_fields(), **t.record_fields(),
             recompute_count={"recompute": attention_backward.n_recomputed_tiles(T, cfg.block), "saved_probs": 0}.get(n),
-            decision=decision, next_step=next_step,
+            **decided.record_fields(),
             metrics=dict(
                 errors=errs[n], error_note="output_error, grad_error: float64 vs float64 autograd (reference)",
                 qwen2_module_error=module, attention=asdict(cfg),

@@ -12,7 +12,9 @@ of full-sequence domain updates, and a run resumed from a saved state (the mecha
    loads that saved state (or ``--resume-from``'s) and runs to the same end; its losses must equal the
    uninterrupted run's, bit for bit on the CPU.
 
-Step time and peak are the domain step's (``harness.measure``: one tracked step for the peak,
+Every step is the book's one training step (``bench.trainer.phase_trainer``: ``bench.step.train_step``,
+plain float32, whose GradScaler is disabled). Step time and peak are the domain step's
+(``harness.measure``: one tracked step for the peak,
 warm-up and timed steps on one intra-op thread on the CPU; the allocator on CUDA). On the CPU the whole
 run uses one intra-op thread: the machines are shared, and a resumed run must use the same kernels.
 The shipped texts are small: they verify the measurement chain, not a conclusion about a domain.
@@ -36,28 +38,22 @@ from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.step import StepResult, optimizer_state
 from bp_mech.bench.strategy import PLAIN
+from bp_mech.bench.trainer import phase_trainer
 from bp_mech.bench.timing import timing_threads
 from bp_mech.instruments.workload import WorkloadError, build_model, param_count, workload_fields
 from bp_mech.experiments import harness
+from bp_mech.experiments.continual_base import base_model
 from bp_mech.experiments.dry_run import own_weights_modes, schedule, steps_per_arm
+# the decision rule (domain: gain and drift; resumed: equal to the uninterrupted run), its constants and the
+# warning every decision carries, re-exported: the chapter names them here
+from bp_mech.experiments.continual_pretrain_rule import (MAX_HOLDOUT_DRIFT_REL, MIN_DOMAIN_GAIN_REL, RESUME_TOL,
+                                                          SEED_WARNING, decide_domain, decide_resume)
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 SEMANTIC_ID = "TRAIN-CONTINUAL-PRETRAIN"
 CANDIDATES = ("plain", "domain", "resumed")  # plain: the base, 0 domain updates
 OPTIONS = ("domain_text", "holdout_text", "state_dir", "resume_from")  # what ctx.options may hold
-
-# Decision rule:
-#   domain:  reject if a loss is not finite, or the domain loss fell by less than MIN_DOMAIN_GAIN_REL
-#            of the baseline's; tune if the holdout loss rose by more than MAX_HOLDOUT_DRIFT_REL of the
-#            baseline's; accept otherwise.
-#   resumed: accept if every loss after the saved state and every final weight equal the uninterrupted
-#            run's within RESUME_TOL (relative; 0 on the CPU: bit for bit); reject otherwise.
-#   plain (the base, 0 domain updates): the reference, no decision.
-MIN_DOMAIN_GAIN_REL = 0.01
-MAX_HOLDOUT_DRIFT_REL = 0.02
-RESUME_TOL = {"cpu": 0.0, "cuda": 1e-4}  # CUDA: atomics in some backward kernels reorder float32 sums
-SEED_WARNING = ("the shipped texts only verify the measurement chain; a conclusion needs versioned domain and "
-                "retention sets and a pretrained base")
 
 
 @dataclass(frozen=True)
@@ -121,14 +117,14 @@ def run(ctx) -> list:
 def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, resume_dir) -> dict:
     """The base, the domain run (saved state at ``save_at``), the resumed run, the measurement."""
     w, dev, opts, N = ctx.workload, ctx.device, ctx.options, cfg.domain.updates
-    model, pre_rows = cpt.base_model(w, texts["general"].ids, cfg.pretrain, dev)
+    model, pre_rows = base_model(w, texts["general"].ids, cfg.pretrain, dev)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     evals = {"domain": cpt.eval_batches(domain_eval, w.seq, w.batch),
              "holdout": cpt.eval_batches(texts["holdout"].ids, w.seq, w.batch)}
     record_id = dict(semantic_id=SEMANTIC_ID, page=ctx.experiment.page, run_label=ctx.run_label, candidate="domain")
 
     def new_trainer(m):
-        return cpt.Trainer(m, cfg.domain, cpt.TextStream(train_ids, w.batch, w.seq, cfg.domain.seed, dev), dev)
+        return phase_trainer(m, cfg.domain, cpt.TextStream(train_ids, w.batch, w.seq, cfg.domain.seed, dev), dev)
 
     saved = []  # (directory, seconds)
 
@@ -162,8 +158,8 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
                   domain_split=dict(train_tokens=len(train_ids), eval_tokens=len(domain_eval)),
                   base=dict(source="pretrained weights" if w.source == "pretrained" else
                             "random init + pretraining on the general text",
-                            pretrain_updates=sum(r["applied"] for r in pre_rows),
-                            pretrain_losses=[r["loss"] for r in pre_rows],
+                            pretrain_updates=sum(r.applied for r in pre_rows),
+                            pretrain_losses=[r.loss for r in pre_rows],
                             pretrain_config=dataclasses.asdict(cfg.pretrain)),
                   domain_config=dataclasses.asdict(cfg.domain), warning=SEED_WARNING)
     return dict(main=main, resumed=resumed, resume=resume, measured=measured, state=state, common=common)
@@ -176,7 +172,7 @@ def records(ctx, cfg: CPTConfig, main, resumed, resume, measured, state, common)
 
 def measure(model, base: dict, new_trainer, cfg: CPTConfig, device, progress=None):
     """The domain step on the harness (``harness.measure``): a trainer from the base, one warm update
-    (AdamW's moments), then the tracked and timed steps of the chapter's ``Trainer.step``. Returns the
+    (AdamW's moments), then the tracked and timed steps of its ``step`` (the one training step). Returns the
     ``Measured`` or ``Failed``."""
     def prepare(name, together):
         m = copy.deepcopy(model) if together else model
@@ -185,7 +181,7 @@ def measure(model, base: dict, new_trainer, cfg: CPTConfig, device, progress=Non
 
         def step(i):
             row = t.step()
-            return StepResult(torch.tensor(row["loss"]), row["applied"])
+            return StepResult(torch.tensor(row.loss), row.applied)
 
         run = harness.Run(step, lambda: [list(m.parameters()), optimizer_state(t.optimizer)])
         run.step(-1)  # the warm update
@@ -196,23 +192,6 @@ def measure(model, base: dict, new_trainer, cfg: CPTConfig, device, progress=Non
 
 def finite(*xs) -> bool:
     return all(x is not None and math.isfinite(x) for x in xs)
-
-
-def decide_domain(gd: dict, all_finite: bool) -> tuple[str, str]:
-    if not all_finite:
-        return "reject", "a loss is not finite: lower the LR, check the data"
-    if gd["domain_gain_rel"] < MIN_DOMAIN_GAIN_REL:
-        return "reject", "the domain loss did not fall: check the domain data, the LR and the number of updates"
-    if gd["holdout_drift_rel"] > MAX_HOLDOUT_DRIFT_REL:
-        return "tune", "domain gained but the holdout drifted: lower the LR, fewer updates, or replay general text"
-    return "accept", f"domain gain without holdout drift on these texts; {SEED_WARNING}"
-
-
-def decide_resume(resume: dict, device) -> tuple[str, str]:
-    tol = RESUME_TOL[torch.device(device).type]
-    if resume["loss_rel_diff"] <= tol and resume["weight_rel_diff"] <= tol:  # NaN never passes
-        return "accept", "the saved state holds the whole training state: resume from it"
-    return "reject", "the resumed run diverges from the uninterrupted one: a piece of the training state is missing"
 
 
 def plain_record(ctx, main: dict, common: dict):
@@ -228,14 +207,14 @@ def domain_record(ctx, cfg: CPTConfig, main: dict, m, state: dict, common: dict)
     steps, evals = main["steps"], main["evals"]
     gd = cpt.gain_and_drift(evals)
     ok = all(finite(r["loss"]) for r in steps) and all(finite(e["domain"], e["holdout"]) for e in evals)
-    decision, next_step = decide_domain(gd, ok)
+    decided = Decision.failed(failure) if failure else decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], ok)
     applied = sum(r["applied"] for r in steps)
     measured = m.record_fields() if m else dict(memory_source=None)
     measured.update(updates=applied + (m.updates if m else 0),
                     skipped_updates=len(steps) - applied + (m.skipped if m else 0))
     return ctx.record(
         "domain", strategy=PLAIN.name, **measured, all_finite=ok, failure=failure,
-        decision=None if failure else decision, next_step=f"failed: {failure}" if failure else next_step,
+        **decided.record_fields(),
         metrics=json_safe(dict(
             **gd, evals=evals, steps=steps, saved_state=state, step_samples_s=m and m.timing.samples,
             wall_samples_s=m and m.timing.wall_samples,
@@ -246,11 +225,11 @@ def domain_record(ctx, cfg: CPTConfig, main: dict, m, state: dict, common: dict)
 def resumed_record(ctx, resumed: dict, resume: dict, state: dict, common: dict):
     steps = resumed["steps"]
     applied = sum(r["applied"] for r in steps)
-    decision, next_step = decide_resume(resume, ctx.device)
+    decided = decide_resume(resume["loss_rel_diff"], resume["weight_rel_diff"], ctx.device)
     return ctx.record(
         "resumed", updates=applied, skipped_updates=len(steps) - applied,
         all_finite=all(finite(r["loss"]) for r in steps), output_error=json_safe(resume["loss_rel_diff"]),
-        decision=decision, next_step=next_step,
+        **decided.record_fields(),
         metrics=json_safe(dict(resume=resume, saved_state=state, evals=resumed["evals"], steps=steps,
                                clock_updates=resume["from_update"] + applied, rule=dict(RESUME_TOL=RESUME_TOL),
                                **common)))

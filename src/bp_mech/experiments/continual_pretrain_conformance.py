@@ -4,7 +4,9 @@ One uninterrupted run of ``UPDATES`` updates on a tiny Qwen2, prepared by Accele
 saves its state at ``AT`` three ways: ``training_state.save_training_state``,
 ``Accelerator.save_state`` (model, optimizer, RNG states, and the GradScaler, the update
 clock and the data stream registered with ``register_for_checkpointing``) and
-``save_pretrained``. Then
+``save_pretrained``. The run trains under ``fp16`` (autocast and an enabled GradScaler, whose scale
+grows twice before ``AT``), so the scaler's state is part of what must round-trip; every step is the
+book's one training step (``bench.trainer.phase_trainer``). Then
 
 * two fresh trainers (another random init, new AdamW, clock at 0) resume, one through
   ``load_training_state`` and one through ``Accelerator.load_state``; both must continue
@@ -25,7 +27,9 @@ import torch
 
 from bp_mech import continual_pretrain as cpt
 from bp_mech import training_state
+from bp_mech.bench.strategy import parse
 from bp_mech.bench.timing import timing_threads
+from bp_mech.bench.trainer import Trainer, phase_trainer
 from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize, workload_fields
 
 UPDATES, AT = 6, 3  # updates of the run, the update whose state is saved
@@ -46,8 +50,9 @@ class ClockState:
         training_state.set_clock_state(self.clock, state)
 
 
-def _trainer(w, ids, seed: int) -> cpt.Trainer:
-    return cpt.Trainer(build_model(w.replace(seed=seed)), CFG, cpt.TextStream(ids, w.batch, w.seq, CFG.seed))
+def _trainer(w, ids, seed: int) -> Trainer:
+    return phase_trainer(build_model(w.replace(seed=seed)), CFG, cpt.TextStream(ids, w.batch, w.seq, CFG.seed),
+                         strategy=parse("fp16"))
 
 
 def _accelerated(trainer):
@@ -132,7 +137,8 @@ def conformance():
     with _quiet(), timing_threads("cpu"):  # one intra-op thread: the machines are shared
         r = compare()
     passed = all(v for k, v in r.items() if k != "steps")
-    detail = (f"resume at update {AT} of {UPDATES}, {r['steps']} steps after it, bit for bit (CPU, float32): "
+    detail = (f"resume at update {AT} of {UPDATES}, {r['steps']} steps after it, bit for bit "
+              f"(CPU, fp16 autocast + GradScaler): "
               f"load_training_state {r['ours_resume']}, Accelerator.load_state {r['accelerate_resume']}, "
               f"the two equal {r['accelerate_equals_ours']}; from_pretrained of our saved state = save_pretrained's = "
               f"the live weights: {r['from_pretrained']}")

@@ -20,6 +20,7 @@ from bp_mech.bench.compare import tolerance
 from bp_mech.bench.strategy import PLAIN, Strategy
 from bp_mech.bench.timing import timing_noise
 from bp_mech.experiments.harness import Failed, Measured
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 MIN_PEAK_SAVING = 0.10  # one floor for every memory strategy (accumulation and AMP too): the allocator slack
@@ -30,19 +31,42 @@ STEP = "zero_grad + forward + backward + AdamW update (moments allocated beforeh
 PROBE = "the same step without the update, every arm from the same weights"
 
 
-def decide(equal: bool, peak_saving: float, time_ratio: float, noise: str | None = None) -> tuple[str | None, str | None]:
-    """(decision, next step) by the rule above."""
+def decide(equal: bool, peak_saving: float, time_ratio: float, noise: str | None = None) -> Decision:
+    """A memory strategy's decision against the plain arm, by the rule above.
+
+    Args:
+        equal: loss and gradients finite and within the strategy's tolerance of plain's.
+        peak_saving: 1 - peak / plain's peak (allocated bytes).
+        time_ratio: median step time / plain's.
+        noise: why the time ratio is noise (``bench.timing.timing_noise``), or None.
+
+    Returns:
+        The ``Decision``; its reason names the numbers that fired the rule.
+
+    Example:
+        >>> decide(True, 0.30, 1.2).verdict, decide(True, 0.30, 1.2, noise="spread").verdict
+        ('accept', None)
+        >>> decide(True, 0.08, 1.2).reason
+        'peak saving 8.0% < MIN_PEAK_SAVING 10%: saves too little'
+    """
+    saving = f"peak saving {peak_saving:.1%}"
     if not equal:
-        return "reject", "loss or gradients differ from the plain run (or are not finite): find the wrong op or race"
+        return Decision("reject", "loss or gradients differ from the plain run beyond the strategy's tolerance, or "
+                        "are not finite", "find the wrong op or race")
     if peak_saving < MIN_USEFUL_SAVING:
-        return "reject", "the peak barely moves: the memory is not in the saved activations"
+        return Decision("reject", f"{saving} < MIN_USEFUL_SAVING {MIN_USEFUL_SAVING:.0%}: the peak barely moves",
+                        "the memory is not in the saved activations: pick a strategy that removes the large line")
     if peak_saving < MIN_PEAK_SAVING:
-        return "tune", "saves too little: cover more of the saved activations"
+        return Decision("tune", f"{saving} < MIN_PEAK_SAVING {MIN_PEAK_SAVING:.0%}: saves too little",
+                        "cover more of the saved activations")
     if noise is not None:
-        return None, f"the time ratio is noise ({noise}): time it on the target GPU or a quiet machine"
+        return Decision(None, f"{saving}, but the time ratio {time_ratio:.2f}x is noise ({noise})",
+                        "time it on the target GPU or a quiet machine")
     if time_ratio <= MAX_TIME_RATIO:
-        return "accept", None
-    return "tune", "saves memory but costs too much time: recompute or move less"
+        return Decision("accept", f"{saving} >= MIN_PEAK_SAVING {MIN_PEAK_SAVING:.0%} at a median step of "
+                        f"{time_ratio:.2f}x plain's (<= MAX_TIME_RATIO {MAX_TIME_RATIO:g}x)")
+    return Decision("tune", f"{saving}, but a median step of {time_ratio:.2f}x plain's > MAX_TIME_RATIO "
+                    f"{MAX_TIME_RATIO:g}x: saves memory but costs too much time", "recompute or move less")
 
 
 def work(m: Measured) -> tuple[int, int, int]:
@@ -82,16 +106,16 @@ def strategy_records(ctx, results: dict[str, Measured | Failed], arms: dict[str,
                        saved_tensors=p.saved_tensors, step_samples_s=t.samples, wall_samples_s=t.wall_samples,
                        step=STEP, probe=PROBE, tolerances=dict(loss=tol[0], grad=tol[1]), equal=m.equal) | metrics
         cmp = m.comparison
-        decision = next_step = noise = None
+        decided, noise = dict(decision=None, next_step=None), None
         if name != baseline and base is not None and cmp is not None:
             bt = base.timing
             peak_saving = 1 - m.peak.allocated / base.peak.allocated
             ratio = t.median_s / bt.median_s
             noise = timing_noise(t, bt, more_work(m, base))
-            decision, next_step = decide(m.equal, peak_saving, ratio, noise)
+            decided = decide(m.equal, peak_saving, ratio, noise).record_fields()
             metrics.update(bitwise_equal=cmp.bitwise, grad_norm_error=cmp.grad_norm_error, peak_saving=peak_saving,
                            time_ratio=ratio, p95_ratio=t.p95_s / bt.p95_s, more_work=more_work(m, base))
-        fields = dict(dict(decision=decision, next_step=next_step), **fields)
+        fields = dict(decided, **fields)
         recs.append(ctx.record(
             name, strategy=strategy, **m.record_fields(), output_error=json_safe(cmp and cmp.loss_error),
             grad_error=json_safe(cmp and cmp.grad_error), all_finite=p.finite, timing_noise=noise,

@@ -25,6 +25,7 @@ from bp_mech.planner import lifecycle
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
 from bp_mech.ledger import STAGES, Ledger
+from bp_mech.records.decision import Decision
 
 CANDIDATES = ("plain", "checkpoint-all", "offload", "fp16", "micro2")  # the strategies the formula models
 
@@ -75,19 +76,51 @@ def _worst(errors: dict[str, float]) -> tuple[str, float]:
     return k, errors[k]
 
 
-def decide(formula: Ledger, led: Ledger) -> tuple[str, str | None, dict]:
-    """(decision, next step, metrics) of the formula against ``led`` by the rule above."""
+def formula_errors(formula: Ledger, led: Ledger) -> dict:
+    """The formula's errors against ``led``, as a record's metrics keep them.
+
+    Args:
+        formula: the formula's ledger of a strategy.
+        led: the measured or estimated ledger of the same strategy.
+
+    Returns:
+        ``formula_error`` (per stage and the peak, ``stage_errors``), ``formula_class_error`` (per large line,
+        ``class_errors``), and the worst of each: ``worst_stage``, ``worst_line``.
+
+    Example:
+        >>> rows = lambda a: {s: dict.fromkeys(LARGE_CLASSES, 100) | {"saved_activations": a} for s in STAGES}
+        >>> e = formula_errors(Ledger("formula", "plain", rows(90)), Ledger("tracked-cpu", "plain", rows(100)))
+        >>> e["worst_line"]
+        'load/saved_activations'
+    """
     stage, line = stage_errors(formula, led), class_errors(formula, led)
-    (ws, es), (wl, el) = _worst(stage), _worst(line)
-    metrics = dict(formula_error=stage, formula_class_error=line, worst_stage=ws, worst_line=wl)
+    return dict(formula_error=stage, formula_class_error=line, worst_stage=_worst(stage)[0], worst_line=_worst(line)[0])
+
+
+def decide(formula: Ledger, led: Ledger) -> Decision:
+    """Does the formula hold against ``led`` (measured or estimated)? By the rule above.
+
+    Args:
+        formula: the formula's ledger of a strategy (``formula``).
+        led: the measured or estimated ledger of the same strategy.
+
+    Returns:
+        The ``Decision``; its reason names the worst stage and the worst large line with their errors.
+
+    Example:
+        >>> rows = lambda a: {s: dict.fromkeys(LARGE_CLASSES, 100) | {"saved_activations": a} for s in STAGES}
+        >>> d = decide(Ledger("formula", "plain", rows(90)), Ledger("tracked-cpu", "plain", rows(100)))
+        >>> d.verdict, d.reason
+        ('tune', 'line load/saved_activations is off by -10.0% (CLASS_TOL 3%)')
+    """
+    (ws, es), (wl, el) = _worst(stage_errors(formula, led)), _worst(class_errors(formula, led))
     if abs(es) <= STAGE_TOL and abs(el) <= CLASS_TOL:
-        return "accept", None, metrics
-    why = []
-    if abs(es) > STAGE_TOL:
-        why.append(f"stage {ws} is off by {es:+.1%} (tolerance {STAGE_TOL:.0%})")
-    if abs(el) > CLASS_TOL:
-        why.append(f"line {wl} is off by {el:+.1%} (tolerance {CLASS_TOL:.0%})")
-    return "tune", "find what the formula misses: " + "; ".join(why), metrics
+        return Decision("accept", f"worst stage {ws} {es:+.1%} (STAGE_TOL {STAGE_TOL:.0%}), worst line {wl} {el:+.1%} "
+                        f"(CLASS_TOL {CLASS_TOL:.0%})")
+    off = [(what, f"{kind} {what} is off by {e:+.1%} ({name} {tol:.0%})") for kind, what, e, name, tol in (
+        ("stage", ws, es, "STAGE_TOL", STAGE_TOL), ("line", wl, el, "CLASS_TOL", CLASS_TOL)) if abs(e) > tol]
+    return Decision("tune", "; ".join(why for _, why in off),
+                    f"find what the formula misses at {' and '.join(what for what, _ in off)}")
 
 
 def _metrics(led: Ledger) -> dict:
@@ -133,17 +166,17 @@ def run(ctx) -> list:
                                    next_step="does not fit: see the failure"))
         else:
             al = meas.allocator
-            decision, next_step, m = decide(f, meas)
+            decided, m = decide(f, meas), formula_errors(f, meas)
             recs.append(ctx.record(
                 name, strategy=name, all_finite=meas.finite, updates=meas.updates - (meas.skipped or 0),
                 skipped_updates=meas.skipped, memory_source=ctx.memory_source,
                 peak_allocated=max(v for k, v in al.items() if k.endswith("_peak")) if gpu else meas.peak,
                 peak_reserved=max(v for k, v in al.items() if k.endswith("_reserved")) if gpu else None,
-                decision=decision, next_step=next_step, metrics=dict(_metrics(meas), **m)))
-        decision, next_step, m = decide(f, est)
+                **decided.record_fields(), metrics=dict(_metrics(meas), **m)))
+        decided, m = decide(f, est), formula_errors(f, est)
         recs.append(ctx.record(f"{name}-estimated", strategy=name, evidence_level="estimated",
                                memory_source="fake-tensor", updates=est.updates, peak_allocated=est.peak,
-                               decision=decision, next_step=next_step, metrics=dict(_metrics(est), **m)))
+                               **decided.record_fields(), metrics=dict(_metrics(est), **m)))
         recs.append(ctx.record(f"{name}-formula", strategy=name, evidence_level="theoretical", memory_source="formula",
                                peak_allocated=f.peak, metrics=_metrics(f)))
     return recs

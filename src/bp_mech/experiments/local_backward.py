@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from bp_mech import local_backward
 from bp_mech.bench.compare import relative_error
 from bp_mech.instruments.workload import ARCHITECTURES
+from bp_mech.records.decision import Decision
 
 # --- the op table: inputs, hand-written pair, independent reference ------------------
 
@@ -148,12 +149,33 @@ TOL64 = 1e-10  # float64 rounding is near 1e-16: more than this is a different f
 TOL_FD = 1e-6  # central differences at eps 1e-6: truncation O(eps^2) and cancellation O(u/eps) stay far below
 
 
-def decide(check: dict) -> tuple[str, str | None]:
-    """(decision, next step) of one op's ``compare_op`` result, by the rule above."""
-    ok = (check["output_error"] <= TOL64 and max(check["grad_errors"].values()) <= TOL64
-          and max(check["fd_errors"].values()) <= TOL_FD)
-    return (("accept", None) if ok
-            else ("reject", f"inspect the backward of {check['op']}"))
+def decide(op: str, output_error: float, grad_error: float,
+           fd_error: float) -> Decision:
+    """One op's decision from its worst errors (``compare_op``), by the rule above.
+
+    Args:
+        op: the op checked.
+        output_error: its float64 output's relative error (vs float64 autograd).
+        grad_error: its worst float64 gradient's relative error (likewise).
+        fd_error: its worst finite-difference error.
+
+    Returns:
+        The ``Decision``; its reason names the errors and their bounds.
+
+    Example:
+        >>> decide("rmsnorm", 1e-16, 1e-8, 1e-9).reason
+        'rmsnorm: gradient error 1e-08 > TOL64 1e-10'
+    """
+    checks = ((f"output error {output_error:.2g}", output_error, "TOL64", TOL64),
+              (f"gradient error {grad_error:.2g}", grad_error, "TOL64", TOL64),
+              (f"finite-difference error {fd_error:.2g}", fd_error, "TOL_FD", TOL_FD))
+    why = [f"{what} > {name} {tol:g}" for what, err, name, tol in checks
+           if not err <= tol]  # NaN fails
+    if why:
+        return Decision("reject", f"{op}: " + "; ".join(why),
+                        f"inspect the backward of {op}")
+    return Decision("accept", f"{op}: " + ", ".join(
+        f"{what} <= {name} {tol:g}" for what, _, name, tol in checks))
 
 
 def _shapes(w) -> tuple[tuple[int, int, int], int, int]:
@@ -175,10 +197,10 @@ def run(ctx) -> list:
     recs = []
     for op in ctx.progress(CANDIDATES, desc="ops"):
         c = compare_op(op, shape, inter, vocab, seed=ctx.workload.seed)
-        decision, next_step = decide(c)
+        decided = decide(op, c["output_error"], max(c["grad_errors"].values()), max(c["fd_errors"].values()))
         recs.append(ctx.record(
             op, dtype="float64", output_error=c["output_error"], grad_error=max(c["grad_errors"].values()),
-            all_finite=True, decision=decision, next_step=next_step,
+            all_finite=True, **decided.record_fields(),
             metrics={k: c[k] for k in ("grad_errors", "fd_errors", "fp32_hand", "fp32_autograd")}
             | {"tolerances": {"float64": TOL64, "finite_difference": TOL_FD}},
         ))

@@ -1,8 +1,9 @@
 """``bp-mech run``: one experiment, or a suite, with its records saved as they are made.
 
-Bad input (unknown ID or mode, options that do not apply, ``real_gpu`` without CUDA) is a ``UsageError``
-(the command line prints one line and exits 2). In a suite, a failing experiment prints its full
-traceback and the next one runs; the exit status is then 1.
+The command line parses ``bp-mech run`` into a ``RunRequest`` (typed, checked when made); ``run`` takes it.
+Bad input (unknown ID, suite or mode, options that do not apply, ``real_gpu`` without CUDA) is a
+``UsageError`` (the command line prints one line and exits 2). In a suite, a failing experiment prints its
+full traceback and the next one runs; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from bp_mech.bench.oom import release_memory
@@ -96,13 +98,86 @@ def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None,
     return 0
 
 
-def source_of(a) -> dict | None:
-    if a.model_source == "config" and not (a.model_id or a.local_files_only):
-        return None
-    return dict(source=a.model_source, model_id=a.model_id, revision=a.revision, local_files_only=a.local_files_only)
-
-
 SUITE_ESTIMATE_MODE = {"gpu": "real_gpu", "cpu": "cpu"}  # whose ``modes.<m>.estimated_seconds`` a suite sums
+RUN_OPTIONS = ("domain_text", "holdout_text", "state_dir", "resume_from")  # experiment options (ctx.options)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One ``bp-mech run`` command, checked: one experiment, or a suite.
+
+    Example:
+        >>> RunRequest(suite="gpu").mode_or_default, RunRequest(id="TRAIN-OFFLOAD", model_id="me/model").source
+        ('real_gpu', {'source': 'config', 'model_id': 'me/model', 'revision': 'main', 'local_files_only': False})
+        >>> RunRequest(suite="gpu", domain_text=Path("d.txt"))
+        Traceback (most recent call last):
+        ...
+        bp_mech.experiments.runner.UsageError: --domain-text applies to one experiment, not a suite
+    """
+
+    id: str | None = None  # the experiment ID (None: a suite)
+    suite: str | None = None  # "gpu" | "cpu": every experiment (SUITE_ESTIMATE_MODE)
+    workload: str | None = None  # a workload ID (a suite: every experiment at it); None: each one's default
+    mode: str | None = None  # registry.MODES; None: cpu, or real_gpu for the gpu suite
+    out: Path | None = None  # where each record is saved as soon as it is made
+    run_label: str | None = None  # the records' run label; None: the mode's default
+    smoke: bool = False  # every code path once with few steps (not evidence)
+    model_source: str = "config"  # "config" (random init) | "pretrained" (downloaded weights)
+    model_id: str | None = None  # a hub id or local directory of a pretrained model
+    revision: str = "main"  # its hub revision, resolved to a commit
+    local_files_only: bool = False  # never touch the network
+    domain_text: Path | None = None  # TRAIN-CONTINUAL-PRETRAIN: the domain text
+    holdout_text: Path | None = None  # TRAIN-CONTINUAL-PRETRAIN: the holdout text
+    state_dir: Path | None = None  # TRAIN-CONTINUAL-PRETRAIN: keep the saved training states here
+    resume_from: Path | None = None  # TRAIN-CONTINUAL-PRETRAIN: resume the "resumed" candidate from it
+
+    def __post_init__(self):
+        if self.suite is not None:
+            if self.suite not in SUITE_ESTIMATE_MODE:
+                raise UsageError(f"unknown suite {self.suite!r}; use 'gpu' or 'cpu'")
+            if self.id:
+                raise UsageError("give either an experiment ID or --suite, not both")
+            if self.options:
+                raise UsageError(f"{_flags(self.options)} applies to one experiment, not a suite")
+        elif not self.id:
+            raise UsageError("run needs an experiment ID or --suite gpu")
+
+    @property
+    def options(self) -> dict:
+        """The experiment options given (``RUN_OPTIONS``: what ``ctx.options`` holds)."""
+        return {k: v for k in RUN_OPTIONS if (v := getattr(self, k)) is not None}
+
+    @property
+    def source(self) -> dict | None:
+        """Where the weights come from (``instruments.workload.parse_workload``'s keywords); None: the
+        default, a random init from the config."""
+        if self.model_source == "config" and not (self.model_id or self.local_files_only):
+            return None
+        return dict(source=self.model_source, model_id=self.model_id, revision=self.revision,
+                    local_files_only=self.local_files_only)
+
+    @property
+    def mode_or_default(self) -> str:
+        """``mode``, or the default: ``real_gpu`` for the gpu suite, else ``cpu``."""
+        return self.mode or ("real_gpu" if self.suite == "gpu" else "cpu")
+
+
+def run(r: RunRequest) -> int:
+    """``bp-mech run``: the suite (``run_suite``) or the one experiment (``run_one``) of request ``r``.
+
+    Args:
+        r: the command's request, checked when it was made.
+
+    Returns:
+        The exit status: 0, or 1 when an experiment of a suite failed.
+
+    Raises:
+        UsageError: bad input found only now (``real_gpu`` without CUDA, an option the experiment does not
+            take), in one line.
+    """
+    if r.suite:
+        return run_suite(r)
+    return run_one(r.id, r.mode_or_default, r.workload, r.out, r.run_label, r.source, r.smoke, r.options)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -145,29 +220,16 @@ def dry_run_suite(suite: str, exps: list, workload: str | None, run_label: str |
     return 1 if failed else 0
 
 
-RUN_OPTIONS = ("domain_text", "holdout_text", "state_dir", "resume_from")  # experiment options (ctx.options)
-
-
-def options_of(a) -> dict:
-    return {k: getattr(a, k) for k in RUN_OPTIONS if getattr(a, k, None) is not None}
-
-
 def _flags(options) -> str:
     """The command-line spelling of option names: ``domain_text`` -> ``--domain-text``."""
     return ", ".join("--" + o.replace("_", "-") for o in options)
 
 
-def run_suite(a) -> int:
+def run_suite(a: RunRequest) -> int:
     """Every experiment of the suite in registry order, at ``--workload`` if given (else each one's
     default). A failing experiment prints its full traceback and the next one runs; exit 1 names
     the failed ones."""
-    if a.suite not in SUITE_ESTIMATE_MODE:
-        raise UsageError(f"unknown suite {a.suite!r}; use 'gpu' or 'cpu'")
-    if a.id:
-        raise UsageError("give either an experiment ID or --suite, not both")
-    if options := options_of(a):
-        raise UsageError(f"{_flags(options)} applies to one experiment, not a suite")
-    mode, source = a.mode or ("real_gpu" if a.suite == "gpu" else "cpu"), source_of(a)
+    mode, source = a.mode_or_default, a.source
     exps = registry.gpu_suite() if a.suite == "gpu" else list(registry.EXPERIMENTS.values())
     if a.workload:
         parse_workload(a.workload, **(source or {}))  # bad text or shape: one line, exit 2, nothing run

@@ -1,11 +1,13 @@
 """Part 02 · 12 — TRAIN-SCHEDULER-CLOCK, the experiment: the clocks of ``bp_mech.scheduler`` in a real
 GradScaler run with injected skips.
 
-The workload's model trains with AdamW under ``torch.amp.GradScaler`` until the
-schedule's updates have all been applied. Some calls get a loss blown up to inf (the
-scaler skips them), one call the trainer skips itself. Both clocks (``naive-clock``,
-``update-clock``) see the same calls; a ``transformers`` WSD scheduler is stepped beside
-each by its policy. The record holds the per-call trace, the boundaries in calls and in
+The workload's model trains with the book's one training step under the ``fp16`` strategy
+(``bench.trainer.Trainer``: ``bench.step.train_step`` with autocast and a ``torch.amp.GradScaler``,
+AdamW from ``make_adamw``) until the schedule's updates have all been applied. Some calls get a
+loss blown up to inf (a forward hook multiplies the model's loss, ``bench.trainer.loss_times``: the
+scaler skips them), one call the trainer skips itself (it runs no step; the clock is told). Both clocks
+(``naive-clock``, ``update-clock``) see the same calls; a ``transformers`` WSD scheduler is stepped
+beside each by its policy. The record holds the per-call trace, the boundaries in calls and in
 effective updates, and the decision of ``decide``. Nothing is timed: the clock needs no
 benchmark.
 """
@@ -16,9 +18,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bp_mech.bench.strategy import parse
+from bp_mech.bench.trainer import Trainer, loss_times
+from bp_mech.instruments.adamw import make_adamw
 from bp_mech.scheduler import (DECAY_TYPES, NaiveClock, UpdateClock, WSDConfig, compare_with_transformers,
-                               scaler_step, transformers_schedule, wsd_lr)
+                               transformers_schedule, wsd_lr)
 from bp_mech.instruments.workload import build_model, make_batches
+from bp_mech.records.decision import Decision
 
 
 @dataclass(frozen=True)
@@ -45,21 +51,21 @@ def first_call_at(positions: list[int], boundary: int) -> int | None:
 
 
 def train_with_clock(candidate: str, ctx, run_cfg: ClockRun = ClockRun()) -> dict:
-    """Train the workload's model with AdamW + GradScaler until ``schedule.total`` updates
-    have been applied, injecting overflows and explicit skips; return the per-call
-    trace.
+    """Train the workload's model with the one training step under ``fp16`` (AdamW + GradScaler) until
+    ``schedule.total`` updates have been applied, injecting overflows and explicit skips; return the
+    per-call trace.
 
-    ``lr``, ``ref_lr``, ``applied``, ``scale`` have one entry per call; ``position`` and
-    ``effective`` (the clock before call c) have one more: the state after the last
+    ``lr``, ``ref_lr``, ``applied``, ``scale`` (the scaler's after the call) have one entry per call;
+    ``position`` and ``effective`` (the clock before call c) have one more: the state after the last
     call.
     """
     cfg = run_cfg.schedule
     device = ctx.device
     model = build_model(ctx.workload, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr)
+    opt = make_adamw(model.parameters(), cfg.base_lr, device)
     clock = CLOCKS[candidate](cfg, opt)
+    trainer = Trainer(model, opt, parse("fp16"), clock=clock, device=device)  # GradScaler: torch's defaults
     ref_opt, ref_sched = transformers_schedule(cfg)  # stepped per the candidate's policy
-    scaler = torch.amp.GradScaler(torch.device(device).type)
     batches = make_batches(ctx.workload, run_cfg.optimizer_calls, device=device)
     trace = dict(lr=[], position=[], applied=[], effective=[], scale=[], ref_lr=[], unchanged_on_skip=[])
     for c in range(run_cfg.optimizer_calls):
@@ -67,21 +73,17 @@ def train_with_clock(candidate: str, ctx, run_cfg: ClockRun = ClockRun()) -> dic
         trace["ref_lr"].append(ref_opt.param_groups[0]["lr"])
         trace["position"].append(clock.position)
         trace["effective"].append(clock.updates)
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batches[c]).loss
-        if c in run_cfg.overflow_calls:
-            loss = loss * run_cfg.overflow_factor
         before = [p.detach().clone() for p in model.parameters()]
         if c in run_cfg.explicit_skip_calls:
-            applied = False  # the trainer decided not to step: no scaler.step, no update
-        else:
-            scaler.scale(loss).backward()
-            applied = scaler_step(scaler, opt)
+            applied = False  # the trainer decided not to step: no step runs, no update; the clock counts the call
+            clock.step(applied)
+        else:  # the step steps the clock, applied or skipped by the scaler
+            with loss_times(model, run_cfg.overflow_factor if c in run_cfg.overflow_calls else 1.0):
+                applied = trainer.step(batches[c]).applied
         if not applied:
             trace["unchanged_on_skip"].append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
         trace["applied"].append(applied)
-        trace["scale"].append(scaler.get_scale())
-        clock.step(applied)
+        trace["scale"].append(trainer.scaler.get_scale())
         if applied or candidate == "naive-clock":
             ref_opt.step()
             ref_sched.step()
@@ -109,12 +111,35 @@ def trace_summary(trace: dict, cfg: WSDConfig) -> dict:
 # shifts 0) and the rate of every applied update equals wsd_lr at that update's true index exactly
 # (the same float operations: no tolerance); otherwise it is rejected.
 
-def decide(summary: dict) -> tuple[str, str | None]:
-    """(decision, next step) of one clock's ``trace_summary``, by the rule above."""
-    if (all(v == 0 for v in summary["shifts"].values())
-            and summary["lr_error_max"] == 0.0):
-        return "accept", None
-    return "reject", "advance the LR clock only when optimizer.step() ran"
+def decide(shifts: dict[str, int | None], lr_error_max: float) -> Decision:
+    """One clock's decision from its ``trace_summary``, by the rule above.
+
+    Args:
+        shifts: per boundary, its effective update minus the nominal one (None: never
+            reached).
+        lr_error_max: the largest |rate - wsd_lr at the true index| of the applied
+            updates.
+
+    Returns:
+        The ``Decision``; its reason names the shifted boundaries and the rate error.
+
+    Example:
+        >>> decide({"warmup_end": -2, "decay_start": 0}, 0.0).reason
+        'boundaries off their nominal update: warmup_end by -2'
+    """
+    off = {k: v for k, v in shifts.items() if v != 0}
+    if not off and lr_error_max == 0.0:
+        return Decision("accept", f"every boundary ({', '.join(shifts)}) on time, "
+                        "every applied rate equal to wsd_lr at its true index")
+    why = []
+    if off:
+        why.append("boundaries off their nominal update: " + ", ".join(
+            f"{k} never reached" if v is None else f"{k} by {v:+d}"
+            for k, v in off.items()))
+    if lr_error_max != 0.0:
+        why.append(f"a rate off wsd_lr at its true index by {lr_error_max:.3g}")
+    return Decision("reject", "; ".join(why),
+                    "advance the LR clock only when optimizer.step() ran")
 
 
 def run(ctx, run_cfg: ClockRun = ClockRun()) -> list:
@@ -123,10 +148,10 @@ def run(ctx, run_cfg: ClockRun = ClockRun()) -> list:
     for name in ctx.progress(CANDIDATES, desc="clocks"):
         t = train_with_clock(name, ctx, run_cfg)
         s = trace_summary(t, cfg)
-        decision, next_step = decide(s)
+        decided = decide(s["shifts"], s["lr_error_max"])
         recs.append(ctx.record(
             name, updates=sum(t["applied"]), skipped_updates=t["clock"].skipped,
-            all_finite=t["finite"], decision=decision, next_step=next_step,
+            all_finite=t["finite"], **decided.record_fields(),
             metrics=dict(s, final_lr=t["clock"].lr, schedule=asdict(cfg) | {"total": cfg.total},
                          overflow_calls=list(run_cfg.overflow_calls),
                          explicit_skip_calls=list(run_cfg.explicit_skip_calls),

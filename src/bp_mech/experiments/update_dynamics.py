@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.instruments.workload import build_model, make_batches, param_count
 from bp_mech.experiments import harness
 from bp_mech.experiments.dry_run import own_weights_modes, steps_per_arm
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 CANDIDATES = ("base_lr", "high_lr", "high_lr_clip")
@@ -57,7 +59,6 @@ MAX_UPDATE_RATIO = 0.1  # ||delta p|| / ||p|| of a group in one update
 GRAD_SPIKE_MAX = 2.0  # a gradient norm over the median of the earlier ones
 RULE_OF_THUMB_RATIO = 1e-3  # CS231n's healthy update ratio (the figure's lower edge; decides nothing)
 RULE = dict(SPIKE_MAX=SPIKE_MAX, MAX_UPDATE_RATIO=MAX_UPDATE_RATIO, GRAD_SPIKE_MAX=GRAD_SPIKE_MAX)
-CONFORMANCE_TOL = 1e-6  # float32: our clipping against clip_grad_norm_, norm and clipped gradients, relative
 
 
 @dataclass(frozen=True)
@@ -165,41 +166,71 @@ def grad_spike(norms: list[float]) -> float:
     return max((ratio(norms[t], statistics.median(norms[:t])) for t in range(1, len(norms))), default=1.0)
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Scalars of a trace: finiteness, first/last/peak loss, spike, clip count, max ratios (and where
-    the largest one happened), the gradient-norm spike."""
+@dataclass(frozen=True)
+class Summary:
+    """The scalars of one arm's trace: what the rule reads, and what its record keeps (``metrics.summary``)."""
+
+    all_finite: bool  # every update's loss and gradients finite
+    first_nonfinite: int | None  # the first update that was not (None: every one was)
+    first_loss: float  # the first update's loss
+    last_loss: float  # the last update's loss
+    max_loss: float  # the largest loss
+    spike: float  # the largest rise of a loss above the lowest earlier one, nats
+    clipped_updates: int  # updates whose clip coefficient is below 1
+    max_grad_norm: float  # the largest gradient norm before clipping
+    grad_spike: float  # the largest gradient norm over the median of the earlier ones (``grad_spike``)
+    max_ratio: dict[str, float]  # per parameter group, the largest ||delta p|| / ||p|| of one update
+    max_ratio_at: dict  # where the largest of them happened: {"update": index, "group": name}
+
+
+def summarize(rows: list[dict]) -> Summary:
+    """The ``Summary`` of a trace (``trace``'s rows, or a record's ``metrics.trace``)."""
     losses = [r["loss"] for r in rows]
     spike = max((losses[t] - min(losses[:t]) for t in range(1, len(losses))), default=0.0)
     where = max(((r["groups"][g]["ratio"], t, g) for t, r in enumerate(rows) for g in r["groups"]),
                 key=lambda x: -math.inf if math.isnan(x[0]) else x[0])
-    return dict(all_finite=all(r["finite"] for r in rows),
-                first_nonfinite=next((i for i, r in enumerate(rows) if not r["finite"]), None),
-                first_loss=losses[0], last_loss=losses[-1], max_loss=max(losses), spike=spike,
-                clipped_updates=sum(r["clip_coef"] < 1.0 for r in rows),
-                max_grad_norm=max(r["grad_norm"] for r in rows),
-                grad_spike=grad_spike([r["grad_norm"] for r in rows]),
-                max_ratio={g: max(r["groups"][g]["ratio"] for r in rows) for g in rows[0]["groups"]},
-                max_ratio_at=dict(update=where[1], group=where[2]))
+    return Summary(all_finite=all(r["finite"] for r in rows),
+                   first_nonfinite=next((i for i, r in enumerate(rows) if not r["finite"]), None),
+                   first_loss=losses[0], last_loss=losses[-1], max_loss=max(losses), spike=spike,
+                   clipped_updates=sum(r["clip_coef"] < 1.0 for r in rows),
+                   max_grad_norm=max(r["grad_norm"] for r in rows),
+                   grad_spike=grad_spike([r["grad_norm"] for r in rows]),
+                   max_ratio={g: max(r["groups"][g]["ratio"] for r in rows) for g in rows[0]["groups"]},
+                   max_ratio_at=dict(update=where[1], group=where[2]))
 
 
-def decide(summary: dict) -> tuple[str, str]:
-    """The documented rule; returns (decision, next_step)."""
-    finite_losses = all(math.isfinite(x) for x in (summary["first_loss"], summary["last_loss"], summary["spike"]))
-    if not summary["all_finite"] or not finite_losses:
-        return "reject", f"non-finite from update {summary['first_nonfinite']}: lower the LR (clipping did not hold it)"
+def decide(s: Summary) -> Decision:
+    """An arm's decision from its own trace, by the rule above.
+
+    Args:
+        s: the trace's ``Summary``.
+
+    Returns:
+        The ``Decision``; its reason names every number that fired the rule.
+
+    Example:
+        >>> s = Summary(True, None, 3.0, 2.0, 3.9, 0.9, 0, 1.0, 1.0, {"matrices": 0.01}, dict(update=1, group="matrices"))
+        >>> decide(s).reason
+        'finite, but the loss spiked by 0.90 nats (> SPIKE_MAX 0.5)'
+    """
+    if not s.all_finite or not all(math.isfinite(x) for x in (s.first_loss, s.last_loss, s.spike)):
+        return Decision("reject", f"non-finite from update {s.first_nonfinite}", "lower the LR (clipping did not hold it)")
     why = []
-    if summary["spike"] > SPIKE_MAX:
-        why.append(f"the loss spiked by {summary['spike']:.2f} nats")
-    if summary["last_loss"] >= summary["first_loss"]:
-        why.append("the loss did not fall")
-    ratio, at = max(summary["max_ratio"].values()), summary["max_ratio_at"]
+    if s.spike > SPIKE_MAX:
+        why.append(f"the loss spiked by {s.spike:.2f} nats (> SPIKE_MAX {SPIKE_MAX:g})")
+    if s.last_loss >= s.first_loss:
+        why.append(f"the loss did not fall ({s.first_loss:.3f} -> {s.last_loss:.3f})")
+    ratio, at = max(s.max_ratio.values()), s.max_ratio_at
     if ratio > MAX_UPDATE_RATIO:
-        why.append(f"update {at['update']} moved {at['group']} by {ratio:.2g}× its norm")
-    if summary["grad_spike"] > GRAD_SPIKE_MAX:
-        why.append(f"a gradient norm reached {summary['grad_spike']:.1f}× the earlier median")
+        why.append(f"update {at['update']} moved {at['group']} by {ratio:.2g}× its norm (> MAX_UPDATE_RATIO "
+                   f"{MAX_UPDATE_RATIO:g})")
+    if s.grad_spike > GRAD_SPIKE_MAX:
+        why.append(f"a gradient norm reached {s.grad_spike:.1f}× the earlier median (> GRAD_SPIKE_MAX "
+                   f"{GRAD_SPIKE_MAX:g})")
     if why:
-        return "tune", "finite, but " + "; ".join(why) + ": lower the LR or add warmup"
-    return "accept", "locally stable; judge quality on a held-out evaluation before adopting it"
+        return Decision("tune", "finite, but " + "; ".join(why), "lower the LR or add warmup")
+    return Decision("accept", f"finite, the loss fell ({s.first_loss:.3f} -> {s.last_loss:.3f}), no bound crossed",
+                    "locally stable; judge quality on a held-out evaluation before adopting it")
 
 
 def run(ctx) -> list:
@@ -220,10 +251,8 @@ def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced, measured: dict
     failure = (traced.failure if rows is None else None) or (m.failure if isinstance(m, Failed) else None)
     m = m if isinstance(m, harness.Measured) else None
     summary = summarize(rows) if rows else None
-    decision, next_step = decide(summary) if summary else (None, None)
-    summary, rows = json_safe(summary), json_safe(rows)  # a diverged trace holds NaN/inf: null in the record
-    if failure:
-        decision, next_step = None, f"failed: {failure}"
+    decided = Decision.failed(failure) if failure else decide(summary) if summary else None
+    summary, rows = json_safe(summary and dataclasses.asdict(summary)), json_safe(rows)  # NaN/inf: null
     base = measured.get(TIME_BASELINE.get(name))
     base_timing = base.timing if isinstance(base, harness.Measured) else None
     compared = m is not None and base_timing is not None
@@ -234,7 +263,7 @@ def candidate_record(ctx, name: str, cfg: DynamicsConfig, traced, measured: dict
     measured.update(updates=sum(ran) if ran else None, skipped_updates=0 if ran else None)
     return ctx.record(
         name, strategy=PLAIN.name, **measured, all_finite=summary["all_finite"] if summary else None,
-        timing_noise=noise, failure=failure, decision=decision, next_step=next_step,
+        timing_noise=noise, failure=failure, **(decided.record_fields() if decided else {}),
         metrics=dict(lr=lr_of(name, cfg), max_norm=max_norm_of(name, cfg), weight_decay=cfg.weight_decay,
                      timed_steps=cfg.timed, summary=summary, trace=rows, updates_by_run=by_run,
                      step_samples_s=m and m.timing.samples, wall_samples_s=m and m.timing.wall_samples,
@@ -264,27 +293,7 @@ def dry_run(ctx) -> dict:
 
 
 def conformance():
-    """``update_dynamics.clip_by_global_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on a tiny Qwen2's gradients."""
-    from bp_mech.records.registry import ConformanceRow
-    from bp_mech.instruments.workload import parse_workload
+    """Our clipping against ``torch.nn.utils.clip_grad_norm_`` (``update_dynamics_conformance``)."""
+    from bp_mech.experiments.update_dynamics_conformance import conformance as row
 
-    w = parse_workload("tiny-b2s32")
-    model = build_model(w)
-    model(**make_batches(w, 1)[0]).loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    worst = 0.0
-    for max_norm in (0.1, 1.0, 1e6):  # clipping hard, mildly, not at all
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g.clone()
-        ours_norm = update_dynamics.clip_by_global_norm_(model.parameters(), max_norm)
-        ours = [p.grad.clone() for p in model.parameters()]
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g.clone()
-        ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        errors = [abs(ours_norm.item() - ref_norm.item()) / ref_norm.item()]
-        errors += [((a - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
-                   for a, p in zip(ours, model.parameters())]
-        worst = max(worst, *errors)
-    return ConformanceRow("Part 02 · 55", "TRAIN-UPDATE-DYNAMICS", "torch.nn.utils.clip_grad_norm_",
-                          worst <= CONFORMANCE_TOL, f"total norm and clipped gradients at max_norm 0.1, 1, 1e6: max "
-                          f"rel. difference {worst:.2e} (tol {CONFORMANCE_TOL:g}, float32)")
+    return row()

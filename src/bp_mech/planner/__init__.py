@@ -7,9 +7,10 @@ outputs kept, weights' dtype), ``fake_ops`` (what a fake step needs that PyTorch
 ``Session``: one model and its optimizer, and the ledger of any strategy's step), ``shard_tracking`` and
 ``shard`` (one rank under FSDP2 or DDP), ``trace`` (the strategies traced in forked workers).
 
-``bp-mech plan``: ``inputs`` (sizes, configs and shapes read and checked; ``PlanError``), ``costs`` (FLOPs
-and the time factors measured in cached records), ``plan`` (one traced step per strategy: ``Plan`` and
-its ``PlanRow``s, the fit rule ``needs``/``headroom``), ``fit`` (the largest batch or sequence that fits),
+``bp-mech plan``: ``inputs`` (sizes, configs and shapes read and checked; ``PlanError``), ``request`` (the
+command's flags as one checked ``PlanRequest``), ``costs`` (FLOPs and the time factors measured in cached
+records), ``plan`` (one traced step per strategy: ``Plan`` and its ``PlanRow``s, the fit rule
+``needs``/``headroom``), ``fit`` (the largest batch or sequence that fits),
 ``estimators`` (other estimators, beside it), ``report`` (the table, in the unit the model needs),
 ``sweep`` (every model type Transformers builds). ``reference_gap``: the course's reference figures
 traced under each step definition.

@@ -30,10 +30,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from bp_mech.bench.optimizer import ADAMW_IMPLS
+from bp_mech.bench.strategy import LowPrecision
 from bp_mech.ledger import Ledger
 
 MOMENTS = ("resident", "first", "none")  # the steady state, the first step, forward + backward only
-HALF_WEIGHTS = ("float16", "bfloat16")  # half-precision weights without a float32 master copy
+HALF_WEIGHTS = tuple(p.value for p in LowPrecision)  # half-precision weights, no float32 master copy
 _MOMENT_NAMES = dict(resident="steady", first="first-step", none="forward-backward")
 
 

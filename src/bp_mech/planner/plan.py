@@ -38,7 +38,8 @@ from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios
 from bp_mech.planner.fit import largest
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
-from bp_mech.planner.trace import TraceFailed, default_workers, ledgers, one_line  # noqa: F401 (default_workers: the CLI's)
+from bp_mech.bench.oom import Failed
+from bp_mech.planner.trace import default_workers, ledgers, one_line  # noqa: F401 (default_workers: the CLI's)
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -227,8 +228,8 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
     rows = []
     for s, led in zip(todo, steps):
-        if isinstance(led, TraceFailed):
-            skipped[s.name] = f"could not be traced: {led}"
+        if isinstance(led, Failed):
+            skipped[s.name] = f"could not be traced: {led.failure}"
         else:  # (a sharded plan's rank ledger: its gathered parameters and collective buffers beside it)
             rows.append(_row(getattr(led, "ledger", led), s, budget, flops, link, cached, getattr(led, "most", None)))
     if not rows:
@@ -247,7 +248,7 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
              dict(plain_forward_flops=flops.total, flops_per_s=ASSUMED_FLOPS["cuda"]["float32"], link_bytes_per_s=link,
                   overlap="none (upper bound)"), rows, skipped, best and best.strategy, None, errors,
              definition=definition)
-    if plain is not None and not isinstance(other, TraceFailed):  # what dropping the outputs saves
+    if plain is not None and not isinstance(other, Failed):  # what dropping the outputs saves
         p.outputs_saving = plain.peak - other.peak if definition.keep_outputs else other.peak - plain.peak
     p.fits = largest_sizes(sess, rows, fit, batch, seq, budget, step) if fit else []
     if best is None:

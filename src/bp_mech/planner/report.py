@@ -1,7 +1,8 @@
 """``bp-mech plan``'s output and command: the plan of ``bp_mech.planner.plan`` as a table (bytes per lifecycle
-stage, the peak, what fits, the counted time cost) or JSON. Exit status (``run``): 0 when a candidate fits;
-1 when none does (the plan is printed all the same, with what would fit instead: ``Plan.fits_instead``, and
-that line on stderr); 2 for bad input (a ``PlanError``: one line, no traceback)."""
+stage, the peak, what fits, the counted time cost) or JSON. ``run`` takes the command's typed request
+(``planner.request.PlanRequest``). Exit status: 0 when a candidate fits; 1 when none does (the plan is printed
+all the same, with what would fit instead: ``Plan.fits_instead``, and that line on stderr); 2 for bad input (a
+``PlanError``: one line, no traceback)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import json
 import sys
 
 from bp_mech.planner.definitions import StepDefinition
-from bp_mech.planner.finetune import FineTune, FineTuneError
-from bp_mech.bench.optimizer import OPTIMIZERS, StepOptions
 from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.ledger import STAGES
 from bp_mech.instruments.adamw import torch_default_adamw
-from bp_mech.planner.inputs import GiB, PlanError, load_config, parse_size
+from bp_mech.planner.inputs import GiB, load_config
 from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
+from bp_mech.planner.request import PlanRequest
 
 
 def _unit(values) -> tuple[int, str]:
@@ -118,28 +118,6 @@ def optimizer_text(p: Plan) -> str:
     return f"{opt}; {weights}; {trains}"
 
 
-WEIGHTS = {"float32": None, "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> StepDefinition.weights
-
-
-def step_options(a) -> tuple[StepOptions, FineTune | None]:
-    """The optimizer (``--optimizer``, ``--optimizer-impl``) and the fine-tuning (``--freeze``, ``--lora-rank``,
-    ``--lora-targets``) the command asks for; bad values raise ``PlanError``."""
-    kind, impl = getattr(a, "optimizer", None) or "adamw", getattr(a, "optimizer_impl", None) or "default"
-    if kind == "adamw8bit" and impl != "default":
-        raise PlanError("--optimizer adamw8bit has one implementation (bitsandbytes' kernels): drop --optimizer-impl")
-    impl = torch_default_adamw("cuda") if impl == "default" else impl
-    if OPTIMIZERS[kind] and impl not in OPTIMIZERS[kind]:
-        raise PlanError(f"--optimizer {kind} has no {impl} implementation; it has {', '.join(OPTIMIZERS[kind])}")
-    options = StepOptions(adamw=impl if OPTIMIZERS[kind] else None, optimizer=kind).for_device("cuda")
-    targets = getattr(a, "lora_targets", None)
-    try:
-        ft = FineTune(freeze=getattr(a, "freeze", None), lora_rank=getattr(a, "lora_rank", None),
-                      lora_targets=tuple(t.strip() for t in targets.split(",")) if targets is not None else None)
-    except FineTuneError as e:
-        raise PlanError(str(e)) from None
-    return options, (ft if ft.name != "full" else None)
-
-
 LOOPS = {False: "outputs dropped before backward (Trainer's compute_loss)",
          True: "outputs kept through backward (out = model(**batch); out.loss.backward(), as in Accelerate's examples)"}
 
@@ -170,33 +148,27 @@ NO_FIT = 1  # the exit status when no candidate fits (bad input is a PlanError: 
 FIT_SEQ = 64  # --seq max: the sequence the table is traced at (each strategy's largest one beside it)
 
 
-def shape_arg(text, flag: str) -> int | str | None:
-    """``--batch`` / ``--seq``: a positive number, ``max``, or None (not given)."""
-    if text is None or str(text).strip().lower() == "max":
-        return text and "max"
-    try:
-        return int(text)
-    except ValueError:
-        raise PlanError(f"{flag} takes a number or max, got {text!r}") from None
+def run(r: PlanRequest, progress=None) -> int:
+    """``bp-mech plan``: print the plan of request ``r`` (text or ``--json``).
 
+    Args:
+        r: the command's request (``planner.request.PlanRequest``, checked when it was made).
+        progress: wraps the traces' iterator (a progress bar), or None.
 
-def run(a, progress=None) -> int:
-    """``bp-mech plan`` (argparse namespace from cli.py): print the plan (text or ``--json``); 0 when a
-    candidate fits, ``NO_FIT`` (1) when none does (the plan printed all the same, with what would fit
-    instead, and that line on stderr); bad input raises ``PlanError`` (one line, exit 2)."""
+    Returns:
+        0 when a candidate fits; ``NO_FIT`` (1) when none does (the plan printed all the same, with what would
+        fit instead, and that line on stderr).
+
+    Raises:
+        PlanError: a config or shape the plan cannot take (one line, exit 2).
+    """
     from bp_mech.instruments.workload import parse_workload, qwen2_config
 
-    if bool(a.config) == bool(a.workload):
-        raise PlanError("plan needs exactly one of --config PATH/config.json and --workload ID")
-    batch, seq = shape_arg(a.batch, "--batch"), shape_arg(a.seq, "--seq")
-    if batch == seq == "max":
-        raise PlanError("--batch max and --seq max together: give one of them a number")
-    if a.config:
-        config = load_config(a.config)
-        if batch is None or seq is None:
-            raise PlanError("plan --config needs --batch and --seq")
+    batch, seq = r.batch, r.seq
+    if r.config:
+        config = load_config(r.config)
     else:
-        w = parse_workload(a.workload)
+        w = parse_workload(r.workload)
         config, batch, seq = qwen2_config(w.arch), batch or w.batch, seq or w.seq
     fit = "batch" if batch == "max" else "seq" if seq == "max" else None
     if fit == "batch":  # the table at the smallest batch every candidate splits into
@@ -204,19 +176,11 @@ def run(a, progress=None) -> int:
     elif fit == "seq":
         limit = getattr(config.get_text_config(), "max_position_embeddings", None) or 0
         seq = min(FIT_SEQ, limit) if limit > 0 else FIT_SEQ
-    workers = a.workers if getattr(a, "workers", None) else default_workers()
-    definition = StepDefinition(keep_outputs=bool(getattr(a, "keep_outputs", False)),
-                                weights=WEIGHTS[getattr(a, "dtype", None) or "float32"])
-    options, finetune = step_options(a)
-    gpus, shard = getattr(a, "gpus", None), getattr(a, "shard", None)
-    gpus = 1 if gpus is None else gpus
-    if gpus < 1:
-        raise PlanError(f"--gpus must be >= 1, got {gpus}")
-    if (gpus > 1) != (shard is not None):
-        raise PlanError("--gpus N (N > 1) and --shard fsdp2|ddp go together")
-    p = plan(config, batch, seq, parse_size(a.budget), a.device_name, options=options, progress=progress,
-             workers=workers, definition=definition, finetune=finetune, fit=fit, gpus=gpus, shard=shard)
-    print(json.dumps(p.to_dict(), indent=1, default=str) if a.json else format_text(p))
+    definition = StepDefinition(keep_outputs=r.keep_outputs, weights=r.weights and r.weights.value)
+    p = plan(config, batch, seq, r.budget, r.device_name, options=r.options, progress=progress,
+             workers=r.workers or default_workers(), definition=definition, finetune=r.finetune, fit=fit,
+             gpus=r.gpus, shard=r.shard)
+    print(json.dumps(p.to_dict(), indent=1, default=str) if r.json else format_text(p))
     if p.recommended is None:
         print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)
         return NO_FIT

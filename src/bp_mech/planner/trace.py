@@ -1,12 +1,13 @@
-"""How ``bp-mech plan`` traces its candidates: one strategy's step at a time (``traced``: a failure is the
-strategy's one-line reason, not the plan's end), in forked processes that inherit the fake session
-(``ledgers``), and an exception as one line (``one_line``)."""
+"""How ``bp-mech plan`` traces its candidates: one strategy's step at a time (``traced``: its ledger, or a
+``bench.oom.Failed`` with the one-line reason it could not be traced: the strategy's failure, not the plan's
+end), in forked processes that inherit the fake session (``ledgers``), and an exception as one line
+(``one_line``)."""
 
 from __future__ import annotations
 
 import torch
 
-
+from bp_mech.bench.oom import Failed
 
 def one_line(e: BaseException, width: int = 160) -> str:
     """An exception as one short line: its type and the first line of its message."""
@@ -17,19 +18,27 @@ def one_line(e: BaseException, width: int = 160) -> str:
 _SESSION = None  # (session, trace) a forked worker inherits (set only while ``ledgers``' pool runs)
 
 
-class TraceFailed(Exception):
-    """A strategy whose step could not be traced on this model (its one-line reason)."""
-
-
 def traced(sess, trace, task):
-    """The session's ledger of ``task``, a strategy or (strategy, ``StepDefinition``) (``trace(sess, s, d)``
-    where given: ``planner.shard.planning``'s rank ledger), or a ``TraceFailed`` with the one-line reason it
-    could not be traced (an operation the fake trace cannot run: the strategy is left out of the plan)."""
+    """One strategy's trace: its ledger, or why it has none.
+
+    Args:
+        sess: the fake session (``planner.lifecycle.Session``).
+        trace: ``trace(sess, s, d)``, e.g. ``planner.shard.planning``'s rank ledger; None: ``sess.ledger``.
+        task: a strategy, or (strategy, ``StepDefinition``).
+
+    Returns:
+        The ledger (or rank ledger), or a ``bench.oom.Failed`` whose ``failure`` is the one-line reason it could
+        not be traced (an operation the fake trace cannot run: the strategy is left out of the plan).
+
+    Example:
+        >>> traced(None, lambda sess, s, d: 1 / 0, "plain")
+        Failed(failure='ZeroDivisionError: division by zero', name='plain')
+    """
     s, d = task if isinstance(task, tuple) else (task, None)
     try:
         return trace(sess, s, d) if trace is not None else sess.ledger(s, d)
     except Exception as e:  # noqa: BLE001 (any failure of that one trace; the plan goes on without it)
-        return TraceFailed(one_line(e))
+        return Failed(one_line(e), getattr(s, "name", str(s)))
 
 
 def _ledger_in_worker(task):
@@ -45,8 +54,8 @@ def _quiet_worker():
 
 
 def ledgers(sess, strategies, workers: int = 1, trace=None):
-    """The session's ledger of each strategy, or (strategy, definition) (``traced``: a ``TraceFailed`` where it
-    fails), in order.
+    """The session's ledger of each strategy, or (strategy, definition) (``traced``: a ``bench.oom.Failed`` where
+    it fails), in order.
     ``workers`` > 1 (Linux): forked processes that inherit the fake session (and a sharded plan's fake
     process group: nothing is rebuilt or pickled but the ledgers), one strategy per task; ``trace``:
     ``traced``'s."""

@@ -34,6 +34,7 @@ from bp_mech.bench.strategy import PLAIN
 from bp_mech.bench.timing import clock_for, summarize, timing_noise
 from bp_mech.projects import baseline_loop
 from bp_mech.projects.baseline_loop import LoopConfig
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 CANDIDATES = ("plain", "2-processes")  # plain: one process, the baseline
@@ -136,23 +137,66 @@ def compare(ref: dict, got: dict) -> dict:
     return out
 
 
+def beyond(grad_rel_diff: float, loss_rel_diff: float, param_rel_diff: float) -> list[str]:
+    """The differences of a multi-process run from the 1-process run beyond their tolerances, in words.
+
+    Args:
+        grad_rel_diff: the first update's gradient, ||g2 - g1|| / ||g1||.
+        loss_rel_diff: the largest |l2 - l1| / |l1| over the compared updates.
+        param_rel_diff: the largest parameter difference relative to the update, ||p2 - p1|| / ||p1 - p0||.
+
+    Returns:
+        One phrase per difference beyond GRAD_TOL, LOSS_TOL or PARAM_TOL (NaN is beyond); empty: equal.
+
+    Example:
+        >>> beyond(1e-3, 0.0, 0.0)
+        ['first gradient 0.001 > GRAD_TOL 1e-05']
+    """
+    return [f"{what} {v:.2g} > {name} {tol:g}" for what, v, name, tol in (
+        ("first gradient", grad_rel_diff, "GRAD_TOL", GRAD_TOL), ("loss", loss_rel_diff, "LOSS_TOL", LOSS_TOL),
+        ("parameters", param_rel_diff, "PARAM_TOL", PARAM_TOL)) if not v <= tol]
+
+
 def equal(eq: dict | None, naive: bool = False) -> bool | None:
-    """Within GRAD_TOL, LOSS_TOL and PARAM_TOL (None: nothing compared)."""
+    """Within GRAD_TOL, LOSS_TOL and PARAM_TOL (``beyond``; None: nothing compared)."""
     if eq is None:
         return None
     d = eq["naive"] if naive else eq
     params = [d["param_rel_diff_early"]] + ([] if naive else [d["param_rel_diff"]])
-    return d["grad_rel_diff"] <= GRAD_TOL and d["loss_rel_diff"] <= LOSS_TOL and max(params) <= PARAM_TOL
+    return not beyond(d["grad_rel_diff"], d["loss_rel_diff"], max(params))
 
 
-def decide(finite: bool, before: float, after: float, eq: dict | None, processes: int):
+def decide(finite: bool, holdout_before: float, holdout_after: float, processes: int = 1,
+           differences: tuple[float, float, float] | None = None) -> Decision:
+    """A candidate's decision, by the rule above.
+
+    Args:
+        finite: every loss, applied update's gradient norm and holdout loss finite.
+        holdout_before: the holdout loss before training.
+        holdout_after: the holdout loss after it.
+        processes: the candidate's processes.
+        differences: (gradient, loss, parameters) relative differences from the 1-process run (``beyond``'s
+            arguments); None: not compared.
+
+    Returns:
+        The ``Decision``; its reason names the numbers that fired the rule.
+
+    Example:
+        >>> decide(True, 5.0, 3.0, 2, (1e-3, 0.0, 0.0)).reason
+        '2 processes do not reproduce 1 process: first gradient 0.001 > GRAD_TOL 1e-05'
+    """
     if not finite:
-        return "reject", "non-finite loss or gradient: lower the learning rate or check the data"
-    if processes > 1 and eq is not None and not equal(eq):
-        return "reject", "2 processes do not reproduce 1 process: check the loss divisor and the sharding"
-    if not after < before:
-        return "tune", "the holdout loss did not fall: raise the learning rate or the number of updates"
-    return "accept", "the reference: compare every optimisation's tokens/s and holdout loss with it"
+        return Decision("reject", "a loss or an applied update's gradient norm is not finite",
+                        "lower the learning rate or check the data")
+    if processes > 1 and differences is not None and (why := beyond(*differences)):
+        return Decision("reject", f"{processes} processes do not reproduce 1 process: " + "; ".join(why),
+                        "check the loss divisor and the sharding")
+    if not holdout_after < holdout_before:
+        return Decision("tune", f"the holdout loss did not fall ({holdout_before:.4f} -> {holdout_after:.4f})",
+                        "raise the learning rate or the number of updates")
+    return Decision("accept", f"finite, the holdout loss fell ({holdout_before:.4f} -> {holdout_after:.4f})"
+                    + (", and the processes reproduce 1 process within the tolerances" if differences else ""),
+                    "the reference: compare every optimisation's tokens/s and holdout loss with it")
 
 
 def run(ctx) -> list:
@@ -190,7 +234,9 @@ def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | Non
     applied_norms = [g for g, a in zip(run_["grad_norm"], run_["applied"]) if a]  # a skipped fp16 step's is inf
     finite = all(math.isfinite(x) for x in run_["loss"] + applied_norms + [res["holdout_before"], res["holdout_after"]])
     eq = compare(ref, res) if P > 1 and ref and not ref.get("failure") and res["tensors"] and ref["tensors"] else None
-    decision, next_step = decide(finite, res["holdout_before"], res["holdout_after"], eq, P)
+    differences = (eq["grad_rel_diff"], eq["loss_rel_diff"],
+                   max(eq.get("param_rel_diff_early", 0.0), eq["param_rel_diff"])) if eq else None
+    decided = decide(finite, res["holdout_before"], res["holdout_after"], P, differences)
     base = None if P == 1 or not ref or ref.get("failure") else step_timing(ref, cfg, ctx.device)
     naive = res["naive"]
     by_run = dict(training=run_["updates"], naive=naive and naive["updates"])  # naive: the per-rank-mean mistake
@@ -201,7 +247,7 @@ def candidate_record(ctx, name: str, cfg: LoopConfig, res: dict, ref: dict | Non
         output_error=eq and eq["loss_rel_diff"], grad_error=eq and eq["grad_rel_diff"],
         peak_allocated=max(res["peak_by_rank"]), **timing.record_fields(),
         timing_noise=base and timing_noise(timing, base, more_work=False), memory_source=ctx.memory_source,
-        decision=decision, next_step=next_step,
+        **decided.record_fields(),
         metrics=dict(
             processes=P, distributed_type=res["distributed_type"], backend=res["backend"],
             mixed_precision=res["mixed_precision"], launch_command=res["command"],

@@ -20,6 +20,12 @@ P processes: ``Accelerator`` reads the launcher's environment and wraps the mode
 
 Rank 0 writes ``result.json`` (and, with ``save_tensors``, ``tensors.pt``: the first update's
 gradient and parameter snapshots) into ``--out``.
+
+This loop is not the book's one training step (``bench.step.train_step``), on purpose: it is
+Accelerate's own idiom, ``accelerator.backward`` inside ``accelerator.accumulate`` and the prepared
+optimizer's step, as the project shows it, and its divisor counts target tokens across processes
+(``train_step``'s micro-batches count them on one). ``bench.step`` lists it among the loops outside
+the one step.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ def run_updates(acc, model, opt, cfg: LoopConfig, batches, n_updates: int, divis
                 snapshot=None) -> dict:
     """``n_updates`` updates (the module docstring's steps 1-4); per update: the global
     loss, N, the time on this rank, the gradient norm before clipping, the clip
-    coefficient, the LR, applied."""
+    coefficient, the LR, applied. Accelerate's idiom, kept as such (module
+    docstring)."""
     from tqdm.auto import tqdm
 
     clock = UpdateClock(cfg.wsd(), opt)

@@ -33,6 +33,7 @@ from bp_mech.ledger import Ledger
 from bp_mech.projects import diagnosis, step_profile
 from bp_mech.projects.diagnosis import POINT_LABELS, REMEDIES, Attribution, Dominant
 from bp_mech.projects.step_profile import ProfileConfig
+from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
 CANDIDATES = ("plain", *(r.name for r in REMEDIES))
@@ -125,24 +126,44 @@ class Outcome:
     next_step: str | None = None
 
 
+def decide(error: float, measured_point: str, predicted_point: str) -> Decision:
+    """A remedy's attribution decision, by the rule above.
+
+    Args:
+        error: (predicted - measured saving) / the plain peak.
+        measured_point: where the measured peak sits after the remedy (``diagnosis.POINT_LABELS``' key).
+        predicted_point: where the prediction put it.
+
+    Returns:
+        The ``Decision``; its reason names the error and the bound.
+
+    Example:
+        >>> decide(0.08, "backward", "backward").verdict
+        'tune'
+    """
+    miss = f"the prediction misses by {error:+.1%} of the plain peak"
+    if abs(error) <= ATTRIBUTION_TOL:
+        return Decision("accept", f"{miss} (<= ATTRIBUTION_TOL {ATTRIBUTION_TOL:.0%})")
+    return Decision("tune", f"{miss} (> ATTRIBUTION_TOL {ATTRIBUTION_TOL:.0%})",
+                    f"{miss} (tolerance {ATTRIBUTION_TOL:.0%}); after the remedy the peak is "
+                    f"{POINT_LABELS[measured_point]} (predicted: {POINT_LABELS[predicted_point]})")
+
+
 def outcome(d: Diagnosis, a: Attribution) -> Outcome:
     """Predicted against measured saving of one ranked remedy ``a``, the decision by ``ATTRIBUTION_TOL``
     and, where it fails, why."""
     led = d.measured.get(a.remedy, Failed("not measured"))
     base = dict(remedy=a.remedy, line=a.line, predicted_saving=a.predicted_saving, naive_saving=a.naive_saving)
     if isinstance(led, Failed):
-        return Outcome(**base, failure=led.failure, next_step=f"failed: {led.failure}")
+        return Outcome(**base, failure=led.failure, **Decision.failed(led.failure).record_fields())
     plain_peak, peak = peak_of(d.plain, d.device), peak_of(led, d.device)
     measured = plain_peak - peak
     error = (a.predicted_saving - measured) / plain_peak
     point = diagnosis.peak_point(diagnosis.ledger_rows(led))
-    ok = abs(error) <= ATTRIBUTION_TOL
-    why = None if ok else (f"the prediction misses by {error:+.1%} of the plain peak (tolerance "
-                           f"{ATTRIBUTION_TOL:.0%}); after the remedy the peak is {POINT_LABELS[point]} (predicted: "
-                           f"{POINT_LABELS[a.predicted_peak_point]})")
+    decided = decide(error, point, a.predicted_peak_point)
     return Outcome(**base, failure=None, measured_saving=measured, peak=peak, error=error,
                    naive_error=(a.naive_saving - measured) / plain_peak, measured_peak_point=point,
-                   predicted_peak_point=a.predicted_peak_point, decision="accept" if ok else "tune", next_step=why)
+                   predicted_peak_point=a.predicted_peak_point, **decided.record_fields())
 
 
 def summary(d: Diagnosis) -> dict:

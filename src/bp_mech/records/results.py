@@ -21,9 +21,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
+from bp_mech.records.decision import VERDICTS
+
 EVIDENCE_LEVELS = ("cpu-mechanism", "gpu-measured", "estimated", "theoretical")
 MEMORY_SOURCES = ("cuda-allocator", "tracked-cpu", "fake-tensor", "formula")
-DECISIONS = ("accept", "tune", "reject")
+DECISIONS = VERDICTS  # a record's ``decision``: a rule's ``Decision.verdict`` (records.decision), or null
 
 
 class RecordError(ValueError):

@@ -1,0 +1,76 @@
+"""Part 02 · 56's decision rule (``bp_mech.experiments.continual_pretrain`` re-exports it):
+
+* domain:  reject if a loss is not finite, or the domain loss fell by less than MIN_DOMAIN_GAIN_REL of the
+  baseline's; tune if the holdout loss rose by more than MAX_HOLDOUT_DRIFT_REL of the baseline's; accept
+  otherwise.
+* resumed: accept if every loss after the saved state and every final weight equal the uninterrupted run's
+  within RESUME_TOL (relative; 0 on the CPU: bit for bit); reject otherwise.
+* plain (the base, 0 domain updates): the reference, no decision.
+
+Why each threshold has its value: ``bp_mech.book.rules``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bp_mech.records.decision import Decision
+
+MIN_DOMAIN_GAIN_REL = 0.01
+MAX_HOLDOUT_DRIFT_REL = 0.02
+RESUME_TOL = {"cpu": 0.0, "cuda": 1e-4}  # CUDA: atomics in some backward kernels reorder float32 sums
+SEED_WARNING = ("the shipped texts only verify the measurement chain; a conclusion needs versioned domain and "
+                "retention sets and a pretrained base")
+
+
+def decide_domain(domain_gain_rel: float, holdout_drift_rel: float, all_finite: bool) -> Decision:
+    """The domain run's decision, by the rule above.
+
+    Args:
+        domain_gain_rel: the domain loss's fall over the run, relative to the base's (``gain_and_drift``).
+        holdout_drift_rel: the holdout loss's rise over the run, relative to the base's.
+        all_finite: every loss of the run and of its evaluations finite.
+
+    Returns:
+        The ``Decision``; its reason names the gain and the drift against their bounds.
+
+    Example:
+        >>> decide_domain(0.003, 0.0, True).reason
+        "the domain loss fell by 0.30% of the base's (< MIN_DOMAIN_GAIN_REL 1%)"
+    """
+    if not all_finite:
+        return Decision("reject", "a loss is not finite", "lower the LR, check the data")
+    gain, drift = f"the domain loss fell by {domain_gain_rel:.2%} of the base's", f"{holdout_drift_rel:+.2%}"
+    if domain_gain_rel < MIN_DOMAIN_GAIN_REL:
+        return Decision("reject", f"{gain} (< MIN_DOMAIN_GAIN_REL {MIN_DOMAIN_GAIN_REL:.0%})",
+                        "check the domain data, the LR and the number of updates")
+    if holdout_drift_rel > MAX_HOLDOUT_DRIFT_REL:
+        return Decision("tune", f"{gain}, but the holdout loss moved by {drift} (> MAX_HOLDOUT_DRIFT_REL "
+                        f"{MAX_HOLDOUT_DRIFT_REL:.0%})", "lower the LR, fewer updates, or replay general text")
+    return Decision("accept", f"{gain} (>= {MIN_DOMAIN_GAIN_REL:.0%}) and the holdout loss moved by {drift} (<= "
+                    f"{MAX_HOLDOUT_DRIFT_REL:.0%})", f"domain gain without holdout drift on these texts; {SEED_WARNING}")
+
+
+def decide_resume(loss_rel_diff: float, weight_rel_diff: float, device) -> Decision:
+    """The resumed run's decision, by the rule above (NaN never passes).
+
+    Args:
+        loss_rel_diff: the largest relative difference of a loss after the saved state from the uninterrupted
+            run's.
+        weight_rel_diff: the final weights' relative difference from the uninterrupted run's.
+        device: where both ran (``RESUME_TOL`` is per device type).
+
+    Returns:
+        The ``Decision``; its reason names both differences and the bound.
+
+    Example:
+        >>> decide_resume(0.0, 0.0, "cpu").verdict, decide_resume(1e-7, 0.0, "cpu").reason
+        ('accept', 'losses differ by 1e-07, weights by 0 (RESUME_TOL 0 on cpu)')
+    """
+    kind = torch.device(device).type
+    tol = RESUME_TOL[kind]
+    why = f"losses differ by {loss_rel_diff:.2g}, weights by {weight_rel_diff:.2g} (RESUME_TOL {tol:g} on {kind})"
+    if loss_rel_diff <= tol and weight_rel_diff <= tol:
+        return Decision("accept", why, "the saved state holds the whole training state: resume from it")
+    return Decision("reject", why, "the resumed run diverges from the uninterrupted one: a piece of the training "
+                    "state is missing")
