@@ -24,8 +24,9 @@ test: $(STAMP)   ## every test on two workers; the book is built once (make book
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 records: $(STAMP)   ## refresh the cached CPU records and the computed records (fake-tensor traces, the sweep)
-	rm -f book/results/*__cpu-*.json
+	rm -f book/results/*__cpu-*.json book/results/computed/*.json
 	$(VENV)/bin/bp-mech run --suite cpu --out book/results
+	$(PY) tools/book_build.py --records
 	$(PY) -m bp_mech.book.computations
 
 preflight: $(STAMP)

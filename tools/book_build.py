@@ -1,6 +1,7 @@
 """The one build of the book: `make book` makes it, the tests read it.
 
     python tools/book_build.py            # build into _build/html unless the last build is of these sources
+    python tools/book_build.py --records  # run every page once to compute its computed records (make records)
 
 The build executes every page afresh (``execute_notebooks: force``), turns Sphinx warnings into errors
 (``-W``, with ``--keep-going`` so the log lists them all) and goes to ``_build/html``. Beside it,
@@ -107,7 +108,22 @@ def current_build() -> Build:
         return build()
 
 
+def compute_records() -> int:
+    """Run every page once with ``BP_MECH_COMPUTE=refresh`` (``records.computed``): each computed record a
+    page asks for is traced and saved. The HTML goes to ``_build/records`` and is not the book."""
+    out = BUILD / "records"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [str(JB), "build", str(ROOT), "--builder", "html", "--path-output", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=7200,
+                       env=dict(os.environ, BP_MECH_COMPUTE="refresh", PYDEVD_DISABLE_FILE_VALIDATION="1"))
+    if p.returncode:
+        print((p.stdout + p.stderr)[-6000:], file=sys.stderr)
+    return p.returncode
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--records"]:
+        return compute_records()
     b = current_build()
     print(b.log[-3000:] if not b.clean else f"book: {b.html / 'index.html'}"
           + (" (unchanged sources: the last build)" if b.reused else ""))

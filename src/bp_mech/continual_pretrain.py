@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+import torch  # noqa: F401 (the doctests use it)
 
 from bp_mech.scheduler import WSDConfig
 from bp_mech.continual_data import Text, TextStream, load_texts, split_text, text_sha256

@@ -3,7 +3,7 @@ the causal-LM mapping, its default config cut to two layers, at batch 1 x seq 64
 with one line; none crashes. The planned ones include every family validated against a real step
 (test_plan.py).
 
-The whole sweep takes minutes on two cores, so it is a computed record (``book.computations.SWEEP``),
+The whole sweep takes minutes on two cores, so it is a computed record (``book.computations.sweep_outcomes``),
 made by ``make records`` (or ``python -m bp_mech.planner.sweep`` to see it) and refused when the code or
 the libraries changed since; these tests read it. A sample of model types is planned live here and must
 come out as the record says."""
@@ -19,7 +19,7 @@ SAMPLE_EVERY = 16
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return computations.value(computations.SWEEP.name)
+    return computations.sweep_outcomes()
 
 
 def test_a_sample_planned_now_comes_out_as_the_record_says(outcomes):

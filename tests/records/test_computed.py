@@ -1,16 +1,15 @@
-"""Computed records (``records.computed``, ``book.computations``): a value round-trips through its JSON into
-the same types; a record computed by other code, versions or inputs is refused, naming itself; and every
-record the pages read is present and current (the strict build never traces what a record holds)."""
+"""Computed records (``records.computed``): a value round-trips through its JSON into the same types; a record
+computed by other code, versions, arguments or inputs is refused, naming itself and the remedy; and every
+committed record is current for the code as it is (the strict build never traces what a record holds)."""
 
 import json
 import typing
 
 import pytest
 
-from bp_mech.book import computations
 from bp_mech.planner.reference_gap import Case, Gap, reference_gap
-from bp_mech.records import computed
-from bp_mech.records.computed import Computation, StaleRecord
+from bp_mech.records import computed, provenance
+from bp_mech.records.computed import COMPUTED_DIR, REFRESH_ENV, StaleRecord
 
 TINY = Case("TRAIN-CHECKPOINT", "tiny-b2s32", ("checkpoint-all",))
 
@@ -28,56 +27,68 @@ def test_a_gap_round_trips_into_the_same_types(gap):
 
 
 def test_non_finite_floats_and_int_keys_survive():
-    value = {"x": float("nan"), "y": (1.0, float("-inf"))}
-    back = computed.decode(dict[str, object], json.loads(json.dumps(computed.encode(value))))
-    assert back["y"] == ["1.0", "-inf"] or back["y"] == [1.0, "-inf"]  # (untyped: kept as written)
-    typed = computed.decode(dict[int, tuple[float, ...]], {"3": [1.0, "-inf"]})
-    assert list(typed) == [3] and typed[3][1] == float("-inf")
+    typed = computed.decode(dict[int, tuple[float, ...]], json.loads(json.dumps(computed.encode({3: (1.0, -1e999)}))))
+    assert list(typed) == [3] and typed[3] == (1.0, float("-inf"))
 
 
-def _computation(gap, tmp_path, module="bp_mech.planner.reference_gap", inputs=()):
-    return Computation("gap", module, lambda: gap, Gap, inputs)
+def _traced(case_workload: str = "tiny-b2s32", definitions=("a", "c")) -> Gap:
+    return reference_gap("TRAIN-CHECKPOINT", list(definitions), workers=1,
+                         case=Case("TRAIN-CHECKPOINT", case_workload, ("checkpoint-all",)))
 
 
-def test_load_gives_back_what_refresh_saved(gap, tmp_path):
-    c = _computation(gap, tmp_path)
-    computed.refresh(c, tmp_path)
-    assert computed.load(c, tmp_path) == gap
+def test_a_refreshed_record_is_read_back_without_tracing_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(REFRESH_ENV, "refresh")
+    made = computed.cached("gap", _traced, directory=tmp_path)
+    monkeypatch.delenv(REFRESH_ENV)
+    monkeypatch.setattr("bp_mech.planner.reference_gap.lifecycle.Session", None)  # a trace would fail now
+    assert computed.cached("gap", _traced, directory=tmp_path) == made
+    assert isinstance(made, Gap) and made.rows[0].plain_peak > 0
 
 
-def test_a_missing_record_is_refused_with_how_to_make_it(gap, tmp_path):
+def test_a_missing_record_is_refused_with_how_to_make_it(tmp_path):
     with pytest.raises(StaleRecord, match=r"no computed record 'gap'.*make records"):
-        computed.load(_computation(gap, tmp_path), tmp_path)
+        computed.cached("gap", _traced, directory=tmp_path)
 
 
-@pytest.mark.parametrize("field", ["code_hash", "versions", "inputs"])
-def test_a_record_from_other_code_versions_or_inputs_is_refused(gap, tmp_path, field):
-    c = _computation(gap, tmp_path, inputs=(tmp_path / "input.txt",))
-    (tmp_path / "input.txt").write_text("one")
-    computed.refresh(c, tmp_path)
-    p = computed.path(c, tmp_path)
+@pytest.mark.parametrize("field", ["code_hash", "versions", "arguments", "inputs"])
+def test_a_record_from_other_code_versions_arguments_or_inputs_is_refused(tmp_path, monkeypatch, field):
+    source = tmp_path / "input.txt"
+    source.write_text("one")
+    monkeypatch.setenv(REFRESH_ENV, "refresh")
+    computed.cached("gap", _traced, inputs=[source], directory=tmp_path)
+    monkeypatch.delenv(REFRESH_ENV)
+    args = ()
     if field == "inputs":
-        (tmp_path / "input.txt").write_text("two")  # an input changed after the record was made
+        source.write_text("two")  # an input changed after the record was made
+    elif field == "arguments":
+        args = ("tiny-b2s32", ("a",))  # the page now asks for something else
     else:
+        p = computed.path("gap", tmp_path)
         doc = json.loads(p.read_text())
         doc[field] = "older" if field == "code_hash" else {"torch": "0.0", "transformers": "0.0"}
         p.write_text(json.dumps(doc))
-    with pytest.raises(StaleRecord, match=rf"gap.json: stale computed record \({field} changed"):
-        computed.load(c, tmp_path)
+    with pytest.raises(StaleRecord, match=rf"gap.json: stale computed record \({field} changed.*make records"):
+        computed.cached("gap", _traced, *args, inputs=[source], directory=tmp_path)
 
 
-def test_the_code_hash_covers_the_computing_module_and_its_imports():
-    mods = computed.provenance.code_modules(computations.REFERENCE_GAP)
-    assert "bp_mech.planner.lifecycle" in mods and "bp_mech.bench.step" in mods
+def test_workers_do_not_key_a_record():
+    assert computed.key(_traced, (), {"workers": 1}) == computed.key(_traced, (), {"workers": 4})
 
 
-@pytest.mark.parametrize("name", list(computations.COMPUTATIONS))
-def test_every_record_the_pages_read_is_present_and_current(name):
-    """Refreshed by ``make records`` after a change to the code it hashes (its message says so)."""
-    value, tp = computations.value(name), computations.COMPUTATIONS[name].type
-    assert isinstance(value, typing.get_origin(tp) or tp)
+COMMITTED = sorted(COMPUTED_DIR.glob("*.json"))
 
 
-def test_the_command_refuses_an_unknown_name(capsys):
-    assert computations.main(["no-such-record"]) == 2
-    assert "unknown computed record 'no-such-record'" in capsys.readouterr().err
+@pytest.mark.parametrize("p", COMMITTED, ids=[p.stem for p in COMMITTED])
+def test_every_committed_record_is_current(p):
+    """Its code (the computing function's module and imports) and library versions are today's; a page's
+    build checks its arguments and inputs too. Refreshed by ``make records``."""
+    doc = json.loads(p.read_text())
+    now = {"code_hash": provenance.code_hash(doc["module"]), "versions": computed.versions()}
+    assert computed.stale_fields(doc, now) == [], f"{p.name}: run `make records`"
+
+
+def test_the_pages_records_are_committed():
+    names = {p.stem for p in COMMITTED}
+    assert {f"reference-gap__{s}" for s in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD",
+                                            "TRAIN-GRADIENT-ACCUMULATION")} | {"sweep"} <= names
+    assert typing.get_type_hints(computed.cached)  # (the module's annotations resolve)

@@ -1,60 +1,56 @@
-"""The computed records the pages read (``records.computed``): every fake-tensor trace a page shows, named.
+"""The computed records the pages and the tests read (``records.computed``): every fake-tensor trace a page
+shows, and the sweep of every model type, each computed by ``make records`` and read back by name.
 
-A page asks for a value by name (``value("reference-gap__TRAIN-CHECKPOINT")``, or through the helper that
-shows it, such as ``book.reconciliation.reconcile``); the value comes from its record in
-``book/results/computed/``, refused when stale. ``make records`` computes them all again
-(``python -m bp_mech.book.computations``, which ``refresh`` runs); ``tests/records/test_computed.py`` fails
-on a missing or stale one, so a clean clone's build never traces what a record already holds.
+A page calls the helper that shows the value (``book.reconciliation.reconcile``, ``plan`` here); the value
+comes from its record in ``book/results/computed/``, refused when stale. ``make records`` runs the pages
+once with ``BP_MECH_COMPUTE=refresh`` (``tools/book_build.py --records``), which computes and saves each
+record a page asks for, then ``python -m bp_mech.book.computations`` for those no page asks for (the sweep).
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
+from bp_mech import RESULTS_DIR
+from bp_mech.planner import plan as planner
 from bp_mech.planner import sweep
-from bp_mech.planner.reference_gap import CASES, DEFINITIONS, Gap, default_workers, reference_gap
-from bp_mech.records.computed import COMPUTED_DIR, Computation, load, refresh
+from bp_mech.planner.reference_gap import DEFINITIONS, Gap, default_workers, reference_gap
+from bp_mech.records.computed import REFRESH_ENV, cached
 
-REFERENCE_GAP = "bp_mech.planner.reference_gap"
-SWEEP = Computation("sweep", "bp_mech.planner.sweep", lambda: sweep.sweep(workers=default_workers()),
-                    dict[str, tuple[str, str]])  # every causal LM of Transformers' mapping: tests/planner/test_sweep.py
+SWEEP = "sweep"  # every causal LM of Transformers' mapping: tests/planner/test_sweep.py
 
 
-def _gap(semantic_id: str) -> Computation:
-    return Computation(f"reference-gap__{semantic_id}", REFERENCE_GAP,
-                       lambda: reference_gap(semantic_id, list(DEFINITIONS)), Gap)
+def gpu_record_files() -> list:
+    """The cached GPU records (``book/results``, all but the CPU runs'): a plan reads their measured ratios."""
+    return sorted(p for p in RESULTS_DIR.glob("*.json") if "__cpu-" not in p.name)
 
 
-# name -> how it is computed; in the order ``make records`` computes them
-COMPUTATIONS: dict[str, Computation] = {c.name: c for c in [*(_gap(sid) for sid in CASES), SWEEP]}
+def reference_gap_of(semantic_id: str) -> Gap:
+    """``planner.reference_gap`` of one course reference under every definition, from its computed record."""
+    return cached(f"reference-gap__{semantic_id}", reference_gap, semantic_id, list(DEFINITIONS),
+                  workers=default_workers())
 
 
-def value(name: str, directory=COMPUTED_DIR):
-    """The value of the computed record ``name`` (``records.computed.load``: refused when stale).
-
-    Raises:
-        KeyError: no computation has that name.
-        records.computed.StaleRecord: its record is missing or stale.
-    """
-    return load(COMPUTATIONS[name], directory)
+def plan(name: str, *args, **kwargs) -> planner.Plan:
+    """``planner.plan(*args, **kwargs)`` from the computed record ``plan__<name>`` (its arguments, the code
+    and the cached GPU records key it), traced on all the CPUs this process may use when refreshed."""
+    return cached(f"plan__{name}", planner.plan, *args, inputs=gpu_record_files(),
+                  workers=planner.default_workers(), **kwargs)
 
 
-def main(argv=None) -> int:
-    """``python -m bp_mech.book.computations [NAME ...]``: compute and save the named records (all by default),
-    each with its time; exit 0."""
-    ap = argparse.ArgumentParser(prog="python -m bp_mech.book.computations", description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", help=f"records to compute (default: all): {', '.join(COMPUTATIONS)}")
-    names = ap.parse_args(argv).names or list(COMPUTATIONS)
-    unknown = [n for n in names if n not in COMPUTATIONS]
-    if unknown:
-        print(f"unknown computed record {unknown[0]!r}; known: {', '.join(COMPUTATIONS)}", file=sys.stderr)
-        return 2
-    for n in names:
-        t0 = time.perf_counter()
-        refresh(COMPUTATIONS[n])
-        print(f"{n}: computed in {time.perf_counter() - t0:.0f} s", flush=True)
+def sweep_outcomes() -> dict[str, tuple[str, str]]:
+    """``planner.sweep.sweep()``: every model type's outcome, from its computed record."""
+    return cached(SWEEP, sweep.sweep, workers=default_workers())
+
+
+def main() -> int:
+    """``python -m bp_mech.book.computations``: compute and save the records no page asks for (the sweep)."""
+    os.environ[REFRESH_ENV] = "refresh"
+    t0 = time.perf_counter()
+    outcomes = sweep_outcomes()
+    print(f"{SWEEP}: {len(outcomes)} model types in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0
 
 

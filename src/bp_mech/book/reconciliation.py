@@ -4,7 +4,7 @@ table of ``planner.reference_gap``, read from its computed record, as a chapter 
 from __future__ import annotations
 
 from bp_mech.book.report import markdown_table
-from bp_mech.book.computations import value
+from bp_mech.book.computations import reference_gap_of
 from bp_mech.planner.reference_gap import Gap
 
 # what each single definition of ``planner.definitions`` means, in a reader's words
@@ -59,4 +59,4 @@ def gap_table(gap: Gap):
 def reconcile(semantic_id: str) -> Gap:
     """``reference_gap`` of one course reference at its workload under every definition, as its computed
     record holds it (``book.computations``: traced by ``make records``, refused when stale)."""
-    return value(f"reference-gap__{semantic_id}")
+    return reference_gap_of(semantic_id)

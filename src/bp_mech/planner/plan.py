@@ -35,7 +35,7 @@ from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse, unsupported
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
-from bp_mech.planner.fit import largest
+from bp_mech.planner.fit import Fit, largest
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
@@ -130,7 +130,7 @@ class Plan:
     memory_source: str = "fake-tensor"
     definition: StepDefinition = STEADY  # which step was traced (``planner.definitions``; default: the steady state)
     outputs_saving: int | None = None  # plain's peak with the outputs kept through backward minus with them dropped
-    fits: list = dataclasses.field(default_factory=list)  # per row, the largest batch or seq that fits (planner.fit.Fit)
+    fits: list[Fit] = dataclasses.field(default_factory=list)  # per row, the largest batch or seq that fits
     gpus: int = 1  # devices (a sharded plan is rank 0's, at ``batch`` sequences per device)
     shard: str | None = None  # None (one device), "fsdp2" or "ddp" (planner.shard)
     finetune: FineTune | None = None  # frozen parameters or LoRA traced (``planner.finetune``); None: full training

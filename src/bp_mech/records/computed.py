@@ -1,22 +1,24 @@
 """Computed records: the values a page needs that are too expensive to compute on every build.
 
-A fake-tensor trace of the 0.5B model under fifteen step definitions takes minutes; a page that showed it
-by tracing it afresh would make every build of the book that slow. Such a value is computed once, by
-``make records``, and saved as a *computed record* (``COMPUTED_DIR/<name>.json``): the value as JSON,
-beside what it was computed from, like a run record's provenance:
+A fake-tensor trace of the 0.5B model under fifteen step definitions takes minutes; a page that traced it
+afresh would make every build of the book that slow. Such a value is asked for through ``cached(name, fn,
+*args, **kwargs)``: the page names it and says how it is computed, and gets it from its *computed record*
+(``COMPUTED_DIR/<name>.json``), which holds the value as JSON beside what it was computed from:
 
-* ``code_hash``: the hash of the module that computes it and of every ``bp_mech`` module it imports
+* ``code_hash``: the hash of ``fn``'s module and of every ``bp_mech`` module it imports
   (``records.provenance.code_hash``, docstrings and comments aside);
 * ``versions``: the torch and transformers it ran with (a fake trace follows their operators);
-* ``inputs``: a digest of the files it read besides the code, where there are any.
+* ``arguments``: a digest of the arguments it was called with (``workers`` and ``progress`` aside);
+* ``inputs``: a digest of the files it read besides the code (a plan reads the cached GPU records).
 
-``load`` gives the value back only while all three still match: a record computed by older code, other
-library versions or other inputs is *stale*, and ``load`` refuses it with a ``StaleRecord`` that names the
-record and says how to refresh it. The strict build therefore never shows a value the current code
-would not compute, and a test loads every registered record (``tests/records/test_computed.py``).
+The value is given back only while all four still match. Otherwise the record is *stale* (or missing) and
+``cached`` refuses it with a ``StaleRecord`` that names it and says how to refresh it, so the strict build
+never shows a value the current code would not compute; ``make records`` runs the pages once with
+``BP_MECH_COMPUTE=refresh`` in the environment, where ``cached`` computes each value and saves its record
+instead. ``tests/records/test_computed.py`` checks every committed record against the current code.
 
 Values are dataclasses (nested dataclasses, lists, tuples, dicts, numbers, strings), written with their
-field names and read back into the same types from the dataclass's annotations (``encode``, ``decode``).
+field names and read back into the same types from ``fn``'s return annotation (``encode``, ``decode``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import os
 import tempfile
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,27 +39,12 @@ from bp_mech.records import provenance
 from bp_mech.records.results import RecordError
 
 COMPUTED_DIR = RESULTS_DIR / "computed"  # one JSON file per computed record
+REFRESH_ENV = "BP_MECH_COMPUTE"  # "refresh": ``cached`` computes and saves instead of reading
+UNHASHED_ARGUMENTS = ("workers", "progress")  # how a value is computed, not which value
 
 
 class StaleRecord(RecordError):
-    """A computed record that is missing, or was computed from other code, versions or inputs."""
-
-
-@dataclass(frozen=True)
-class Computation:
-    """A value worth caching, and how to compute it.
-
-    Example:
-        >>> c = Computation("answer", "bp_mech.records.references", lambda: 42, int)
-        >>> c.name, c.compute()
-        ('answer', 42)
-    """
-
-    name: str  # the record's file name without .json, e.g. "reference-gap__TRAIN-CHECKPOINT"
-    module: str  # the module that computes it: its code hash (with its imports) keys the record
-    compute: Callable[[], Any]  # computes the value (minutes, perhaps)
-    type: Any  # the value's type, to read it back (a dataclass, or a plain JSON type)
-    inputs: tuple[Path, ...] = ()  # files it reads besides the code (their bytes key the record too)
+    """A computed record that is missing, or was computed from other code, versions, arguments or inputs."""
 
 
 def versions() -> dict[str, str]:
@@ -74,66 +60,110 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def digest(data: Any) -> str:
+    """SHA-256 of ``encode(data)`` as canonical JSON (a config object by its ``to_dict()``).
+
+    Example:
+        >>> digest({"b": 1, "a": (2,)}) == digest({"a": [2], "b": 1})
+        True
+    """
+    text = json.dumps(encode(data), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def inputs_digest(paths) -> str | None:
-    """SHA-256 over the names and bytes of ``paths`` (in order; a missing file counts as absent), or None
-    when there are none.
+    """SHA-256 over the names and bytes of ``paths`` (sorted by name), or None when there are none.
 
     Example:
         >>> inputs_digest([]) is None
         True
     """
-    paths = list(paths)
+    paths = sorted(Path(p) for p in paths)
     if not paths:
         return None
     h = hashlib.sha256()
     for p in paths:
-        p = Path(p)
         h.update(p.name.encode() + b"\0" + (p.read_bytes() if p.is_file() else b"<absent>") + b"\0")
     return h.hexdigest()
 
 
-def key(c: Computation) -> dict:
-    """What a record of ``c`` must have been computed from to be current: code hash, versions, inputs."""
-    return {"code_hash": provenance.code_hash(c.module), "versions": versions(), "inputs": inputs_digest(c.inputs)}
+def key(fn: Callable, args: tuple, kwargs: dict, inputs=()) -> dict:
+    """What a record of ``fn(*args, **kwargs)`` must have been computed from to be current."""
+    hashed = {k: v for k, v in kwargs.items() if k not in UNHASHED_ARGUMENTS}
+    return {"code_hash": provenance.code_hash(fn.__module__), "versions": versions(),
+            "arguments": digest([fn.__qualname__, list(args), hashed]), "inputs": inputs_digest(inputs)}
 
 
-def path(c: Computation, directory: Path = COMPUTED_DIR) -> Path:
-    """Where the record of ``c`` lives."""
-    return Path(directory) / f"{c.name}.json"
+def path(name: str, directory: Path = COMPUTED_DIR) -> Path:
+    """Where the computed record ``name`` lives."""
+    return Path(directory) / f"{name}.json"
 
 
-def refresh(c: Computation, directory: Path = COMPUTED_DIR) -> Any:
-    """Compute ``c`` and save its record (atomically: a temporary file, then a rename); returns the value."""
-    value = c.compute()
-    doc = {"name": c.name, "module": c.module, **key(c), "bp_mech_version": __version__,
-           "git_commit": provenance.git_commit(), "value": encode(value)}
-    target = path(c, directory)
+def save(name: str, fn: Callable, value: Any, now: dict, directory: Path = COMPUTED_DIR) -> None:
+    """Write the record of ``value`` (atomically: a temporary file, then a rename)."""
+    doc = {"name": name, "module": fn.__module__, "function": fn.__qualname__, **now,
+           "bp_mech_version": __version__, "git_commit": provenance.git_commit(), "value": encode(value)}
+    target = path(name, directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
         f.write("\n")
     os.replace(tmp, target)
-    return value
 
 
-def load(c: Computation, directory: Path = COMPUTED_DIR) -> Any:
-    """The value of ``c``'s record, read back into ``c.type``.
+def stale_fields(doc: dict, now: dict) -> list[str]:
+    """The fields of ``now`` (code_hash, versions, arguments, inputs) that ``doc`` holds otherwise."""
+    return [k for k in now if doc.get(k) != now[k]]
+
+
+def cached(name: str, fn: Callable, *args, inputs=(), directory: Path = COMPUTED_DIR, **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` as the computed record ``name`` holds it.
+
+    Args:
+        name: the record's name (its file ``<directory>/<name>.json``).
+        fn: the function that computes the value; its return annotation is the value's type.
+        *args: its positional arguments.
+        inputs: files it reads besides the code (their bytes key the record too).
+        directory: where the records live.
+        **kwargs: its keyword arguments (``workers`` and ``progress`` do not key the record).
+
+    Returns:
+        The value, read back into ``fn``'s return type; with ``BP_MECH_COMPUTE=refresh``, computed now and
+        saved first.
 
     Raises:
-        StaleRecord: the record is missing, or its code hash, versions or inputs differ from now's (the
-            message names the record, what differs, and ``make records``).
+        StaleRecord: the record is missing, or its code hash, versions, arguments or inputs differ from
+            now's (the message names the record, what differs, and ``make records``).
+
+    Example:
+        >>> import statistics, tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> os.environ[REFRESH_ENV] = "refresh"; cached("mid", statistics.median, [3, 1, 2], directory=d)
+        2
+        >>> del os.environ[REFRESH_ENV]; cached("mid", statistics.median, [3, 1, 2], directory=d)  # read back
+        2
+        >>> cached("mid", statistics.median, [3, 1, 5], directory=d)  # other arguments: refused
+        Traceback (most recent call last):
+        ...
+        bp_mech.records.computed.StaleRecord: ...mid.json: stale computed record (arguments changed ...
     """
-    p = path(c, directory)
+    now = key(fn, args, kwargs, inputs)
+    p = path(name, directory)
+    if os.environ.get(REFRESH_ENV) == "refresh":
+        save(name, fn, fn(*args, **kwargs), now, directory)
     if not p.is_file():
-        raise StaleRecord(f"{p}: no computed record {c.name!r}; run `make records` to compute it")
+        raise StaleRecord(f"{p}: no computed record {name!r}; run `make records` to compute it")
     doc = json.loads(p.read_text(encoding="utf-8"))
-    now = key(c)
-    changed = [k for k in now if doc.get(k) != now[k]]
+    changed = stale_fields(doc, now)
     if changed:
         raise StaleRecord(f"{p}: stale computed record ({', '.join(changed)} changed since it was computed); "
                           "run `make records` to compute it again")
-    return decode(c.type, doc["value"])
+    try:
+        tp = typing.get_type_hints(fn).get("return", Any)
+    except TypeError:  # a builtin: no annotations
+        tp = Any
+    return decode(tp, doc["value"])
 
 
 # --- the value as JSON and back ---------------------------------------------------------------------
@@ -148,6 +178,8 @@ def encode(x: Any) -> Any:
     """
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if callable(getattr(x, "to_dict", None)):  # a Transformers config
+        return encode(x.to_dict())
     if isinstance(x, (list, tuple)):
         return [encode(v) for v in x]
     if isinstance(x, dict):
@@ -162,7 +194,7 @@ def decode(tp: Any, x: Any) -> Any:
     type or ``Any``).
 
     Example:
-        >>> @dataclass
+        >>> @dataclasses.dataclass
         ... class Row:
         ...     label: str
         ...     shape: tuple[int, ...]
