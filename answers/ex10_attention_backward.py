@@ -7,14 +7,9 @@ variant (a sliding-window head) and the prediction are written here.
 
 import torch
 
-from bp_mech.attention_backward import (  # noqa: F401
-    attention_backward,
-    attention_forward,
-    blockwise_backward,
-    gqa_reduce,
-    rope_backward,
-    softmax_backward,
-)
+from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward, gqa_reduce,
+                                        softmax_backward)
+from bp_mech.attention_rope import rope_backward
 
 
 def attention_head_backward(q, k, v, dO):

@@ -6,12 +6,7 @@ exercise. The variant (``gelu_mlp_saved_bytes``) and the prediction
 (``predict_forward_bytes``) are written here.
 """
 
-from bp_mech.ledger import (  # noqa: F401
-    adam_state_bytes,
-    block_saved_bytes,
-    grad_bytes,
-    param_bytes,
-)
+from bp_mech.state_bytes import adam_state_bytes, block_saved_bytes, grad_bytes, param_bytes
 
 
 def gelu_mlp_saved_bytes(hidden: int, intermediate: int, batch: int, seq: int,

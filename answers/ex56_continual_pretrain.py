@@ -3,7 +3,7 @@
 
 import torch
 
-from bp_mech.continual_pretrain import token_loss  # noqa: F401
+from bp_mech.continual_eval import token_loss  # noqa: F401
 from bp_mech.training_state import capture_state, restore_state  # noqa: F401
 
 

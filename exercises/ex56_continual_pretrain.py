@@ -13,7 +13,7 @@ step). Its attributes:
   under fp16 (the check's trainer runs fp16), disabled in a float32 run (its state is ``{}``);
 * ``clock``: a ``bp_mech.scheduler.UpdateClock``, whose plain attributes ``updates``
   (applied updates) and ``skipped`` (skipped optimizer calls) set the learning rate;
-* ``data``: a ``bp_mech.continual_pretrain.TextStream``: ``position`` (batches drawn so
+* ``data``: a ``bp_mech.continual_data.TextStream``: ``position`` (batches drawn so
   far) and ``generator`` (the ``torch.Generator`` that draws the batches' offsets;
   ``get_state()``/``set_state()``);
 * ``device``: where it trains.

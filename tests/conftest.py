@@ -92,19 +92,19 @@ def hooked_step(model, batch, hooks=None):
     """One training step of ``model`` without its update (the gradients stay), its saved tensors under
     ``hooks``: an offload's saved-tensor hooks standing in for the strategy's (None: the plain step)."""
     from bp_mech.bench.step import train_step
-    from bp_mech.bench.strategy import PLAIN, Applied, Strategy
+    from bp_mech.bench.strategy import PLAIN, Entered, Strategy
 
     s = PLAIN if hooks is None else Strategy(offload=True)
-    return train_step(model, None, batch, s, applied=Applied(model, s, "cpu", hooks=hooks), update=False)
+    return train_step(model, None, batch, s, entered=Entered(model, s, "cpu", hooks=hooks), update=False)
 
 
 def hooked_probe(model, batch, hooks=None):
     """``bench.step.probe`` of that step: loss, gradients, calls, saved bytes."""
     from bp_mech.bench.step import probe
-    from bp_mech.bench.strategy import PLAIN, Applied, Strategy
+    from bp_mech.bench.strategy import PLAIN, Entered, Strategy
 
     s = PLAIN if hooks is None else Strategy(offload=True)
-    return probe(model, batch, s, applied=Applied(model, s, "cpu", hooks=hooks))
+    return probe(model, batch, s, entered=Entered(model, s, "cpu", hooks=hooks))
 
 
 def one_error_line(capsys) -> str:

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bp_mech import accumulation
+from bp_mech import accumulation, chunked_loss
 from bp_mech.update_dynamics import global_grad_norm
 from bp_mech.instruments.workload import PAD_ID, build_model, parse_workload
-from bp_mech.checks import ex11
+from bp_mech.checks import ex11, ex11_contract
 
 W = parse_workload("tiny-b2s16")
 UPDATES, MICRO_MAX, MAX_PAD = 2, 4, 0.75  # the experiment's padding, two batches
@@ -27,7 +27,7 @@ def test_padded_batches_are_uneven(setup):
     _, _, batches = setup
     for b in batches:
         assert b["input_ids"].shape == (W.batch * MICRO_MAX, W.seq)
-        assert torch.equal(b["input_ids"] == PAD_ID, b["labels"] == accumulation.IGNORE)
+        assert torch.equal(b["input_ids"] == PAD_ID, b["labels"] == chunked_loss.IGNORE)
         for k in (2, 4):
             counts = [int(accumulation.count_targets(mb["labels"])) for mb in accumulation.split(b, k)]
             assert len(set(counts)) > 1, f"micro-batches of k={k} must hold different target counts: {counts}"
@@ -37,7 +37,7 @@ def test_right_padding_leaves_real_logits_unchanged(setup):
     model, init, batches = setup
     model.load_state_dict(init)
     b = batches[0]
-    real = b["labels"] != accumulation.IGNORE
+    real = b["labels"] != chunked_loss.IGNORE
     from bp_mech.instruments.workload import make_batches
     plain = make_batches(W.replace(batch=W.batch * MICRO_MAX), 1)[0]["input_ids"]
     assert torch.equal(plain[real], b["input_ids"][real])
@@ -131,7 +131,7 @@ def _unscaled_backward(model, batch, k):  # plain micro-batch means, no 1/k at a
 
 
 def _input_mask_backward(model, batch, k):  # N counted from the inputs (not PAD), not from the labels
-    n = (batch["input_ids"][:, 1:] != ex11.PAD).sum()
+    n = (batch["input_ids"][:, 1:] != ex11_contract.PAD).sum()
     total = 0.0
     for mb in accumulation.split(batch, k):
         loss = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n

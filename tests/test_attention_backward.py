@@ -11,11 +11,12 @@ import torch
 from conftest import ROOT, load_solution
 
 from bp_mech import attention_backward, attention_framework, attention_strategies
+from bp_mech import attention_config, attention_rope
 from bp_mech.instruments.peak import PeakMemory
 from bp_mech.checks import ex10
 from bp_mech.experiments import attention_backward as experiment
 
-CFG = attention_strategies.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
+CFG = attention_config.AttnConfig(batch=2, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=8)
 
 
 def test_both_strategies_match_autograd_float64_and_sdpa_float32():
@@ -29,7 +30,7 @@ def test_both_strategies_match_autograd_float64_and_sdpa_float32():
 @pytest.mark.parametrize("strategy", list(attention_strategies.STRATEGIES))
 def test_hand_attention_gradcheck(strategy):
     """Finite differences, independent of any autograd formula (RoPE, GQA, mask, scale)."""
-    cfg = attention_strategies.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
+    cfg = attention_config.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=4, rope_theta=1e4, block=2)
     (q, k, v, cos, sin), _ = experiment.make_inputs(cfg, 5, torch.float64, seed=3)
     fn = attention_framework.attention_fn(strategy, cfg.block)
     assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, cos, sin),
@@ -45,13 +46,13 @@ def test_rope_tables_match_transformers():
     d, T = cfg.hidden_size // cfg.num_attention_heads, 64
     x = torch.zeros(1, T, cfg.hidden_size)
     cos_ref, sin_ref = Qwen2RotaryEmbedding(cfg)(x, torch.arange(T)[None])
-    cos, sin = attention_backward.rope_cos_sin(T, d, cfg.rope_parameters["rope_theta"])
+    cos, sin = attention_rope.rope_cos_sin(T, d, cfg.rope_parameters["rope_theta"])
     torch.testing.assert_close(cos, cos_ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(sin, sin_ref[0], atol=1e-5, rtol=0)
 
 
 def test_saved_bytes_match_formula_and_grow_as_claimed():
-    cfg = attention_strategies.AttnConfig.from_arch("tiny", 1)
+    cfg = attention_config.AttnConfig.from_arch("tiny", 1)
     Ts = (64, 128, 256)
     swept = experiment.sweep_saved_bytes(cfg, Ts)
     for s in attention_strategies.STRATEGIES:
@@ -80,7 +81,7 @@ def test_saved_bytes_counts_each_storage_once():
 
 
 def test_recompute_never_holds_a_full_score_matrix():
-    cfg = attention_strategies.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
+    cfg = attention_config.AttnConfig(batch=1, heads=4, kv_heads=2, head_dim=8, rope_theta=1e4, block=32)
     T = 512  # long enough that one (H, T, T) matrix outweighs all the (H, T, d) tensors
     inputs, dO = experiment.make_inputs(cfg, T, torch.float32)
     full = cfg.batch * cfg.heads * T * T * 4
@@ -142,7 +143,7 @@ def test_qwen2_attention_has_biases_on_qkv_only(arch):
 ANSWERS = types.SimpleNamespace(
     softmax_backward=attention_backward.softmax_backward, gqa_reduce=attention_backward.gqa_reduce,
     blockwise_backward=attention_backward.blockwise_backward,
-    rope_backward=attention_backward.rope_backward,
+    rope_backward=attention_rope.rope_backward,
     attention_head_backward=lambda q, k, v, dO: attention_backward.attention_backward(
         q, k, v, attention_backward.attention_forward(q, k, v)[1], dO))
 
@@ -211,7 +212,7 @@ def _rope_4d_only(dy, cos, sin):
 
 
 def _rope_tables_as_t_d(dy, cos, sin):  # assumes (T, d) tables and lifts them to (1, 1, T, d)
-    return dy * cos[None, None] - attention_backward.rotate_half(dy * sin[None, None])
+    return dy * cos[None, None] - attention_rope.rotate_half(dy * sin[None, None])
 
 
 def _arange_mask(offset):
@@ -251,7 +252,7 @@ MUTANTS = {
     "rope: (B, H, T, d) only": (ex10.check_rope_backward, mutant(rope_backward=_rope_4d_only)),
     "rope: tables taken as (T, d)": (ex10.check_rope_backward, mutant(rope_backward=_rope_tables_as_t_d)),
     "rope: R^T taken as +R": (ex10.check_rope_backward,
-                              mutant(rope_backward=lambda dy, c, s: dy * c + attention_backward.rotate_half(dy * s))),
+                              mutant(rope_backward=lambda dy, c, s: dy * c + attention_rope.rotate_half(dy * s))),
 }
 
 

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from bp_mech import continual_pretrain as cpt
-from bp_mech import training_state as ts
+from bp_mech import continual_data, continual_eval, continual_pretrain as cpt, training_state as ts
+from bp_mech import state_format
 from bp_mech.accumulation import count_targets
 from bp_mech.bench.strategy import parse
 from bp_mech.bench.trainer import loss_times, phase_trainer
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thr
 
 
 def trainer(seed=0, w=W, cfg=CFG, strategy=parse("plain"), **config):
-    data = cpt.TextStream(IDS, w.batch, w.seq, cfg.seed)
+    data = continual_data.TextStream(IDS, w.batch, w.seq, cfg.seed)
     return phase_trainer(build_model(w.replace(seed=seed), **config), cfg, data, strategy=strategy)
 
 
@@ -45,7 +45,7 @@ def saved(tmp_path_factory):
 
 def test_eval_batches_count_every_token_once():
     ids = IDS[:100]
-    batches = cpt.eval_batches(ids, 16, 3)
+    batches = continual_eval.eval_batches(ids, 16, 3)
     assert [b["input_ids"].shape[0] for b in batches] == [3, 3, 1]  # 7 windows of 16 (112 >= 100)
     labels = torch.cat([b["labels"] for b in batches]).reshape(-1)
     assert torch.equal(labels[:100], ids) and (labels[100:] == -100).all()
@@ -54,20 +54,20 @@ def test_eval_batches_count_every_token_once():
 
 def test_token_loss_is_transformers_token_weighted_loss():
     model = build_model(W)
-    batches = cpt.eval_batches(IDS[:150], 32, 2)  # the last window is padded: batches hold different targets
+    batches = continual_eval.eval_batches(IDS[:150], 32, 2)  # the last window is padded: batches hold different targets
     n = sum(count_targets(b["labels"]) for b in batches)
     with torch.no_grad():  # Transformers' loss with num_items_in_batch = the targets of all batches
         want = sum(model(**b, num_items_in_batch=n).loss.double() for b in batches).item()
-    assert cpt.token_loss(model, batches) == pytest.approx(want, rel=1e-6)
+    assert continual_eval.token_loss(model, batches) == pytest.approx(want, rel=1e-6)
     assert model.training
 
 
 def test_text_stream_state_round_trips_and_short_texts_wrap():
-    a, b = cpt.TextStream(IDS, 2, 16, 0), cpt.TextStream(IDS, 2, 16, 5)
+    a, b = continual_data.TextStream(IDS, 2, 16, 0), continual_data.TextStream(IDS, 2, 16, 5)
     a.next()
     b.load_state_dict(a.state_dict())
     assert b.position == 1 and torch.equal(a.next()["input_ids"], b.next()["input_ids"])
-    short = cpt.TextStream(IDS[:5], 2, 16, 0).next()["input_ids"]  # (2, 16) from a 5-token text
+    short = continual_data.TextStream(IDS[:5], 2, 16, 0).next()["input_ids"]  # (2, 16) from a 5-token text
     assert short.shape == (2, 16) and set(short.reshape(-1).tolist()) <= set(IDS[:5].tolist())
 
 
@@ -95,7 +95,7 @@ def test_resume_from_disk_is_bit_for_bit(saved):
     fresh = trainer(seed=1)
     m = ts.load_training_state(fresh, root, WL, "X")  # the root: 'latest' names the saved state
     assert m["clock"] == dict(updates=3, skipped=0) and m["data_position"]["position"] == 3
-    assert set(m) == set(ts.FIELDS) and set(m["files"]) == set(ts.FILES)
+    assert set(m) == set(state_format.FIELDS) and set(m["files"]) == set(state_format.FILES)
     got = [r.loss for r in cpt.train(fresh, 6)]
     assert got == want and all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), final))
 
@@ -138,7 +138,7 @@ def _corrupt(directory, how):
     state = json.loads((directory / "state.json").read_text())
 
     def refresh(name):
-        state["files"][name] = dict(bytes=(directory / name).stat().st_size, sha256=ts._sha256(directory / name))
+        state["files"][name] = dict(bytes=(directory / name).stat().st_size, sha256=state_format.file_sha256(directory / name))
 
     if how == "truncated weights":
         data = (directory / "model.safetensors").read_bytes()
@@ -187,7 +187,7 @@ def test_a_bad_checkpoint_is_one_line_and_loads_nothing(saved, tmp_path, how, ne
     _corrupt(state, how)
     fresh = trainer(seed=1)
     before = _snapshot(fresh)
-    with pytest.raises(ts.TrainingStateError) as e:
+    with pytest.raises(state_format.TrainingStateError) as e:
         ts.load_training_state(fresh, state, WL)
     assert needle in str(e.value) and str(state) in str(e.value) and "\n" not in str(e.value)
     after = _snapshot(fresh)
@@ -201,12 +201,12 @@ def test_a_bad_checkpoint_is_one_line_and_loads_nothing(saved, tmp_path, how, ne
     (lambda: trainer(cfg=cpt.TrainConfig(updates=6, lr=1e-3, warmup=2, decay=2)), "tiny-b1s16", "field 'train_config.lr'"),
 ], ids=["another-workload", "another-model-config", "another-train-config"])
 def test_a_checkpoint_of_another_run_is_refused(saved, other, workload, needle):
-    with pytest.raises(ts.TrainingStateError, match=needle):
+    with pytest.raises(state_format.TrainingStateError, match=needle):
         ts.load_training_state(other(), saved[0], workload_fields(parse_workload(workload)), "X")
 
 
 def test_a_checkpoint_of_another_experiment_is_refused(saved):
-    with pytest.raises(ts.TrainingStateError, match="record.semantic_id"):
+    with pytest.raises(state_format.TrainingStateError, match="record.semantic_id"):
         ts.load_training_state(trainer(seed=1), saved[0], WL, "TRAIN-BASELINE")
 
 
@@ -228,13 +228,13 @@ def _solution(**over):
 
 
 def _mean_of_batch_means(model, batches):
-    return sum(cpt.token_loss(model, [b]) for b in batches) / len(batches)
+    return sum(continual_eval.token_loss(model, [b]) for b in batches) / len(batches)
 
 
 def _count_ignored_too(model, batches):
     n = sum(int(count_targets(b["labels"])) for b in batches)
     total = sum(b["labels"][..., 1:].numel() for b in batches)
-    return cpt.token_loss(model, batches) * n / total
+    return continual_eval.token_loss(model, batches) * n / total
 
 
 def _no_shift(model, batches):
@@ -247,7 +247,7 @@ def _no_shift(model, batches):
 
 
 def _padding_as_targets(model, batches):
-    return cpt.token_loss(model, [dict(b, labels=b["input_ids"]) for b in batches])
+    return continual_eval.token_loss(model, [dict(b, labels=b["input_ids"]) for b in batches])
 
 
 def _capture_without(*keys):

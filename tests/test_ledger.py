@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from bp_mech import ledger
+from bp_mech import ledger, ledger_table, state_bytes
 from bp_mech.planner import lifecycle
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
 from bp_mech.instruments.workload import ARCHITECTURES, parse_workload
-from bp_mech.checks import ex43
+from bp_mech.checks import ex43, ex43_measure
 from bp_mech.experiments import ledger as experiment
 
 TINY = parse_workload("tiny-b2s64")
@@ -69,8 +69,8 @@ def test_the_fake_tensor_step_is_counted_as_the_real_one(measured, strategy):
     estimate lacks."""
     est, meas = lifecycle.track(TINY, parse(strategy), fake=True), measured[strategy]
     assert (est.host, est.forward_peak) == (meas.host, meas.forward_peak)
-    for stage in ledger.STAGES:
-        diff = {c: meas.stages[stage][c] - est.stages[stage][c] for c in ledger.CLASSES}
+    for stage in ledger_table.STAGES:
+        diff = {c: meas.stages[stage][c] - est.stages[stage][c] for c in ledger_table.CLASSES}
         scaler = diff.pop("other")
         assert set(diff.values()) == {0} and (scaler == 0 if strategy != "fp16" else 0 <= scaler <= 8), (stage, diff)
 
@@ -92,7 +92,7 @@ def test_fused_adamw_updates_in_place():
     _assert_agrees(_formula(TINY, "plain", options=options), led)
     assert led.total("optimizer_peak") == led.total("backward")
     foreach = lifecycle.track(TINY)
-    assert foreach.total("optimizer_peak") - foreach.total("backward") == ledger.param_bytes(ARCHITECTURES["tiny"])
+    assert foreach.total("optimizer_peak") - foreach.total("backward") == state_bytes.param_bytes(ARCHITECTURES["tiny"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -105,7 +105,7 @@ def test_formula_matches_the_fake_tensor_estimate_at_qwen05(strategy):
     _assert_agrees(_formula(w, strategy, "cuda", options), est)
     if strategy == "plain":  # the lines the chapter names: fp32 log-softmax output B*T*V*4, 2P of AdamW
         assert est.stages["forward"]["logits_loss"] >= 4 * w.batch * w.seq * 151936
-        assert est.stages["zero_grad"]["optimizer_states"] >= 2 * ledger.param_bytes(ARCHITECTURES["qwen05"])
+        assert est.stages["zero_grad"]["optimizer_states"] >= 2 * state_bytes.param_bytes(ARCHITECTURES["qwen05"])
     if strategy == "offload":  # at 1 MiB the 512 KiB k and v of every layer stay on the device
         kv = 2 * 4 * w.batch * w.seq * 128 * ARCHITECTURES["qwen05"]["num_hidden_layers"]
         assert kv <= est.stages["forward"]["saved_activations"] < 1.1 * kv and est.host["forward"] > 3e9
@@ -114,11 +114,11 @@ def test_formula_matches_the_fake_tensor_estimate_at_qwen05(strategy):
 def test_layer_storages_sum_to_the_block_formula():
     for arch in ("tiny", "qwen05"):
         a = ARCHITECTURES[arch]
-        assert sum(ledger.layer_saved_storages(a, 2, 64)) == ledger.block_saved_bytes(a, 2, 64)
+        assert sum(state_bytes.layer_saved_storages(a, 2, 64)) == state_bytes.block_saved_bytes(a, 2, 64)
 
 
 def test_classes_mean_what_they_say(measured):
-    P = ledger.param_bytes(ARCHITECTURES["tiny"])
+    P = state_bytes.param_bytes(ARCHITECTURES["tiny"])
     plain = measured["plain"].stages
     assert plain["backward"]["gradients"] == P  # the tied embedding has one .grad
     assert plain["zero_grad"]["gradients"] == 0 and plain["zero_grad"]["saved_activations"] == 0
@@ -136,10 +136,10 @@ def test_classes_mean_what_they_say(measured):
 def test_formula_exposes_the_gpt_constant_gap():
     """The Qwen2 block is not GPT's sbh(34 + 5as/h) (fp16 bytes, with dropout masks and the
     s x s attention matrix): the real layer saves something else entirely."""
-    cfg = ex43._config(ex43.SHAPES[0])
+    cfg = ex43_measure.shape_config(ex43.SHAPES[0])
     B, T = 2, 16
-    measured = ex43.measure_block_saved_bytes(cfg, B, T)
-    assert ledger.block_saved_bytes(cfg, B, T) == measured
+    measured = ex43_measure.measure_block_saved_bytes(cfg, B, T)
+    assert state_bytes.block_saved_bytes(cfg, B, T) == measured
     s, b, h, a = T, B, cfg.hidden_size, cfg.num_attention_heads
     assert abs(s * b * h * (34 + 5 * a * s / h) - measured) / measured > 0.05
 
@@ -153,7 +153,7 @@ def test_formula_on_cuda_counts_the_step_counters_where_adamw_keeps_them():
     n_tensors = 2 + a["num_hidden_layers"] * 12  # embedding (tied), final norm, 12 per layer
     assert cpu.total("zero_grad") == fused.total("zero_grad") == foreach.total("zero_grad") + 4 * n_tensors
     assert fused.total("optimizer_peak") == fused.total("backward")
-    assert foreach.total("optimizer_peak") == foreach.total("backward") + ledger.param_bytes(a)
+    assert foreach.total("optimizer_peak") == foreach.total("backward") + state_bytes.param_bytes(a)
     assert ledger.theoretical(a, 2, 512, None, "cuda").stages == fused.stages  # fused by default
     assert StepOptions().for_device("cpu").adamw == "foreach"
 
@@ -178,20 +178,20 @@ def _solutions(**overrides):
 
 def _tied_twice(cfg, nb=4):
     extra = cfg.vocab_size * cfg.hidden_size * nb if cfg.tie_word_embeddings else 0
-    return ledger.param_bytes(cfg, nb) + extra
+    return state_bytes.param_bytes(cfg, nb) + extra
 
 
 def _no_biases(cfg, nb=4):
     kv = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
-    return ledger.param_bytes(cfg, nb) - cfg.num_hidden_layers * (cfg.hidden_size + 2 * kv) * nb
+    return state_bytes.param_bytes(cfg, nb) - cfg.num_hidden_layers * (cfg.hidden_size + 2 * kv) * nb
 
 
 def _sdpa_output_copied(cfg, batch, seq):  # counts o_proj's input as a second storage
-    return ledger.block_saved_bytes(cfg, batch, seq) + 4 * batch * seq * cfg.hidden_size
+    return state_bytes.block_saved_bytes(cfg, batch, seq) + 4 * batch * seq * cfg.hidden_size
 
 
 def _forgot_lse(cfg, batch, seq):
-    return ledger.block_saved_bytes(cfg, batch, seq) - 4 * batch * cfg.num_attention_heads * seq
+    return state_bytes.block_saved_bytes(cfg, batch, seq) - 4 * batch * cfg.num_attention_heads * seq
 
 
 def _gpt_constant(cfg, batch, seq):
@@ -207,15 +207,15 @@ def test_checks_pass_on_a_correct_solution():
 @pytest.mark.parametrize("check, mutant", [
     (ex43.check_param_bytes, {"param_bytes": _tied_twice}),
     (ex43.check_param_bytes, {"param_bytes": _no_biases}),
-    (ex43.check_grad_bytes, {"grad_bytes": lambda cfg, nb=4: 2 * ledger.param_bytes(cfg, nb)}),
+    (ex43.check_grad_bytes, {"grad_bytes": lambda cfg, nb=4: 2 * state_bytes.param_bytes(cfg, nb)}),
     (ex43.check_grad_bytes, {"grad_bytes": _tied_twice}),
-    (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: ledger.param_bytes(cfg, nb)}),
+    (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: state_bytes.param_bytes(cfg, nb)}),
     (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: 2 * _tied_twice(cfg, nb)}),
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _sdpa_output_copied}),
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _forgot_lse}),
     (ex43.check_block_saved_bytes, {"block_saved_bytes": _gpt_constant}),
-    (ex43.check_grad_bytes, {"grad_bytes": lambda cfg, nb=4: ledger.grad_bytes(cfg, 4)}),
-    (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: ledger.adam_state_bytes(cfg, 4)}),
+    (ex43.check_grad_bytes, {"grad_bytes": lambda cfg, nb=4: state_bytes.grad_bytes(cfg, 4)}),
+    (ex43.check_adam_state_bytes, {"adam_state_bytes": lambda cfg, nb=4: state_bytes.adam_state_bytes(cfg, 4)}),
 ], ids=["tied-counted-twice", "no-qkv-biases", "grads-counted-twice", "tied-grad-twice", "adam-one-moment",
         "adam-tied-twice", "sdpa-output-copied", "forgot-lse", "gpt-constant", "grads-always-float32",
         "adam-moments-always-float32"])
@@ -259,7 +259,7 @@ def test_the_logits_are_the_largest_tensor_but_not_the_largest_line():
     logp = 4 * w.batch * w.seq * a["vocab_size"]
     assert 3 * logp <= at["logits_loss"] < 3 * logp + 2**20
     assert logp > 4 * a["vocab_size"] * a["hidden_size"]  # the tied embedding, the largest parameter
-    assert logp > max(ledger.layer_saved_storages(a, w.batch, w.seq))
+    assert logp > max(state_bytes.layer_saved_storages(a, w.batch, w.seq))
 
 
 def test_activation_strategies_stop_paying_at_the_model_state():

@@ -8,14 +8,15 @@ and the ones below it, never one above, and the imports form no cycle (tests/tes
    model itself), ``counters`` (forward calls, saved tensors), ``tracking`` (the storage tracker,
    ``PeakMemory``). An instrument observes a mechanism; a mechanism never reports to it.
 2. **The mechanisms** (``bp_mech.<mechanism>``, the modules at the top): what a chapter teaches, and what
-   the exercise answers re-export. Part 02 · 09 ``local_backward`` (with ``local_backward_gelu``); 10
+   the exercise answers import. Part 02 · 09 ``local_backward`` (with ``local_backward_gelu``); 10
    ``attention_backward`` (with ``attention_rope``, ``attention_config``, ``attention_strategies``,
-   ``attention_framework``); 11 ``accumulation`` and ``chunked_loss``; 12 ``scheduler``; AMP ``amp`` and
-   ``loss_scaling``; 19 ``checkpointing`` (with ``checkpointing_native``); 42 ``offload`` and
-   ``host_memory``; 43 ``ledger`` (with ``ledger_table``) and ``state_bytes``; 55 ``update_dynamics``; 56
-   ``continual_pretrain`` (with ``continual_data``, ``continual_eval``) and ``training_state`` (with
-   ``state_format``, ``rng_state``). Each backward sits beside its forward; each memory strategy is a
-   context manager with an off switch.
+   ``attention_framework``); 11 ``accumulation`` (with ``accumulation_framework``) and ``chunked_loss``
+   (with ``chunked_head``); 12 ``scheduler``; AMP ``amp`` and ``loss_scaling``; 19 ``checkpointing`` (with
+   ``checkpointing_native``); 42 ``offload`` and ``host_memory``; 43 ``ledger`` (with ``ledger_table``) and
+   ``state_bytes``; 55 ``update_dynamics``; 56 ``continual_pretrain`` (with ``continual_data``,
+   ``continual_eval``) and ``training_state`` (with ``state_format``, ``state_identity``, ``rng_state``).
+   Each backward sits beside its forward; each memory strategy is a context manager with an off switch.
+   Each name has one import path: the module that defines it (``tests/test_import_paths.py``).
 3. **The bench** (``bp_mech.bench``): the one training step (``bench.step.train_step``) with its phase
    observers, strategies by name (``bench.strategy``), the optimizer (``bench.optimizer``), timing,
    comparisons, allocation failures.

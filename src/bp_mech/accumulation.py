@@ -14,7 +14,8 @@ micro-batch j, n_j its target tokens and N = sum_j n_j:
 
 From scratch: ``count_targets``, ``token_loss_sum``, ``accumulated_backward`` (both
 normalisations) and right-padded data (``padded_batches``, ``split``); with the framework:
-``accelerate_updates`` (Accelerate's ``accumulate`` and Transformers' ``num_items_in_batch``).
+``bp_mech.accumulation_framework.accelerate_updates`` (Accelerate's ``accumulate`` and Transformers'
+``num_items_in_batch``).
 The experiment (full batch against 2 and 4 micro-batches) is ``bp_mech.experiments.accumulation``.
 """
 
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 
 from bp_mech.chunked_loss import IGNORE, shifted_targets  # IGNORE: label of a position that is not a target
 from bp_mech.instruments.workload import PAD_ID, Workload, make_batches
-from bp_mech.instruments.adamw import make_adamw
 
 
 # --- data ------------------------------------------------------------------------------
@@ -164,14 +164,15 @@ def accumulated_backward(model, batch: dict[str, torch.Tensor], k: int,
     Args:
         model: a causal LM; ``model(input_ids=...)`` returns an object with ``.logits``
             (B, T, V).
-        batch: ``input_ids`` and ``labels``, long tensors of shape (E, T); E divisible
-            by k.
+        batch: ``input_ids`` and ``labels``, long (E, T) tensors; E divisible by k.
         k: number of micro-batches.
-        norm: "token" or "naive"; anything else raises ValueError.
+        norm: "token" or "naive".
 
     Returns:
-        The accumulated loss (a detached 0-dim tensor), the value a training log would
-        show.
+        The accumulated loss, a detached 0-dim tensor (what a training log shows).
+
+    Raises:
+        ValueError: ``norm`` is neither "token" nor "naive".
 
     Example:
         >>> from bp_mech.instruments.workload import (build_model, make_batches,
@@ -246,58 +247,3 @@ def snapshot(tensors) -> list[torch.Tensor]:
         ([2.0, 2.0], False)
     """
     return [t.detach().clone() for t in tensors]
-
-
-# --- with the framework ----------------------------------------------------------------
-
-def accelerate_updates(model, init: dict, batches, k: int,
-                       lr: float) -> list[torch.Tensor]:
-    """The same updates through Accelerate's ``accumulate`` and Transformers' own loss.
-
-    ``model(..., labels=, num_items_in_batch=N)`` returns S_j / N (Transformers'
-    token-weighted loss); ``accelerator.backward`` divides by
-    gradient_accumulation_steps, so it gets k S_j / N. The prepared optimizer steps (and
-    zeroes) only on every k-th micro-batch. CPU, ``make_adamw``'s AdamW; Accelerate's
-    own idiom, kept as such (``bench.step`` lists it).
-
-    Args:
-        model: a Transformers causal LM (its forward takes ``labels`` and
-            ``num_items_in_batch``).
-        init: a state dict loaded into ``model`` first, so that runs start from the same
-            weights.
-        batches: effective batches (``input_ids`` and ``labels`` of shape (E, T)), one
-            update each.
-        k: micro-batches per update (gradient_accumulation_steps); E divisible by k.
-        lr: AdamW's learning rate.
-
-    Returns:
-        The first update's gradient, one tensor per parameter in ``model.parameters()``
-        order; the model holds the parameters after the last update.
-
-    Example:
-        >>> from bp_mech.instruments.workload import (build_model, make_batches,
-        ...                                           parse_workload)
-        >>> w = parse_workload("tiny-b2s8"); model = build_model(w)
-        >>> batches = make_batches(w, 1)
-        >>> g = accelerate_updates(model, model.state_dict(), batches, k=2, lr=1e-3)
-        >>> [x.shape for x in g] == [p.shape for p in model.parameters()]
-        True
-    """
-    from accelerate import Accelerator
-
-    model.load_state_dict(init)
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=k)
-    m, opt = acc.prepare(model, make_adamw(model.parameters(), lr, "cpu"))
-    first_grad = None
-    for b in batches:
-        n = count_targets(b["labels"])  # targets of the whole effective batch
-        for mb in split(b, k):
-            with acc.accumulate(m):
-                out = m(input_ids=mb["input_ids"], labels=mb["labels"],
-                        num_items_in_batch=n)
-                acc.backward(out.loss * k)
-                if acc.sync_gradients and first_grad is None:
-                    first_grad = snapshot(p.grad for p in model.parameters())
-                opt.step()
-                opt.zero_grad()
-    return first_grad

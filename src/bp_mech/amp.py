@@ -10,8 +10,8 @@ gradients by S before the update (``unscale_``), and
 * skips ``optimizer.step()`` when any unscaled gradient is inf/NaN, and backs off S *= 0.5;
 * after ``growth_interval`` consecutive finite steps grows S *= 2 (if the result is finite).
 
-``DynamicLossScaler`` is that rule in plain Python (it lives in ``bp_mech.loss_scaling``; this module
-re-exports it). Clipping comes *after* ``unscale_``: the threshold is in the units of the true gradient
+``DynamicLossScaler`` is that rule in plain Python (``bp_mech.loss_scaling``). Clipping comes *after*
+``unscale_``: the threshold is in the units of the true gradient
 (``unscale_and_clip_``, with Part 02 · 55's global norm); ``clipping_order`` shows what clipping the
 still-scaled gradients does to AdamW's updates. BF16 has float32's 8-bit exponent, so it needs no scaler;
 it rounds harder (8-bit significand). A skipped step changes no parameter and must not advance the LR
@@ -34,10 +34,7 @@ import torch
 from bp_mech.scheduler import scaler_step
 from bp_mech.update_dynamics import clip_coefficient, global_grad_norm
 from bp_mech.instruments.adamw import make_adamw
-from bp_mech.loss_scaling import DynamicLossScaler
 
-__all__ = ["DynamicLossScaler", "unscale_and_clip_", "autocast", "autocast_dtypes",  # public names
-           "CLIP_DEMO_MAX_NORM", "CLIP_DEMO_UPDATES", "clipping_order"]  # (DynamicLossScaler: re-exported)
 
 
 def _clip_coef(norm: float, max_norm: float, eps: float = 1e-6) -> float:

@@ -12,7 +12,7 @@ then dK, dV summed over the query heads of each KV group and RoPE's backward on 
 Here: those pieces, the backward from saved P, and the tiled one that rebuilds P from
 the row log-sum-exp (FlashAttention, Dao et al. 2022); the strategies:
 ``attention_strategies``, ``attention_framework``. RoPE's forward and backward live in
-``bp_mech.attention_rope`` and are re-exported here.
+``bp_mech.attention_rope``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import math
 
 import torch
 
-from bp_mech.attention_rope import (rope_backward, rope_cos_sin, rope_forward,  # noqa: F401
-                                    rotate_half)  # re-exported: the pieces of one layer
 
 
 # --- the pieces: mask, softmax, GQA (RoPE: bp_mech.attention_rope) ------------------------

@@ -1,5 +1,5 @@
-"""Part 02 · 10 — the shape of the attention the hand-written strategies run (``AttnConfig``),
-re-exported by ``bp_mech.attention_strategies``.
+"""Part 02 · 10 — the shape of the attention the hand-written strategies of
+``bp_mech.attention_strategies`` run (``AttnConfig``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bp_mech.attention_backward import causal_mask, rope_forward
+from bp_mech.attention_backward import causal_mask
+from bp_mech.attention_rope import rope_forward
 from bp_mech.attention_strategies import STRATEGIES, HandAttention
 from bp_mech.local_backward import linear_backward, linear_forward
 
@@ -33,7 +34,7 @@ def autograd_attention(q, k, v, cos, sin):
         O (B, H, T, d) = softmax(q̃ k̃^T / sqrt(d), causally masked) v, GQA by ``repeat_kv``.
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         >>> q, k, v = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2))
         >>> cos, sin = rope_cos_sin(5, 4, 1e4, torch.float64)
@@ -60,7 +61,7 @@ def sdpa_attention(q, k, v, cos, sin):
         O (B, H, T, d).
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> from bp_mech.attention_strategies import saved_probs_forward
         >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         >>> q, k, v = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2))

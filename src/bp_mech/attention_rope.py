@@ -2,8 +2,8 @@
 backward, as ``transformers``' ``apply_rotary_pos_emb`` applies it to Q and K.
 
 y = x cos + rotate_half(x) sin; rotate_half is a linear map R with R^T = -R, so the
-backward is dx = dy cos - rotate_half(dy sin). Re-exported by
-``bp_mech.attention_backward``.
+backward is dx = dy cos - rotate_half(dy sin). Used by the strategies of
+``bp_mech.attention_strategies``.
 """
 
 from __future__ import annotations

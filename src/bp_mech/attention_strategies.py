@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward, blockwise_forward,
-                                        gqa_expand, gqa_reduce, rope_backward, rope_forward)
-from bp_mech.attention_config import AttnConfig  # noqa: F401 (re-exported)
+from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward,
+                                        blockwise_forward, gqa_expand, gqa_reduce)
+from bp_mech.attention_config import AttnConfig
+from bp_mech.attention_rope import rope_backward, rope_forward
 from bp_mech.instruments.counters import SavedBytesCounter
 
 
@@ -68,7 +69,7 @@ def saved_probs_backward(saved, dO, block=None):
         the inputs before RoPE.
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0),
         ...           requires_grad=True)
         >>> q, k, v, dO = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2, 4))
@@ -123,7 +124,7 @@ def recompute_backward(saved, dO, block=64):
         the inputs before RoPE.
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> g = torch.Generator().manual_seed(1)
         >>> q, k, v, dO = (torch.randn(2, h, 7, 4, dtype=torch.float64, generator=g)
         ...                for h in (4, 2, 2, 4))
@@ -154,7 +155,7 @@ class HandAttention(torch.autograd.Function):
     of ``forward``; autograd calls ``backward`` with dL/dO.
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> kw = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(0),
         ...           requires_grad=True)
         >>> q, k, v = (torch.randn(1, h, 5, 4, **kw) for h in (4, 2, 2))
@@ -230,7 +231,7 @@ def saved_bytes(fn, inputs) -> int:
         The bytes of the distinct storages saved while ``fn`` runs.
 
     Example:
-        >>> from bp_mech.attention_backward import rope_cos_sin
+        >>> from bp_mech.attention_rope import rope_cos_sin
         >>> from bp_mech.attention_framework import attention_fn
         >>> cfg = AttnConfig(1, 4, 2, 8, 1e4)
         >>> inputs = [torch.ones(1, h, 16, 8) for h in (4, 2, 2)]

@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from bp_mech.instruments import anatomy
-from bp_mech.checkpointing_native import (  # noqa: F401  (re-exported)
-    _Checkpointed, checkpoint_mlp, enable_native, native_checkpointing)
+from bp_mech.checkpointing_native import checkpoint_mlp, native_checkpointing
 
 # --- from scratch ---------------------------------------------------------------------
 

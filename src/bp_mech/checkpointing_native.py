@@ -50,6 +50,9 @@ def checkpoint_mlp(model):
     Yields:
         ``model`` itself, its MLPs checkpointed.
 
+    Raises:
+        ValueError: the first decoder block has no child of a known MLP name.
+
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> model = build_model(parse_workload("tiny-b1s8"))

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bp_mech import RESULTS_DIR, ROOT
-from bp_mech.bench.optimizer import ADAMW_IMPLS, OPTIMIZERS
+from bp_mech.instruments.adamw import ADAMW_IMPLS
+from bp_mech.bench.optimizer import OPTIMIZERS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.instruments.workload import WorkloadError
 from bp_mech.planner.request import DTYPES, SHARDS, PlanRequest
@@ -30,7 +31,7 @@ from bp_mech.experiments import runner
 from bp_mech.experiments.runner import RunRequest, UsageError, progress_bar
 from bp_mech.records import provenance, registry, results
 from bp_mech.records.environment import ProfileError, check_profile, preflight
-from bp_mech.training_state import TrainingStateError
+from bp_mech.state_format import TrainingStateError
 
 
 class _Parser(argparse.ArgumentParser):

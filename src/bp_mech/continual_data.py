@@ -4,7 +4,7 @@ The general, domain and holdout texts (``load_texts``: the shipped ones, or the 
 the domain and the holdout text), a text's identity (``text_sha256``: results and saved states record
 it), the held-out tail of a text (``split_text``) and the data stream a training loop draws its batches
 from (``TextStream``, whose state is part of the training state). The loop is
-``bp_mech.continual_pretrain``, which re-exports every name here.
+``bp_mech.continual_pretrain``.
 """
 
 from __future__ import annotations

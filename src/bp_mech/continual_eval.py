@@ -2,7 +2,7 @@
 
 ``eval_batches`` cuts an evaluation text into non-overlapping windows, so every token is
 counted once; ``token_loss`` is the mean next-token loss per target token over them (the
-L(D) of ``bp_mech.continual_pretrain``, which re-exports every name here);
+L(D) of ``bp_mech.continual_pretrain``);
 ``gain_and_drift`` turns a run's evaluations into domain gain and holdout drift;
 ``resume_difference`` compares a run resumed from a saved state with the uninterrupted
 one.
@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from bp_mech.accumulation import IGNORE, count_targets, token_loss_sum
+from bp_mech.chunked_loss import IGNORE
+from bp_mech.accumulation import count_targets, token_loss_sum
 from bp_mech.instruments.workload import PAD_ID
 
 

@@ -21,13 +21,13 @@ The loop is the book's one training step, run by ``bench.trainer.Trainer`` (buil
 and ``domain_run`` call ``trainer.step()`` and read ``trainer.clock``). One full step per update: the
 model's token-weighted mean loss, backward, unscale and global-norm clip (Part 02 · 55), AdamW, and
 the update clock of Part 02 · 12, which moves only when the update was applied. The chapter's runs are
-plain float32: the step's GradScaler (``bench.strategy.Applied``) is enabled only under fp16, so here it
+plain float32: the step's GradScaler (``bench.strategy.Entered``) is enabled only under fp16, so here it
 is disabled, skips nothing and its state, still saved, is empty (an fp16 run's scaler state is part of
 the training state the same way). Saving and resuming that state is ``bp_mech.training_state``; the
 base model and its pretraining are ``bp_mech.experiments.continual_base``; the experiment is
 ``bp_mech.experiments.continual_pretrain``.
 The texts and the data stream live in ``bp_mech.continual_data``, the evaluation (``eval_batches``,
-``token_loss``, gain, drift) in ``bp_mech.continual_eval``; both are re-exported here.
+``token_loss``, gain, drift) in ``bp_mech.continual_eval``.
 """
 
 from __future__ import annotations
@@ -36,14 +36,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import torch  # noqa: F401 (the doctests use it)
-
+from bp_mech.continual_eval import token_loss
 from bp_mech.scheduler import WSDConfig
-from bp_mech.continual_data import Text, TextStream, load_texts, split_text, text_sha256
-from bp_mech.continual_eval import eval_batches, gain_and_drift, resume_difference, token_loss
 
-__all__ = ["TrainConfig", "text_sha256", "split_text", "Text", "load_texts", "TextStream", "eval_batches", "token_loss",
-           "train", "domain_run", "resume_difference", "gain_and_drift"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +112,9 @@ def train(trainer, until: int, after_update: Callable[[object], None] | None = N
         ...), skipped steps included.
 
     Example:
+        >>> import torch
         >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_data import TextStream
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))
@@ -160,7 +157,10 @@ def domain_run(trainer, evals: dict[str, list], eval_at, until: int,
         and ``evals`` (``[{"update": u, name: loss, ...}]``).
 
     Example:
+        >>> import torch
         >>> from bp_mech.bench.trainer import phase_trainer
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_eval import eval_batches
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))

@@ -3,8 +3,8 @@
 ``ActivationOffload`` (``bp_mech.offload``) copies saved activations into host buffers that come
 from ``HostPool``: reused from step to step, bucketed by exact byte size, pinned on CUDA (page-locked
 memory is what lets a copy run asynchronously, and allocating it is slow). ``measure_bandwidth`` times
-the pinned host <-> device link those copies run over. ``bp_mech.offload`` re-exports both:
-``from bp_mech.offload import HostPool, measure_bandwidth`` works as before.
+the pinned host <-> device link those copies run over. ``bp_mech.offload``'s ``ActivationOffload``
+draws its host copies from a ``HostPool``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class HostPool:
 
         Args:
             buf: the buffer ``take`` handed out.
+
+        Returns:
+            None; ``buf`` joins ``idle`` and ``in_use`` drops by its size.
 
         Example:
             >>> pool = HostPool(pin=False); pool.give(pool.take(16))

@@ -3,14 +3,13 @@ formula.
 
 A ledger splits the memory of one steady-state training step (AdamW, its moments already
 allocated by a warm-up step) by **lifecycle stage** (``STAGES``) and by **object class**
-(``CLASSES``). That table (``Ledger``) is defined in ``bp_mech.ledger_table`` and
-re-exported here; this module fills it from theory:
+(``CLASSES``). That table (``Ledger``, with ``STAGES`` and ``CLASSES``) is defined in
+``bp_mech.ledger_table``; this module fills it from theory:
 ``theoretical`` derives every line for the Qwen2 block (SwiGLU, RMSNorm, GQA, fused SDPA,
-tied embeddings, fp32 logits) from what each operator saves for backward. The exercise
-answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
-``block_saved_bytes``) are its building blocks; they live in ``bp_mech.state_bytes`` (with
-``layer_saved_storages``, ``gpt_activation_bytes``, ``attention_probs_bytes``) and are
-re-exported here.
+tied embeddings, fp32 logits) from what each operator saves for backward. Its building blocks
+are the exercise answers of the chapter (``param_bytes``, ``grad_bytes``, ``adam_state_bytes``,
+``block_saved_bytes``), which live in ``bp_mech.state_bytes`` with ``layer_saved_storages``,
+``gpt_activation_bytes`` and ``attention_probs_bytes``.
 
 ``bp_mech.planner.lifecycle`` fills the same table from a real or a fake-tensor step (the
 storage tracker of ``bp_mech.instruments.tracking``); ``bp_mech.experiments.ledger`` compares the
@@ -21,17 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.ledger_table import CLASS_LABELS, CLASSES, STAGE_LABELS, STAGES, Counts, Ledger
-from bp_mech.state_bytes import (_dims, _layer_params, _outer_saved_storages,
-                                 adam_state_bytes, attention_probs_bytes, block_saved_bytes,
-                                 gpt_activation_bytes, grad_bytes, layer_saved_storages,
-                                 param_bytes)
-
-__all__ = ["STAGES", "CLASSES", "STAGE_LABELS", "CLASS_LABELS", "Counts", "Ledger",
-           "unmodelled", "theoretical",
-           # re-exported from bp_mech.state_bytes
-           "param_bytes", "grad_bytes", "adam_state_bytes", "block_saved_bytes",
-           "layer_saved_storages", "gpt_activation_bytes", "attention_probs_bytes"]
+from bp_mech.ledger_table import CLASSES, STAGES, Ledger
+from bp_mech.state_bytes import (block_saved_bytes, dims, layer_params, layer_saved_storages,
+                                 outer_saved_storages, param_bytes)
 
 
 # --- the theoretical ledger -----------------------------------------------------------
@@ -123,7 +114,7 @@ def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu",
             else "offload" if s.offload else "amp" if s.amp
             else "accumulation" if s.micro_batches > 1 else "plain")
     name = "plain" if strategy is None else strategy.name
-    d = _dims(arch)
+    d = dims(arch)
     C, Ckv, I, V, L, hd = d["C"], d["Ckv"], d["I"], d["V"], d["L"], d["hd"]
     k = strategy.micro_batches if kind == "accumulation" else 1
     b, n, amp = batch // k, batch * seq // k, kind == "amp"  # per micro-batch
@@ -142,13 +133,13 @@ def theoretical(arch, batch: int, seq: int, strategy=None, device="cpu",
     A = block_saved_bytes(arch, b, seq, amp)
     R = 8 * seq * hd  # RoPE cos + sin, fp32, shared by the layers
     F = 4 * n * ((2 if amp else 3) * C + 1)  # final norm
-    Pl = 4 * _layer_params(d)
+    Pl = 4 * layer_params(d)
 
     def stay(sizes):  # what offload keeps on the device
         return sum(x for x in sizes if x < threshold)
 
     layer_stays = stay(layer_saved_storages(arch, b, seq))
-    outer = _outer_saved_storages(d, b, seq)
+    outer = outer_saved_storages(d, b, seq)
     saved = {"checkpoint": L * 4 * n * C + 8 * seq + R + F,
              "offload": L * layer_stays + stay(outer)}.get(kind, L * A + R + F)
     # log-softmax output, targets (int64), a scalar

@@ -1,8 +1,8 @@
 """Part 02 · 43 — the ledger table: lifecycle stages, object classes, and ``Ledger``.
 
 A ledger splits the memory of one training step by **lifecycle stage** (``STAGES``) and by
-**object class** (``CLASSES``). ``bp_mech.ledger`` fills it from theory (``theoretical``)
-and re-exports every name here; ``bp_mech.planner.lifecycle`` fills it from a real or a
+**object class** (``CLASSES``). ``bp_mech.ledger`` fills it from theory (``theoretical``);
+``bp_mech.planner.lifecycle`` fills it from a real or a
 fake-tensor step.
 """
 

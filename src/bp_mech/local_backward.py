@@ -4,7 +4,7 @@ Each operation of a Qwen2 MLP half-block has a forward and, beside it, a backwar
 the upstream gradient ``dy`` to the gradients of its inputs and parameters. The backward
 functions take the forward's inputs (what autograd would save) and ``dy``; nothing else.
 ``mlp_block_backward`` composes them: the chain rule written as code. Exact GELU's pair lives in
-``bp_mech.local_backward_gelu`` and is re-exported here.
+``bp_mech.local_backward_gelu``.
 
 The experiment that checks every op against autograd, finite differences and float32 rounding
 is ``bp_mech.experiments.local_backward``.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.local_backward_gelu import gelu_backward, gelu_forward  # noqa: F401 (re-exported)
 
 # --- forward and backward, side by side --------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Part 02 · 09 — exact GELU, forward and local backward (re-exported by
+"""Part 02 · 09 — exact GELU, forward and local backward (the sibling of
 ``bp_mech.local_backward``, whose other ops the chapter shows).
 
 GELU is not in the Qwen2 MLP (SwiGLU uses SiLU); the experiment checks it beside the others

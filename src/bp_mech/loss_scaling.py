@@ -4,8 +4,8 @@ Mixed precision (``bp_mech.amp``) multiplies the FP16 loss by a scale S before `
 that small gradients survive, and divides the gradients by S before the update. S follows the
 rule of Micikevicius et al. 2018 ("Mixed Precision Training"): on a step whose unscaled
 gradients hold an inf/NaN the optimizer step is skipped and S *= 0.5; after ``growth_interval``
-consecutive finite steps S *= 2 (if the result is finite). ``bp_mech.amp`` re-exports
-``DynamicLossScaler``: ``from bp_mech.amp import DynamicLossScaler`` works as before.
+consecutive finite steps S *= 2 (if the result is finite). ``bp_mech.amp`` has the rest of
+mixed precision (autocast, unscale before clip).
 """
 
 from __future__ import annotations

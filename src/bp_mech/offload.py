@@ -47,10 +47,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bp_mech.host_memory import HostPool, measure_bandwidth
+from bp_mech.host_memory import HostPool
 
-__all__ = ["OFFLOADABLE_TYPES", "HostPool", "OffloadConfig", "ActivationOffload", "CountingSaveOnCpu",
-           "measure_bandwidth", "CPU_MIN_BYTES", "min_bytes"]  # HostPool, measure_bandwidth: re-exported
 
 OFFLOADABLE_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)  # offloaded; subclasses (DTensor, ...) stay as they are
 

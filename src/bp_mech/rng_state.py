@@ -3,8 +3,7 @@
 A resumed run draws what the uninterrupted one drew only if the global generators are where
 they were: torch's CPU generator (and every CUDA device's on CUDA), Python's ``random`` and
 NumPy's. Nothing in the book's loop draws from them, but dropout or a shuffling sampler
-would. ``bp_mech.training_state`` saves these states in ``rng.pt`` and re-exports both
-functions.
+would. ``bp_mech.training_state`` saves these states in ``rng.pt``.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Part 02 · 12 — TRAIN-SCHEDULER-CLOCK: a warmup–stable–decay schedule on an update clock.
 
-A WSD schedule (Hu et al. 2024, "MiniCPM", §4; the formula of ``transformers.get_wsd_schedule``)
-maps the index ``k`` of an *effective* update to a learning rate. With W, S, D the warmup,
-stable and decay lengths and m = ``min_lr_ratio``::
+A WSD schedule (Hu et al. 2024, "MiniCPM", §4; the formula of ``transformers.get_wsd_schedule``) maps
+the index ``k`` of an *effective* update to a learning rate (W, S, D: phase lengths, m = ``min_lr_ratio``)::
 
     k <  W            lr = base * (m + (1 - m) * k / W)                     (linear warmup)
     W <= k < W+S      lr = base                                             (stable)
@@ -12,15 +11,10 @@ stable and decay lengths and m = ``min_lr_ratio``::
 
 The clock that supplies ``k`` must count **successful updates only**. A step the AMP scaler skips
 (non-finite gradients) or the trainer skips on purpose changes no parameter, so it must not move
-warmup, stable or decay. ``UpdateClock`` does that; ``NaiveClock`` is the common bug
-(``scheduler.step()`` after every optimizer call) and shifts every boundary earlier by the number
-of skips before it.
-
-Skip detection (``scaler_step``) uses public ``GradScaler`` API only: the scale shrinks in
-``update()`` iff the update was skipped. The experiment is ``bp_mech.experiments.scheduler``.
+warmup, stable or decay. ``UpdateClock`` does that; ``NaiveClock`` is the common bug (``scheduler.step()``
+after every optimizer call) and shifts every boundary earlier by the number of skips before it.
+``scaler_step`` detects skips by public ``GradScaler`` API; the experiment is ``experiments.scheduler``.
 """
-
-from __future__ import annotations
 
 import math
 from dataclasses import dataclass
@@ -34,21 +28,11 @@ DECAY_TYPES = ("linear", "cosine")
 class WSDConfig:
     """A warmup–stable–decay schedule: phase lengths in effective updates, peak LR and floor.
 
-    Args:
-        base_lr: peak learning rate (the stable value).
-        warmup: W, updates of linear warmup from ``min_lr_ratio * base_lr`` up to ``base_lr``.
-        stable: S, updates at ``base_lr``.
-        decay: D, updates of decay from ``base_lr`` down to ``min_lr_ratio * base_lr``.
-        decay_type: "linear" or "cosine" (half a cosine wave).
-        min_lr_ratio: m, the floor as a fraction of ``base_lr`` (also where warmup starts).
-
-    Raises:
-        ValueError: an unknown ``decay_type`` or a negative phase length.
+    The fields' comments are the Args. ValueError: an unknown ``decay_type``, a negative length.
 
     Example:
-        >>> cfg = WSDConfig(warmup=2, stable=3, decay=4)
-        >>> cfg.total, cfg.boundaries
-        (9, {'warmup_end': 2, 'decay_start': 5, 'end': 9})
+        >>> WSDConfig(warmup=2, stable=3, decay=4).boundaries
+        {'warmup_end': 2, 'decay_start': 5, 'end': 9}
     """
 
     base_lr: float = 1e-3  # peak learning rate (the stable value)
@@ -71,10 +55,7 @@ class WSDConfig:
 
     @property
     def boundaries(self) -> dict[str, int]:
-        """The effective update at which each phase ends (warmup end = first full-LR update).
-
-        A dict with keys ``warmup_end`` (W), ``decay_start`` (W + S) and ``end`` (W + S + D).
-        """
+        """Where each phase ends (an effective update): warmup_end W, decay_start W+S, end W+S+D."""
         return {"warmup_end": self.warmup, "decay_start": self.warmup + self.stable, "end": self.total}
 
 
@@ -115,7 +96,10 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
         cfg: the schedule.
 
     Returns:
-        The learning rate of update ``update``, a Python float; ValueError if < 0.
+        The learning rate of update ``update``, a Python float.
+
+    Raises:
+        ValueError: ``update`` < 0.
 
     Example:
         >>> wsd_lr(1, WSDConfig(base_lr=0.5, warmup=2))
@@ -129,13 +113,9 @@ def wsd_lr(update: int, cfg: WSDConfig) -> float:
 class UpdateClock:
     """The LR clock of a training loop: advances only when an update was applied.
 
-    ``lr`` is the rate of the *next* update, ``wsd_lr(position)`` (``wsd_lr(0)`` before
-    any call, as ``LambdaLR``). ``step(applied)`` is called once per optimizer call.
-
     Args:
         cfg: the schedule.
-        optimizer: if given, every param group's ``lr`` is set to ``self.lr`` now and
-            after each step.
+        optimizer: if given, its param groups' ``lr`` are kept at ``self.lr``.
 
     Example:
         >>> clock = UpdateClock(WSDConfig(base_lr=1.0, warmup=4))
@@ -188,11 +168,34 @@ class UpdateClock:
         return self.lr
 
     def state_dict(self) -> dict:
-        """``{"updates": int, "skipped": int}``: a new, JSON-serialisable dict."""
+        """The counts a checkpoint keeps.
+
+        Returns:
+            ``{"updates": int, "skipped": int}``: a new, JSON-serialisable dict.
+
+        Example:
+            >>> UpdateClock(WSDConfig()).state_dict()
+            {'updates': 0, 'skipped': 0}
+        """
         return {"updates": self.updates, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s counts; ValueError (clock unchanged) if bad."""
+        """Restore ``state_dict()``'s counts; the optimizer's LR follows.
+
+        Args:
+            state: ``{"updates": int, "skipped": int}``, both non-negative ints.
+
+        Returns:
+            None; the clock is changed in place.
+
+        Raises:
+            ValueError: a count missing, negative or not an int (the clock unchanged).
+
+        Example:
+            >>> clock = UpdateClock(WSDConfig(base_lr=1.0, warmup=2))
+            >>> clock.load_state_dict({"updates": 1, "skipped": 3}); clock.lr
+            0.5
+        """
         keys = ("updates", "skipped")
         if not all(type(state.get(k)) is int and state[k] >= 0 for k in keys):
             raise ValueError(f"need non-negative int {keys}, got {state!r}")
@@ -209,8 +212,7 @@ class NaiveClock(UpdateClock):
     """The bug: reads the schedule at the number of optimizer *calls*, skips included.
 
     Example:
-        >>> clock = NaiveClock(WSDConfig(base_lr=1.0, warmup=2))
-        >>> clock.step(False)  # a skipped step still moves warmup on
+        >>> NaiveClock(WSDConfig(base_lr=1.0, warmup=2)).step(False)  # the skip counted
         0.5
     """
 
@@ -228,12 +230,14 @@ def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
     skips inside, leaving parameters, moments and step count). A disabled scaler steps.
 
     Args:
-        scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``; enabled, it
-            needs ``backoff_factor < 1`` (else ``ValueError``).
+        scaler: a ``GradScaler`` after ``scaler.scale(loss).backward()``.
         optimizer: the optimizer to step.
 
     Returns:
         True when the update was applied, False when the scaler skipped it.
+
+    Raises:
+        ValueError: an enabled scaler whose ``backoff_factor`` is not < 1.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([p], lr=0.1)
@@ -251,8 +255,6 @@ def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
     return not scaler.get_scale() < before
 
 
-# --- cross-check against transformers ----------------------------------------------
-
 def transformers_schedule(cfg: WSDConfig):
     """(dummy optimizer, ``transformers.get_wsd_schedule``) for ``cfg``; step both together.
 
@@ -260,8 +262,7 @@ def transformers_schedule(cfg: WSDConfig):
         cfg: the schedule.
 
     Returns:
-        (opt, sched): an SGD optimizer over one dummy tensor at ``cfg.base_lr`` and the
-        ``LambdaLR`` of ``get_wsd_schedule`` on it.
+        (opt, sched): SGD over one dummy tensor at ``cfg.base_lr``, its ``get_wsd_schedule``.
 
     Example:
         >>> opt, sched = transformers_schedule(WSDConfig(base_lr=1.0, warmup=2))
@@ -271,9 +272,8 @@ def transformers_schedule(cfg: WSDConfig):
     from transformers import get_wsd_schedule
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.base_lr)
-    sched = get_wsd_schedule(opt, cfg.warmup, cfg.decay, num_stable_steps=cfg.stable,
-                             decay_type=cfg.decay_type, min_lr_ratio=cfg.min_lr_ratio)
-    return opt, sched
+    return opt, get_wsd_schedule(opt, cfg.warmup, cfg.decay, num_stable_steps=cfg.stable,
+                                 decay_type=cfg.decay_type, min_lr_ratio=cfg.min_lr_ratio)
 
 
 def compare_with_transformers(cfg: WSDConfig, past_end: int = 3) -> dict:
@@ -291,9 +291,8 @@ def compare_with_transformers(cfg: WSDConfig, past_end: int = 3) -> dict:
         0.0
     """
     opt, sched = transformers_schedule(cfg)
-    ours, theirs = [], []
-    for k in range(cfg.total + past_end):
-        ours.append(wsd_lr(k, cfg))
+    ours, theirs = [wsd_lr(k, cfg) for k in range(cfg.total + past_end)], []
+    for _ in ours:
         theirs.append(opt.param_groups[0]["lr"])
         opt.step()  # no gradient: a no-op, but it keeps LambdaLR's ordering check quiet
         sched.step()

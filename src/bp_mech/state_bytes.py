@@ -6,8 +6,8 @@ fused SDPA, tied embeddings): the bytes of its parameters, gradients and AdamW s
 and of the activations one decoder layer saves for backward, in total and storage by
 storage. These are the exercise answers of the chapter (``param_bytes``, ``grad_bytes``,
 ``adam_state_bytes``, ``block_saved_bytes``) and the building blocks of
-``bp_mech.ledger.theoretical``; ``bp_mech.ledger`` re-exports every public name here
-(``from bp_mech.ledger import param_bytes`` works as before).
+``bp_mech.ledger.theoretical`` (with ``dims``, ``layer_params`` and
+``outer_saved_storages``).
 
 Notation: C = hidden_size, H = num_attention_heads, d = C / H,
 C_kv = num_key_value_heads * d, I = intermediate_size, V = vocab_size,
@@ -17,8 +17,22 @@ L = num_hidden_layers, n = B * T tokens.
 from __future__ import annotations
 
 
-def _dims(cfg) -> dict:
-    """Sizes of a Qwen2 config (a ``Qwen2Config`` or an ``ARCHITECTURES`` dict)."""
+def dims(cfg) -> dict:
+    """The sizes of a Qwen2 config, by the notation above.
+
+    Args:
+        cfg: a ``Qwen2Config`` or an ``ARCHITECTURES`` dict.
+
+    Returns:
+        A dict: ``C``, ``H``, ``hd`` (d), ``Ckv``, ``I``, ``V``, ``L`` (ints) and
+        ``tied`` (a bool).
+
+    Example:
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
+        >>> d = dims(ARCHITECTURES["tiny"])
+        >>> d["C"], d["hd"], d["Ckv"], d["tied"]
+        (64, 16, 32, True)
+    """
     g = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
     C, H, KV = g("hidden_size"), g("num_attention_heads"), g("num_key_value_heads")
     return dict(C=C, H=H, hd=C // H, Ckv=KV * (C // H), I=g("intermediate_size"),
@@ -26,8 +40,21 @@ def _dims(cfg) -> dict:
                 tied=bool(g("tie_word_embeddings")))
 
 
-def _layer_params(d) -> int:
-    """q/k/v (with bias), o, gate/up/down, two RMSNorm gains."""
+def layer_params(d) -> int:
+    """The parameters of one decoder layer: q/k/v (with bias), o, gate/up/down, two
+    RMSNorm gains.
+
+    Args:
+        d: the sizes, ``dims(cfg)``.
+
+    Returns:
+        The number of parameters, an int.
+
+    Example:
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
+        >>> layer_params(dims(ARCHITECTURES["tiny"]))
+        46336
+    """
     C, Ckv, I = d["C"], d["Ckv"], d["I"]
     return (C * C + C) + 2 * (C * Ckv + Ckv) + C * C + 3 * C * I + 2 * C
 
@@ -51,8 +78,8 @@ def param_bytes(cfg, bytes_per_value: int = 4) -> int:
         >>> param_bytes(tiny), param_bytes(qwen05) // 4
         (469248, 494032768)
     """
-    d = _dims(cfg)
-    n = d["V"] * d["C"] * (1 if d["tied"] else 2) + d["L"] * _layer_params(d) + d["C"]
+    d = dims(cfg)
+    n = d["V"] * d["C"] * (1 if d["tied"] else 2) + d["L"] * layer_params(d) + d["C"]
     return n * bytes_per_value
 
 
@@ -128,7 +155,7 @@ def block_saved_bytes(cfg, batch: int, seq: int, half: bool = False) -> int:
         >>> block_saved_bytes(tiny, 2, 8), block_saved_bytes(tiny, 2, 8, half=True)
         (82304, 55680)
     """
-    d, n = _dims(cfg), batch * seq
+    d, n = dims(cfg), batch * seq
     C, Ckv, I, lse = d["C"], d["Ckv"], d["I"], 4 * batch * d["H"] * seq
     if half:
         return n * (30 * C + 4 * Ckv + 8 * I + 8) + lse
@@ -159,7 +186,7 @@ def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
         >>> len(sizes), sum(sizes) == total, min(sizes)
         (17, True, 64)
     """
-    d, n = _dims(cfg), batch * seq
+    d, n = dims(cfg), batch * seq
     C, Ckv, I = d["C"], d["Ckv"], d["I"]
     norms = [4 * n * C] * 6 + [4 * n] * 2
     lse = 4 * batch * d["H"] * seq  # SDPA's log-sum-exp
@@ -167,9 +194,24 @@ def layer_saved_storages(cfg, batch: int, seq: int) -> list[int]:
     return norms + attention + [4 * n * I] * 4
 
 
-def _outer_saved_storages(d, batch: int, seq: int) -> list[int]:
-    """Saved outside the layers (float32): RoPE cos and sin (T, d) each, the final norm
-    (x, x/rms, normed output, 1/rms)."""
+def outer_saved_storages(d, batch: int, seq: int) -> list[int]:
+    """The storages saved outside the layers (float32), in bytes: RoPE cos and sin
+    (T, d) each, the final norm (x, x/rms, normed output, 1/rms).
+
+    Args:
+        d: the sizes, ``dims(cfg)``.
+        batch: B, sequences.
+        seq: T, tokens per sequence.
+
+    Returns:
+        A list of 6 ints: cos, sin, the final norm's three (n, C) storages and its
+        1/rms.
+
+    Example:
+        >>> from bp_mech.instruments.workload import ARCHITECTURES
+        >>> outer_saved_storages(dims(ARCHITECTURES["tiny"]), 2, 8)
+        [512, 512, 4096, 4096, 4096, 64]
+    """
     n = batch * seq
     return [4 * seq * d["hd"]] * 2 + [4 * n * d["C"]] * 3 + [4 * n]
 
@@ -195,7 +237,7 @@ def gpt_activation_bytes(cfg, batch: int, seq: int) -> float:
         >>> gpt_activation_bytes(ARCHITECTURES["tiny"], 2, 8)  # 8*2*64*(34+5*4*8/64)
         37376.0
     """
-    d = _dims(cfg)
+    d = dims(cfg)
     return seq * batch * d["C"] * (34 + 5 * d["H"] * seq / d["C"])
 
 
@@ -217,4 +259,4 @@ def attention_probs_bytes(cfg, batch: int, seq: int, bytes_per_value: int = 4) -
         >>> attention_probs_bytes(ARCHITECTURES["tiny"], 2, 8)  # 2 * 4 * 8 * 8 * 4
         2048
     """
-    return batch * _dims(cfg)["H"] * seq * seq * bytes_per_value
+    return batch * dims(cfg)["H"] * seq * seq * bytes_per_value

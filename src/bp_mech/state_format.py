@@ -1,21 +1,19 @@
 """The on-disk format of a saved training state, and the checks made before anything is loaded.
 
 A saved state is a directory of ``FILES`` (the weights once per tensor: ``unique_tensors``) and the manifest
-``state.json`` (``FIELDS``: the run's ``identity``, every file's size and sha256); a root names its newest
-complete saved state in ``latest`` (``resolve``). ``read_manifest`` validates one without touching a model.
-Saving and loading are ``bp_mech.training_state``, which re-exports every name here.
+``state.json`` (``FIELDS``: the run's identity, ``bp_mech.state_identity``; every file's size and sha256,
+``file_sha256``); a root names its newest complete saved state in ``latest`` (``resolve``).
+``read_manifest`` validates one without touching a model, ``check_layout`` its weights and optimizer state
+against the live ones. Saving and loading are ``bp_mech.training_state``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
 import torch
-
-from bp_mech.continual_data import text_sha256
 
 FORMAT = "bp-mech-training-state/1"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "config.json")
@@ -47,77 +45,6 @@ class TrainingStateError(ValueError):
         >>> isinstance(err, ValueError), str(err)
         (True, "saved state /tmp/s: field 'clock' is missing")
     """
-
-
-MODEL_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                     "tie_word_embeddings")
-
-
-def model_config_identity(config) -> dict:
-    """The architecture fields of a model config (``MODEL_CONFIG_KEYS``): the manifest's ``model_config``.
-
-    Args:
-        config: a Transformers model config; a field it lacks is None.
-
-    Returns:
-        ``{key: getattr(config, key, None)}`` for every key of ``MODEL_CONFIG_KEYS``.
-
-    Example:
-        >>> from bp_mech.instruments.workload import qwen2_config
-        >>> fields = model_config_identity(qwen2_config("tiny"))
-        >>> fields["hidden_size"], fields["num_hidden_layers"], fields["tie_word_embeddings"]
-        (64, 2, True)
-    """
-    return {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS}
-
-
-def identity(workload: dict, train_config, ids: torch.Tensor, batch: int, seq: int, model_config=None) -> dict:
-    """The sections of ``IDENTITY``: what a saved state must share with the run that resumes it.
-
-    Args:
-        workload: the record's workload group (``instruments.workload.workload_fields``), kept as it is.
-        train_config: the phase's ``continual_pretrain.TrainConfig``, kept as a dict.
-        ids: (N,) token ids of the training text, kept as its ``text_sha256`` and token count.
-        batch: sequences per batch of the data stream.
-        seq: tokens per sequence of the data stream.
-        model_config: a config object, kept as its ``model_config_identity`` (None: not compared).
-
-    Returns:
-        ``{"workload", "train_config", "data": {"text_sha256", "text_tokens", "batch", "seq"}, "model_config"}``.
-
-    Example:
-        >>> from bp_mech.continual_pretrain import TrainConfig
-        >>> ident = identity({"workload_id": "tiny-b1s8"}, TrainConfig(), torch.arange(64), 1, 8)
-        >>> sorted(ident), ident["data"]["text_tokens"], ident["model_config"]
-        (['data', 'model_config', 'train_config', 'workload'], 64, None)
-    """
-    return dict(workload=workload, train_config=dataclasses.asdict(train_config),
-                data=dict(text_sha256=text_sha256(ids), text_tokens=len(ids), batch=batch, seq=seq),
-                model_config=None if model_config is None else model_config_identity(model_config))
-
-
-def trainer_identity(trainer, workload: dict) -> dict:
-    """The ``identity`` of a live trainer: its config, its data stream's text, batch and seq, its model's config.
-
-    Args:
-        trainer: a ``bench.trainer.Trainer`` (``phase_trainer``'s).
-        workload: the record's workload group.
-
-    Returns:
-        The ``IDENTITY`` sections, as ``identity`` returns them.
-
-    Example:
-        >>> from bp_mech.instruments.workload import build_model, parse_workload
-        >>> from bp_mech.bench.trainer import phase_trainer
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig
-        >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
-        ...                   TextStream(torch.arange(64), 1, 8, 0))
-        >>> ident = trainer_identity(t, {"workload_id": "tiny-b1s8"})
-        >>> ident["data"]["batch"], ident["data"]["seq"], ident["model_config"]["hidden_size"]
-        (1, 8, 64)
-    """
-    return identity(workload, trainer.cfg, trainer.data.ids, trainer.data.batch, trainer.data.seq, trainer.model.config)
 
 
 def tied_names(state: dict) -> dict[str, str]:
@@ -159,7 +86,22 @@ def unique_tensors(state: dict) -> dict:
     return {name: state[name] for name, kept in tied_names(state).items() if name == kept}
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 16 MiB chunks: what the manifest keeps of every file of ``FILES``.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The hex digest, 64 characters.
+
+    Example:
+        >>> import tempfile
+        >>> f = Path(tempfile.mkdtemp()) / "x"
+        >>> _ = f.write_bytes(b"abc")
+        >>> file_sha256(f)[:16]
+        'ba7816bf8f01cfea'
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
@@ -260,13 +202,36 @@ def read_manifest(path, identity: dict | None = None, semantic_id: str | None = 
         if p.stat().st_size != info["bytes"]:
             raise TrainingStateError(f"{where}: {f} is {p.stat().st_size} bytes, the manifest says {info['bytes']} "
                                   "(truncated or replaced)")
-        if _sha256(p) != info["sha256"]:
+        if file_sha256(p) != info["sha256"]:
             raise TrainingStateError(f"{where}: {f} does not match its sha256 in the manifest (corrupt)")
     return path, m
 
 
-def _check_layout(where: str, trainer, weights_path: Path, opt_state) -> None:
-    """Weights and optimizer state against the live model, before anything is loaded."""
+def check_layout(where: str, trainer, weights_path: Path, opt_state) -> None:
+    """Saved weights and optimizer state against the live model and optimizer, before anything is loaded.
+
+    Args:
+        where: the message's prefix, ``"saved state <path>"``.
+        trainer: the ``bench.trainer.Trainer`` to restore into.
+        weights_path: the saved ``model.safetensors``.
+        opt_state: the saved optimizer ``state_dict()``.
+
+    Returns:
+        None; it only checks.
+
+    Raises:
+        TrainingStateError: a weight missing, unknown or of another shape or dtype, or optimizer state of
+            another parameter layout.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> trainer = SimpleNamespace(model=torch.nn.Linear(2, 1))
+        >>> try:
+        ...     check_layout("saved state /x", trainer, Path("/nonexistent.safetensors"), {})
+        ... except TrainingStateError as e:
+        ...     print(str(e).split(":")[1].strip())
+        model.safetensors cannot be read
+    """
     from safetensors import safe_open
 
     want = unique_tensors(trainer.model.state_dict())

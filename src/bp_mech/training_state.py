@@ -17,8 +17,8 @@ file). ``load_training_state`` checks the manifest field by field, the files' si
 sha256, the weights' names, shapes and dtypes and the optimizer state's layout against
 the live trainer *before* it changes anything; a mismatch is one ``TrainingStateError``
 line and nothing is loaded. ``config.json`` makes a saved state a Transformers model
-directory (``from_pretrained``). The format and its checks are ``bp_mech.state_format``,
-the RNG states ``bp_mech.rng_state``; every name of both is importable from here.
+directory (``from_pretrained``). The format and its checks are ``bp_mech.state_format``, the
+run's identity ``bp_mech.state_identity``, the RNG states ``bp_mech.rng_state``.
 """
 from __future__ import annotations
 
@@ -32,14 +32,9 @@ from pathlib import Path
 import torch
 
 from bp_mech.rng_state import rng_states, set_rng_states
-from bp_mech.state_format import (FIELDS, FILES, FORMAT, IDENTITY, LATEST, MODEL_CONFIG_KEYS, TrainingStateError,
-                                  _check_layout, _sha256, identity, model_config_identity, read_manifest, resolve,
-                                  tied_names, trainer_identity, unique_tensors)
-
-__all__ = ["FORMAT", "FILES", "LATEST", "IDENTITY", "FIELDS", "TrainingStateError", "rng_states", "set_rng_states",
-           "clock_state", "set_clock_state", "capture_state", "restore_state", "MODEL_CONFIG_KEYS",
-           "model_config_identity", "identity", "trainer_identity", "tied_names", "unique_tensors",
-           "save_training_state", "resolve", "read_manifest", "load_training_state"]
+from bp_mech.state_format import (FILES, FORMAT, LATEST, TrainingStateError, check_layout, file_sha256,
+                                  read_manifest, tied_names, unique_tensors)
+from bp_mech.state_identity import trainer_identity
 
 
 # --- in memory --------------------------------------------------------------------------
@@ -101,7 +96,8 @@ def capture_state(trainer) -> dict:
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.bench.trainer import phase_trainer
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_pretrain import TrainConfig, train
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> state = capture_state(t); _ = train(t, 2)
@@ -135,7 +131,8 @@ def restore_state(trainer, state: dict, *, copy_state: bool = True) -> None:
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.bench.trainer import phase_trainer
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_pretrain import TrainConfig, train
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> state = capture_state(t); first = [row.loss for row in train(t, 2)]
@@ -177,7 +174,8 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.bench.trainer import phase_trainer
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_pretrain import TrainConfig
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
@@ -213,7 +211,7 @@ def save_training_state(trainer, root, workload: dict, record: dict) -> Path:
                         data_position=dict(position=trainer.data.position,
                                            tokens=trainer.data.tokens),
                         files={f: dict(bytes=(tmp / f).stat().st_size,
-                                       sha256=_sha256(tmp / f)) for f in FILES})
+                                       sha256=file_sha256(tmp / f)) for f in FILES})
         (tmp / "state.json").write_text(json.dumps(manifest, indent=1) + "\n",
                                         encoding="utf-8")
         os.rename(tmp, root / name)  # the saved state appears complete, or not at all
@@ -253,7 +251,8 @@ def load_training_state(trainer, path, workload: dict, semantic_id: str | None =
     Example:
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> from bp_mech.bench.trainer import phase_trainer
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_pretrain import TrainConfig, train
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))
         >>> with tempfile.TemporaryDirectory() as root:
@@ -270,7 +269,7 @@ def load_training_state(trainer, path, workload: dict, semantic_id: str | None =
         rng = torch.load(path / "rng.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 (unpickling errors come in many classes)
         raise TrainingStateError(f"{where}: optimizer.pt or rng.pt cannot be read: {type(e).__name__}") from None
-    _check_layout(where, trainer, path / "model.safetensors", opt_state)
+    check_layout(where, trainer, path / "model.safetensors", opt_state)
     missing = {"torch", "python", "numpy", "data_generator"} - set(rng)
     if missing:
         raise TrainingStateError(f"{where}: rng.pt lacks the RNG state(s) {sorted(missing)}")

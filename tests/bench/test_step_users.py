@@ -15,7 +15,7 @@ from bp_mech.bench import step
 SRC = Path(bp_mech.__file__).parent
 # function (module:qualified name) -> why it keeps a loop of its own; bench.step's docstring names each one
 EXCEPTIONS = {
-    "bp_mech.accumulation:accelerate_updates": "Accelerate's idiom (accelerator.backward inside accumulate)",
+    "bp_mech.accumulation_framework:accelerate_updates": "Accelerate's idiom (accelerator.backward inside accumulate)",
     "bp_mech.projects.baseline_loop:run_updates": "Accelerate's idiom, project 73's multi-process loop",
     "bp_mech.amp:clipping_order": "the mistake the AMP chapter shows: clipping before unscale_",
     "bp_mech.experiments.accumulation_updates:train_updates": "the naive mean-of-means normalisation, shown",

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from bp_mech import accumulation, checkpointing, chunked_loss
+from bp_mech import accumulation, checkpointing, chunked_head, chunked_loss
 from bp_mech.bench import strategy as S
 from bp_mech.bench.step import train_step
 from bp_mech.instruments.workload import build_model, make_batches, parse_workload
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one 
 def setup():
     model = build_model(W)
     batch = make_batches(W, 1)[0]
-    batch["labels"][1, 20:] = accumulation.IGNORE  # padding: micro-batches hold different target counts
+    batch["labels"][1, 20:] = chunked_loss.IGNORE  # padding: micro-batches hold different target counts
     return model, batch
 
 
@@ -147,9 +147,9 @@ def test_bad_names_are_refused(bad):
 def test_off_switches_are_null_contexts(setup):
     model, batch = setup
     assert isinstance(checkpointing.configure(model, "plain"), contextlib.nullcontext)
-    assert isinstance(chunked_loss.chunked(model, None), contextlib.nullcontext)
+    assert isinstance(chunked_head.chunked(model, None), contextlib.nullcontext)
     assert isinstance(accumulation.token_weighted(batch, 1), contextlib.nullcontext)
-    with S.applied(model, S.PLAIN) as ctx:
+    with S.enter(model, S.PLAIN) as ctx:
         assert ctx.offload is None and not ctx.scaler.is_enabled()
 
 
@@ -158,10 +158,10 @@ def test_applied_is_undone_after_its_block(setup):
     model = copy.deepcopy(model)
     head, names = model.lm_head, [n for n, _ in model.named_parameters()]
     s = S.parse("checkpoint-mlp+offload+fp16+chunked-loss")
-    with S.applied(model, s) as ctx:
-        assert isinstance(model.lm_head, chunked_loss.ChunkedHead) and model(**batch).logits is None
+    with S.enter(model, s) as ctx:
+        assert isinstance(model.lm_head, chunked_head.ChunkedHead) and model(**batch).logits is None
         assert ctx.offload is not None and ctx.scaler.is_enabled()
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, s, applied=ctx)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, s, entered=ctx)
         assert ctx.d2h_bytes > 0 and ctx.d2h_bytes == ctx.h2d_bytes
     assert model.lm_head is head and "forward" not in vars(model)
     assert [n for n, _ in model.named_parameters()] == names

@@ -8,7 +8,7 @@ import torch
 from bp_mech import checkpointing, offload
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.step import probe
-from bp_mech.bench.strategy import Applied, Strategy, configured, parse
+from bp_mech.bench.strategy import Entered, Strategy, configured, parse
 from bp_mech.experiments.dry_run import schedule
 from bp_mech.experiments.offload import count_saved
 from bp_mech.records import registry
@@ -43,7 +43,7 @@ def test_offload_on_cuda_moves_tensors_and_leaves_the_step_equal(gpu_model, setu
     s = Strategy(checkpoint=setup, offload=True)
     for _ in range(3):  # the host pool is reused from the second step on
         with configured(model, s):
-            got = probe(model, batches[0], s, applied=Applied(model, s, "cuda", hooks=off))
+            got = probe(model, batches[0], s, entered=Entered(model, s, "cuda", hooks=off))
         ok, c = _equal(ref, got)
         assert ok, c
         assert off.d2h_bytes == off.h2d_bytes == counted.bytes_at_least(MIN_BYTES) > 0

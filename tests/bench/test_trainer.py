@@ -11,7 +11,8 @@ import torch
 from bp_mech.bench.step import train_step
 from bp_mech.bench.strategy import parse
 from bp_mech.bench.trainer import Trainer, loss_times, phase_trainer
-from bp_mech.continual_pretrain import TextStream, TrainConfig
+from bp_mech.continual_data import TextStream
+from bp_mech.continual_pretrain import TrainConfig
 from bp_mech.instruments.workload import build_model, make_batches, parse_workload
 from bp_mech.scheduler import WSDConfig, wsd_lr
 from bp_mech.update_dynamics import clip_coefficient

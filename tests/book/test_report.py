@@ -1,7 +1,7 @@
 """The provenance box beside cached GPU records (report.provenance_box) and the course's reference run.
 
 No GPU record is cached: a synthetic one, made from a cached CPU record with the fields a GPU
-run writes, goes through the cache (saved, validated, loaded by ``report.cached``) in tmp_path.
+run writes, goes through the cache (saved, validated, loaded by ``records.cache.cached``) in tmp_path.
 """
 
 import dataclasses
@@ -10,7 +10,7 @@ import html
 import pytest
 
 from bp_mech import RESULTS_DIR
-from bp_mech.records import provenance, references, registry, results
+from bp_mech.records import cache, provenance, references, registry, results
 from bp_mech.book import report
 
 SID = "TRAIN-CHECKPOINT"
@@ -29,7 +29,7 @@ def _gpu_record(candidate: str, code_hash: str) -> results.Record:
 def _cache(tmp_path, code_hash):
     for c in ("plain", "checkpoint-all"):
         results.save_record(_gpu_record(c, code_hash), tmp_path)
-    cached = report.cached(SID, tmp_path)
+    cached = cache.cached(SID, tmp_path)
     return cached, cached.gpu()["gpu-default"]
 
 
@@ -46,7 +46,7 @@ def test_box_of_a_current_gpu_record(tmp_path):
     assert rows["date"] == "2026-03-01T12:00:00+00:00"
     assert rows["evidence"] == "gpu-measured (memory: cuda-allocator)"
     assert rows["code"].startswith(f"current: code_hash {now} matches this source; git commit 0123456789ab")
-    ref = references.SEED[SID]
+    ref = references.REFERENCES[SID]
     assert rows["reference"].startswith(ref.summary()) and "not this book's measurement" in rows["reference"]
     page = box._repr_html_()
     assert 'class="admonition note bp-provenance"' in page and html.escape(rows["model"]) in page
@@ -65,11 +65,11 @@ def test_box_of_a_stale_gpu_record_says_so(tmp_path):
     assert 'class="admonition warning bp-provenance"' in box._repr_html_()
 
 
-def test_box_without_a_seed_reference_and_config_model():
+def test_box_without_a_course_reference_and_config_model():
     rec = dataclasses.replace(_gpu_record("plain", "x"), semantic_id="TRAIN-UPDATE-DYNAMICS", model_source="config",
                               model_commit="c0ffee" * 4)
     rows = dict(report.provenance_box(rec).rows)
-    assert "reference" not in rows and references.seed_reference("TRAIN-UPDATE-DYNAMICS") is None
+    assert "reference" not in rows and references.for_experiment("TRAIN-UPDATE-DYNAMICS") is None
     assert rows["model"].startswith("Qwen/Qwen2.5-0.5B, random init from the config (config hash c0ffeec0ffee)")
 
 
@@ -87,7 +87,7 @@ def test_box_escapes_html():
                                     "short sequences: decision tune"),
 ])
 def test_reference_summaries_read_as_design_md_table(sid, phrase):
-    ref = references.SEED[sid]
+    ref = references.REFERENCES[sid]
     s = ref.summary()
     assert s.startswith("the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B, run label ") and s.endswith(phrase)
     assert ref.source == "the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B)" and "seed" not in s.lower()

@@ -81,3 +81,16 @@ def returns_input(f, index: int):
             target.copy_(out)
         return target
     return g
+
+
+def caught_by(checks, m, fn: str) -> int:
+    """How many of ``checks`` reject the solutions ``m``; each rejection must name ``fn`` first (``<fn>: ...``, the
+    one-line message ``bp-mech check`` prints)."""
+    caught = 0
+    for check in checks:
+        try:
+            check(m)
+        except AssertionError as e:
+            assert str(e).startswith(f"{fn}: "), e
+            caught += 1
+    return caught

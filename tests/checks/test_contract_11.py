@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import mutant
 
-from bp_mech import accumulation
-from bp_mech.checks import ex11
+from bp_mech import accumulation, chunked_loss
+from bp_mech.checks import ex11, ex11_contract
 from checks.mutants import (
     attached,
     contiguous_only,
@@ -39,7 +39,7 @@ def _split_by_view(batch, k):  # rows flattened with .view(): fails on a non-con
 
 def _naive_log_softmax(z, y, n):  # log(softmax): the softmax underflows to 0 at logits of magnitude 1000
     z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
-    y = accumulation.shifted_targets(y)
+    y = chunked_loss.shifted_targets(y)
     logp = torch.log(torch.softmax(z, -1))
     keep = y != -100
     return -logp[keep].gather(-1, y[keep][:, None]).sum() / n
@@ -126,28 +126,28 @@ def _weights(kind):
 
 A = ANS
 CASES = [
-    (ex11.check_split__contract, {"split": _split_mutating}, r"batch\['input_ids'\] was modified in place"),
-    (ex11.check_split__contract, {"split": _split_by_view}, "raised RuntimeError at .*non-contiguous"),
-    (ex11.check_split__contract, {"split": lambda b, k: tuple(accumulation.split(b, k))}, "the result is a tuple"),
-    (ex11.check_count_targets__contract,
+    (ex11_contract.check_split__contract, {"split": _split_mutating}, r"batch\['input_ids'\] was modified in place"),
+    (ex11_contract.check_split__contract, {"split": _split_by_view}, "raised RuntimeError at .*non-contiguous"),
+    (ex11_contract.check_split__contract, {"split": lambda b, k: tuple(accumulation.split(b, k))}, "the result is a tuple"),
+    (ex11_contract.check_count_targets__contract,
      {"count_targets": modifies_input(A.count_targets, 0, how=lambda t: t.masked_fill_(t == -100, 0))},
      "labels was modified in place"),
-    (ex11.check_count_targets__contract, {"count_targets": storage_order_only(A.count_targets)}, "non-contiguous"),
-    (ex11.check_micro_batch_loss__contract, {"micro_batch_loss": _naive_log_softmax}, "non-finite values"),
-    (ex11.check_micro_batch_loss__contract, {"micro_batch_loss": modifies_input(A.micro_batch_loss, 0)},
+    (ex11_contract.check_count_targets__contract, {"count_targets": storage_order_only(A.count_targets)}, "non-contiguous"),
+    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": _naive_log_softmax}, "non-finite values"),
+    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": modifies_input(A.micro_batch_loss, 0)},
      "logits was modified in place"),
-    (ex11.check_micro_batch_loss__contract,
+    (ex11_contract.check_micro_batch_loss__contract,
      {"micro_batch_loss": modifies_input(A.micro_batch_loss, 1, how=lambda t: t.masked_fill_(t == -100, 0))},
      "labels was modified in place"),
-    (ex11.check_micro_batch_loss__contract, {"micro_batch_loss": contiguous_only(A.micro_batch_loss)},
+    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": contiguous_only(A.micro_batch_loss)},
      "raised RuntimeError at .*view"),
-    (ex11.check_accumulated_backward__contract, {"accumulated_backward": _backward(mutate=True)},
+    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(mutate=True)},
      r"batch\['labels'\] was modified in place"),
-    (ex11.check_accumulated_backward__contract, {"accumulated_backward": _backward(zero_first=True)},
+    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(zero_first=True)},
      "grad already holding"),
-    (ex11.check_accumulated_backward__contract, {"accumulated_backward": _backward(swallow=True)},
+    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(swallow=True)},
      "did not propagate"),
-    (ex11.check_accumulated_backward__contract, {"accumulated_backward": attached(A.accumulated_backward)},
+    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": attached(A.accumulated_backward)},
      "attached to the autograd graph"),
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": A.accumulated_backward},
      "returned loss"),
@@ -158,14 +158,14 @@ CASES = [
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": _per_sequence(clamp=False)},
      "returned loss is nan"),
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": _no_value_error},
-     "no ValueError"),
-    (ex11.check_accumulated_backward_per_sequence__contract,
+     r"for R = 0 \(the per-sequence mean is undefined\), expected ValueError"),
+    (ex11_contract.check_accumulated_backward_per_sequence__contract,
      {"accumulated_backward_per_sequence": attached(A.accumulated_backward_per_sequence)}, "attached"),
-    (ex11.check_accumulated_backward_per_sequence__contract,
+    (ex11_contract.check_accumulated_backward_per_sequence__contract,
      {"accumulated_backward_per_sequence": _per_seq_wrapped("zero-first")}, "grad already holding"),
-    (ex11.check_accumulated_backward_per_sequence__contract,
+    (ex11_contract.check_accumulated_backward_per_sequence__contract,
      {"accumulated_backward_per_sequence": _per_seq_wrapped("swallow")}, "did not propagate"),
-    (ex11.check_accumulated_backward_per_sequence__contract,
+    (ex11_contract.check_accumulated_backward_per_sequence__contract,
      {"accumulated_backward_per_sequence": _per_seq_wrapped("mutate")}, r"batch\['labels'\] was modified in place"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("no-k")}, "measured ratio"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("inverted")}, "measured ratio"),

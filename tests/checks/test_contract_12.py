@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import mutant
 
-from bp_mech.checks import ex12
+from bp_mech.checks import ex12, ex12_contract
 from bp_mech.scheduler import UpdateClock, wsd_factor, wsd_lr
 
 ANS = mutant("ex12_scheduler_clock")
@@ -112,28 +112,28 @@ def _predict(no_overflows=False, no_periodic=False, period_off=False, as_list=Fa
 
 
 CASES = [
-    (ex12.check_wsd_lr__contract, {"wsd_lr": lambda k, c: np.float64(wsd_lr(k, c))}, "lr is a float64"),
-    (ex12.check_wsd_lr__contract, {"wsd_lr": _wsd_unconverted}, "lr is an int"),
-    (ex12.check_wsd_lr__contract, {"wsd_lr": lambda k, c: float(c.base_lr * wsd_factor(k, c))},
-     "no ValueError at update -1"),
-    (ex12.check_UpdateClock__contract, {"UpdateClock": SharedClock}, "state shared between instances"),
-    (ex12.check_UpdateClock__contract, {"UpdateClock": FloatCounts}, "(updates|skipped) is a float,"),
-    (ex12.check_UpdateClock__contract, {"UpdateClock": NumpyLr}, "lr is a float64"),
-    (ex12.check_UpdateClock__state_dict, {"UpdateClock": ForgetsSkipped}, r"load_state_dict\(state_dict\(\)\) gives"),
-    (ex12.check_UpdateClock__state_dict, {"UpdateClock": AliasedState}, "return a copy"),
-    (ex12.check_UpdateClock__state_dict, {"UpdateClock": TrustingLoad}, "no ValueError"),
-    (ex12.check_UpdateClock__state_dict, {"UpdateClock": HalfLoad}, "a rejected load_state_dict"),
-    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(off_by_one=True)}, "CosineAnnealingWarmRestarts"),
-    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(no_mult=True)}, "mult=2"),
-    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(to_min=True)}, "CosineAnnealingWarmRestarts"),
-    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_by_log}, "update 111, .*mult=10"),
-    (ex12.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(check=False)}, "no ValueError"),
-    (ex12.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(cast=np.float64)},
+    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": lambda k, c: np.float64(wsd_lr(k, c))}, "lr is a float64"),
+    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": _wsd_unconverted}, "lr is an int"),
+    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": lambda k, c: float(c.base_lr * wsd_factor(k, c))},
+     r"for update -1 \(negative\), expected ValueError"),
+    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": SharedClock}, "state shared between instances"),
+    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": FloatCounts}, "(updates|skipped) is a float,"),
+    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": NumpyLr}, "lr is a float64"),
+    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": ForgetsSkipped}, r"load_state_dict\(state_dict\(\)\) gives"),
+    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": AliasedState}, "return a copy"),
+    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": TrustingLoad}, "expected ValueError"),
+    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": HalfLoad}, "a rejected load_state_dict"),
+    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(off_by_one=True)}, "CosineAnnealingWarmRestarts"),
+    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(no_mult=True)}, "mult=2"),
+    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(to_min=True)}, "CosineAnnealingWarmRestarts"),
+    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_by_log}, "update 111, .*mult=10"),
+    (ex12_contract.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(check=False)}, "expected ValueError"),
+    (ex12_contract.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(cast=np.float64)},
      "the learning rate is a float64"),
-    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(no_overflows=True)}, "measured"),
-    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(no_periodic=True)}, "measured"),
-    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(period_off=True)}, "measured"),
-    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(as_list=True)}, "the prediction is a list"),
+    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(no_overflows=True)}, "measured"),
+    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(no_periodic=True)}, "measured"),
+    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(period_off=True)}, "measured"),
+    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(as_list=True)}, "the prediction is a list"),
 ]
 
 

@@ -4,7 +4,7 @@ that breaks exactly it, and the variant's and the prediction's checks reject the
 import pytest
 from conftest import mutant
 
-from bp_mech import ledger
+from bp_mech import state_bytes
 from bp_mech.checks import ex43, ex43_contract
 from tests.checks.mutants import as_tensor
 
@@ -19,36 +19,36 @@ def _bad(**over):
 # --- contract properties of the four ledger lines ------------------------------------------
 
 def _float_params(cfg, nb=4):  # a division on the way: 1.2e5 bytes, a float
-    return ledger.param_bytes(cfg, nb) / 1
+    return state_bytes.param_bytes(cfg, nb) / 1
 
 
 def _untie(cfg, nb=4):  # "count lm_head separately": the config untied for the rest of the run
-    out = ledger.adam_state_bytes(cfg, nb)
+    out = state_bytes.adam_state_bytes(cfg, nb)
     cfg.tie_word_embeddings = False
     return out
 
 
 def _float64_as_four(cfg, nb=4):  # a dtype table with 4 and 2 only
-    return ledger.param_bytes(cfg, min(nb, 4))
+    return state_bytes.param_bytes(cfg, min(nb, 4))
 
 
 def _grads_float64_as_four(cfg, nb=4):
-    return ledger.grad_bytes(cfg, min(nb, 4))
+    return state_bytes.grad_bytes(cfg, min(nb, 4))
 
 
 def _single_head(cfg, batch, seq):  # right for the chapter's shapes, wrong with one query head
     extra = 4 * batch * seq if cfg.num_attention_heads == 1 else 0
-    return ledger.block_saved_bytes(cfg, batch, seq) + extra
+    return state_bytes.block_saved_bytes(cfg, batch, seq) + extra
 
 
 def _float_block(cfg, batch, seq):
-    return float(ledger.block_saved_bytes(cfg, batch, seq))
+    return float(state_bytes.block_saved_bytes(cfg, batch, seq))
 
 
 @pytest.mark.parametrize("check, over, message", [
     (ex43_contract.check_param_bytes__contract, {"param_bytes": _float_params},
      r"^param_bytes: the byte count is a float, expected an int"),
-    (ex43_contract.check_grad_bytes__contract, {"grad_bytes": as_tensor(ledger.grad_bytes)},
+    (ex43_contract.check_grad_bytes__contract, {"grad_bytes": as_tensor(state_bytes.grad_bytes)},
      r"^grad_bytes: the byte count is a int64 tensor of shape \(\), expected an int"),
     (ex43_contract.check_adam_state_bytes__contract, {"adam_state_bytes": _untie},
      r"^adam_state_bytes: cfg was modified \(tie_word_embeddings True -> False\)"),
@@ -101,7 +101,7 @@ def test_gelu_mlp_checks_catch_the_classic_mistakes(check, f, message):
 def _predict(W=3, saved=1, norm=1, logits=4, cast=int):
     def f(cfg, B, T):
         n, C, V = B * T, cfg.hidden_size, cfg.vocab_size
-        return cast(W * ledger.param_bytes(cfg) + saved * cfg.num_hidden_layers * ledger.block_saved_bytes(cfg, B, T)
+        return cast(W * state_bytes.param_bytes(cfg) + saved * cfg.num_hidden_layers * state_bytes.block_saved_bytes(cfg, B, T)
                     + norm * 4 * n * (3 * C + 1) + logits * n * V)
     return f
 

@@ -8,10 +8,8 @@ import pytest
 import torch
 from conftest import ROOT, load_solution, mutant
 
-from bp_mech import continual_pretrain as cpt
-from bp_mech import training_state as ts
-from bp_mech.checks import ex56
-from bp_mech.checks import ex56_contract as c56
+from bp_mech import continual_eval, training_state as ts
+from bp_mech.checks import ex56, ex56_contract as c56
 from checks.mutants import as_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,13 +23,13 @@ def _solution(**over):
 # --- token_loss -----------------------------------------------------------------------------------
 
 def _modifies_labels(model, batches):
-    out = cpt.token_loss(model, batches)
+    out = continual_eval.token_loss(model, batches)
     batches[0]["labels"][0, 0] = 3
     return out
 
 
 def _modifies_model(model, batches):
-    out = cpt.token_loss(model, batches)
+    out = continual_eval.token_loss(model, batches)
     with torch.no_grad():
         next(model.parameters()).mul_(2.0)
     return out
@@ -62,12 +60,12 @@ def _log_of_softmax(model, batches):
 
 def _weighted_batch_means(model, batches):  # right on batches with targets, 0/0 on an all-ignored one
     n = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
-    return sum(cpt.token_loss(model, [b]) * k for b, k in zip(batches, n)) / sum(n)
+    return sum(continual_eval.token_loss(model, [b]) * k for b, k in zip(batches, n)) / sum(n)
 
 
 def _swallows(model, batches):
     try:
-        return cpt.token_loss(model, batches)
+        return continual_eval.token_loss(model, batches)
     except Exception:  # noqa: BLE001
         return math.nan
 
@@ -77,7 +75,7 @@ def _swallows(model, batches):
     (_modifies_model, r"token_loss: model.table was modified in place"),
     (_with_view, r"token_loss: raised RuntimeError at .*transpose view"),
     (_log_of_softmax, r"token_loss: the loss is inf where the mathematics is finite at .*scale 1000"),
-    (as_tensor(cpt.token_loss), r"token_loss: the loss is a .*tensor.*, expected a float"),
+    (as_tensor(continual_eval.token_loss), r"token_loss: the loss is a .*tensor.*, expected a float"),
     (_weighted_batch_means, r"token_loss: the loss is nan .*all-ignored batch"),
     (_swallows, r"token_loss: the model raised an exception and token_loss returned a value"),
 ], ids=["modifies-batches", "modifies-model", "contiguous-only", "log-of-softmax", "tensor-not-float",

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_solution, mutant
 
 from bp_mech import ROOT
-from bp_mech.checks import ex74, ex74_variant
+from bp_mech.checks import ex74, ex74_contract, ex74_variant
 from bp_mech.projects import diagnosis, step_profile
 
 EX = "ex74_profiling"
@@ -162,7 +162,7 @@ LIVE = [
 @pytest.mark.parametrize("name, f, message", LIVE, ids=[p[0] for p in LIVE])
 def test_live_by_category_contract_rejects(name, f, message):
     with pytest.raises(AssertionError, match=message):
-        ex74.check_live_by_category__contract(mutant(EX, live_by_category=f))
+        ex74_contract.check_live_by_category__contract(mutant(EX, live_by_category=f))
 
 
 # --- self_time_by_name (variant) ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import mutant
 
-from bp_mech import ledger
+from bp_mech import ledger, state_bytes
 from bp_mech.bench.strategy import parse
 from bp_mech.checks import ex76, ex76_contract
 from bp_mech.projects.pareto import choose_for_budget, pareto_front
@@ -200,7 +200,7 @@ def test_a_negative_slowdown_must_raise():
 @pytest.mark.parametrize("f, message", [
     (lambda cfg, B, T: ledger.theoretical(cfg, B, T, None, "cuda").peak, r"\(\+\d+\.\d%"),  # plain's peak
     (lambda cfg, B, T: ledger.theoretical(cfg, B, T, parse("checkpoint-all"), "cpu").peak, r"\(\+\d+\.\d%"),
-    (lambda cfg, B, T: 4 * ledger.param_bytes(cfg), r"\(-\d+\.\d%"),  # the model state alone
+    (lambda cfg, B, T: 4 * state_bytes.param_bytes(cfg), r"\(-\d+\.\d%"),  # the model state alone
     (lambda cfg, B, T: float(ledger.theoretical(cfg, B, T, parse("checkpoint-all"), "cuda").peak),
      r"the byte count is a float, expected an int"),
 ], ids=["plain-peak", "cpu-adamw", "model-state-only", "float"])

@@ -7,13 +7,11 @@ conformance check."""
 import pytest
 import torch
 
-from bp_mech import accumulation
+from bp_mech import accumulation, accumulation_framework
 from bp_mech.bench.compare import relative_l2
 from bp_mech.instruments.workload import build_model, parse_workload
-from bp_mech.book import report
-from bp_mech.experiments import accumulation as experiment
-from bp_mech.experiments import harness
-from bp_mech.records import registry, results
+from bp_mech.records import cache, registry, results
+from bp_mech.experiments import accumulation as experiment, accumulation_updates, harness
 
 W = parse_workload("tiny-b2s16")
 CFG = experiment.AccumConfig(updates=2, timed=3, warmup=1)
@@ -103,7 +101,7 @@ def test_run_records_one_label_per_sequence_length(tmp_path, monkeypatch):
             x for x in recs if x.candidate == "plain" and x.workload_id == r.workload_id).peak_allocated
         want = experiment.decide(r.grad_error, 1e-5, m["peak_saving"], m["time_ratio"], r.timing_noise)
         assert dict(decision=r.decision, next_step=r.next_step) == want.record_fields()
-    c = report.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
+    c = cache.cached("TRAIN-GRADIENT-ACCUMULATION", tmp_path)
     assert sorted(c.groups) == ["cpu-default-s16", "cpu-default-s8"]
     monkeypatch.undo()  # the plan of the real configs
     plan = registry.dry_run(registry.make_context("TRAIN-GRADIENT-ACCUMULATION", "dry_run", "qwen05-b2s256"))
@@ -118,10 +116,10 @@ def test_stale_gradients_do_not_leak_into_the_next_candidate(setup):
     """A candidate that fails mid-backward (CUDA OOM) leaves .grad behind on the shared model;
     the next one must start from zero, not accumulate into it."""
     model, init, batches = setup
-    clean = experiment.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
+    clean = accumulation_updates.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    again = experiment.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
+    again = accumulation_updates.train_updates(model, init, batches[:1], 2, "token", CFG, "cpu")
     assert relative_l2(again["grad"], clean["grad"]) == 0.0 and again["losses"] == clean["losses"]
 
 
@@ -181,8 +179,8 @@ def test_accelerate_path_is_bitwise_the_hand_written_one(setup):
     ``* k / k`` run the same float32 operations as ``accumulated_backward``: equal bits, not only close."""
     model, init, batches = setup
     for k in (2, 4):
-        ours = experiment.train_updates(model, init, batches, k, "token", CFG, "cpu")
+        ours = accumulation_updates.train_updates(model, init, batches, k, "token", CFG, "cpu")
         ours_params = accumulation.snapshot(model.parameters())
-        theirs = accumulation.accelerate_updates(model, init, batches, k, CFG.lr)
+        theirs = accumulation_framework.accelerate_updates(model, init, batches, k, CFG.lr)
         assert all(torch.equal(a, b) for a, b in zip(theirs, ours["grad"]))
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ours_params))

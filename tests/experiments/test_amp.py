@@ -9,8 +9,8 @@ import torch
 
 from bp_mech.bench import trainer
 from bp_mech.bench.timing import MAX_RATIO_SPREAD
-from bp_mech.experiments import amp as experiment
-from bp_mech.experiments import decision, harness
+from bp_mech.experiments import amp as experiment, amp_overflow, decision, harness
+from bp_mech import scheduler
 from bp_mech.experiments.amp import decide
 from bp_mech.experiments.amp_overflow import overflow_failure
 from bp_mech.records import registry, results
@@ -60,8 +60,8 @@ def test_cpu_run_records(cpu_records, tmp_path):
         assert len(applied) == 2 + cfg.warmup + cfg.timed  # warm + tracked + warm-up + timed: every optimizer call
         assert r.updates == sum(applied) and r.updates + r.skipped_updates == len(applied) and r.strategy == name
         lr = r.metrics["lr_per_step"]  # the LR clock counted exactly the applied updates
-        assert lr[0] == cfg.schedule.base_lr * experiment.wsd_lr(0, cfg.schedule) / cfg.schedule.base_lr
-        assert lr[-1] == experiment.wsd_lr(sum(applied[:-1]), cfg.schedule)
+        assert lr[0] == cfg.schedule.base_lr * scheduler.wsd_lr(0, cfg.schedule) / cfg.schedule.base_lr
+        assert lr[-1] == scheduler.wsd_lr(sum(applied[:-1]), cfg.schedule)
         assert r.all_finite and r.warmup_excluded == cfg.warmup and len(r.metrics["step_samples_s"]) == cfg.timed
         assert r.threads == 1 and r.metrics["interleaved"] is True
         assert r.peak_allocated > 0 and r.memory_source == "tracked-cpu" and r.step_p95_s >= r.step_median_s
@@ -99,7 +99,7 @@ def test_overflow_sample_semantics(cpu_records):
     assert lr[3] == lr[2] and lr[4] == lr[2]  # two skipped calls: the next update reads the same LR
 
 
-def test_gpu_plan_fits_budget():
+def test_the_gpu_dry_run_fits_the_budget():
     p = registry.dry_run(registry.make_context("TRAIN-AMP-BACKWARD", "dry_run", "qwen05-b2s512"))
     gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
     gpu_cfg, cpu_cfg = experiment.GPU_CONFIG, experiment.CPU_CONFIG
@@ -199,7 +199,7 @@ def test_fused_adamw_path_keeps_the_skip_semantics(monkeypatch):
 
     w = parse_workload("tiny-b1s16")
     cfg = experiment.AmpConfig(timed=2, warmup=1, overflow_n=6, overflow_calls=(1, 2))
-    o = experiment.overflow_sample(build_model(w), cfg, "cpu", make_batches(w, 4))
+    o = amp_overflow.overflow_sample(build_model(w), cfg, "cpu", make_batches(w, 4))
     assert made[-1]._step_supports_amp_scaling
     assert o["params_unchanged_on_skip"] and o["clock_held_on_skip"] and o["scaler_matches_reference"]
     assert o["skipped"] == 2 and o["updates"] == 4 and o["backoff_calls"] == [1, 2]

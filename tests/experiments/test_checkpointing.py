@@ -1,5 +1,5 @@
 """Part 02 · 19, the experiment: its records validate (recomputes counted, equality, peaks, decisions);
-an out-of-memory candidate is its failure; a NaN is never equal; the dry run plans the GPU run; the
+an out-of-memory candidate is its failure; a NaN is never equal; the dry run estimates the GPU run; the
 reference run's figures (RTX 5070 Ti, Qwen2.5-0.5B) give its decision; the conformance check passes."""
 
 import math
@@ -19,8 +19,8 @@ from bp_mech.records import references, registry
 from bp_mech.records.results import load_record, save_record
 
 
-def test_decide_rule_and_the_seed_reference():
-    s = references.SEED["TRAIN-CHECKPOINT"]  # the reference run's figures, in one place
+def test_decide_rule_and_the_course_reference():
+    s = references.REFERENCES["TRAIN-CHECKPOINT"]  # the reference run's figures, in one place
     assert s.strategy == "checkpoint-all" and references.for_strategy("checkpoint-all") is s
     assert decision.decide(True, s.peak_saving, s.median_ratio).verdict == s.decision == "accept"
     assert decision.decide(False, 0.5, 1.0).verdict == "reject"
@@ -106,11 +106,11 @@ def test_a_nan_gradient_is_never_equal_and_the_record_still_saves(tmp_path, cpu_
     assert by["checkpoint-mlp"].failure and by["plain"].decision is None
 
 
-def test_dry_run_plans_the_gpu_run_within_three_minutes_with_offload():
+def test_the_dry_run_estimates_the_gpu_run_within_three_minutes_with_offload():
     total = 0
     for sid in ("TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"):
-        plan = registry.dry_run(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
-        gpu = plan["modes"]["real_gpu"]
+        dr = registry.dry_run(registry.make_context(sid, "dry_run", "qwen05-b2s512"))
+        gpu = dr["modes"]["real_gpu"]
         assert gpu["timed_rounds"] >= 20 and gpu["warmup_rounds"] >= 1 and gpu["interleaved"]
         total += gpu["estimated_seconds"]
     assert 60 <= total <= 180

@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 
-from bp_mech import continual_pretrain as cpt
+from bp_mech import continual_eval, continual_pretrain as cpt, state_format
 from bp_mech.records import registry, results
-from bp_mech import training_state
 from bp_mech.cli import main
-from bp_mech.experiments import continual_pretrain as experiment
+from bp_mech.experiments import continual_pretrain as experiment, continual_pretrain_rule
 
 SMALL = experiment.CPTConfig(cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2),
                              cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), save_at=3, eval_every=2,
@@ -38,13 +37,13 @@ def test_run_records(small, tmp_path, cpu_only):
     assert base.updates == 0 and base.decision is None
     assert dom.metrics["domain_gain"] == evals[0]["domain"] - evals[-1]["domain"]
     assert dom.metrics["holdout_drift"] == evals[-1]["holdout"] - evals[0]["holdout"]
-    want = experiment.decide_domain(dom.metrics["domain_gain_rel"], dom.metrics["holdout_drift_rel"], True)
+    want = continual_pretrain_rule.decide_domain(dom.metrics["domain_gain_rel"], dom.metrics["holdout_drift_rel"], True)
     assert dict(decision=dom.decision, next_step=dom.next_step) == want.record_fields()
     assert dom.metrics["updates_by_run"]["domain"] == 6 and dom.skipped_updates == 0
     assert dom.updates == 6 + 1 + SMALL.warmup + SMALL.timed + 1 and dom.strategy == base.strategy == "plain"
     assert dom.peak_allocated > 0 and dom.step_median_s > 0 and dom.threads == 1
     state = dom.metrics["saved_state"]
-    assert state["fields"] == list(training_state.FIELDS) and state["at_update"] == 3
+    assert state["fields"] == list(state_format.FIELDS) and state["at_update"] == 3
     assert state["bytes"] == sum(state["files"].values()) and state["data_position"] == dict(position=3, tokens=3 * 2 * 16)
     resume = res.metrics["resume"]
     assert resume["bitwise"] and resume["steps"] == 3 and res.output_error == 0.0 and res.decision == "accept"
@@ -59,14 +58,14 @@ def test_run_records(small, tmp_path, cpu_only):
     (dict(domain=3.0, holdout=3.0), dict(domain=2.99, holdout=2.9), "reject"),  # gain 0.3 % < 1 %
 ])
 def test_decision_rule(first, last, want):
-    gd = cpt.gain_and_drift([dict(update=0, **first), dict(update=10, **last)])
-    assert experiment.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], True).verdict == want
-    assert experiment.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], False).verdict == "reject"
-    assert experiment.decide_resume(0.0, 0.0, "cpu").verdict == "accept"
-    assert experiment.decide_resume(1e-7, 0.0, "cpu").reason == "losses differ by 1e-07, weights by 0 (RESUME_TOL 0 on cpu)"
-    assert experiment.decide_resume(1e-7, 1e-6, "cuda").verdict == "accept"
-    assert experiment.decide_resume(math.inf, 0.0, "cuda").verdict == "reject"
-    assert experiment.decide_resume(0.0, math.nan, "cpu").verdict == "reject"
+    gd = continual_eval.gain_and_drift([dict(update=0, **first), dict(update=10, **last)])
+    assert continual_pretrain_rule.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], True).verdict == want
+    assert continual_pretrain_rule.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], False).verdict == "reject"
+    assert continual_pretrain_rule.decide_resume(0.0, 0.0, "cpu").verdict == "accept"
+    assert continual_pretrain_rule.decide_resume(1e-7, 0.0, "cpu").reason == "losses differ by 1e-07, weights by 0 (RESUME_TOL 0 on cpu)"
+    assert continual_pretrain_rule.decide_resume(1e-7, 1e-6, "cuda").verdict == "accept"
+    assert continual_pretrain_rule.decide_resume(math.inf, 0.0, "cuda").verdict == "reject"
+    assert continual_pretrain_rule.decide_resume(0.0, math.nan, "cpu").verdict == "reject"
 
 
 def test_plan():
@@ -74,7 +73,7 @@ def test_plan():
     gpu = plan["modes"]["real_gpu"]
     assert 20 <= gpu["estimated_seconds"] <= 45 and gpu["timed_rounds"] >= 20  # a short GPU run
     assert gpu["state_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["save_at"] > 0
-    assert "random-init architecture" in plan["base"] and plan["state_fields"] == list(training_state.FIELDS)
+    assert "random-init architecture" in plan["base"] and plan["state_fields"] == list(state_format.FIELDS)
     tiny = registry.dry_run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run"))["modes"]["cpu"]
     assert tiny["pretrain_updates"] == 100 and tiny["threads"] == 1 and tiny["estimated_seconds"] < 30
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from bp_mech import ledger
+from bp_mech import ledger, state_bytes
 from bp_mech.planner import lifecycle
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
@@ -106,7 +106,7 @@ def test_gpu_run_reports_allocator_peaks_and_survives_an_oom(monkeypatch, fake_c
         results.validate(r.to_dict())
 
 
-def test_dry_run_plan_for_qwen05():
+def test_dry_run_for_qwen05():
     from bp_mech.records import registry
 
     p = registry.dry_run(registry.make_context("TRAIN-STATE-LEDGER", "dry_run", "qwen05-b2s512"))
@@ -182,7 +182,7 @@ def test_the_optimizer_state_is_counted_on_both_sides(gpu_dir):
     n_tensors = 2 + a["num_hidden_layers"] * 12
     save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak("plain")), gpu_dir)
     (row,) = experiment.gpu_references(gpu_dir)
-    assert row["formula_optimizer_states"] == 2 * ledger.param_bytes(a) + 4 * n_tensors and row["formula_error"] == 0
+    assert row["formula_optimizer_states"] == 2 * state_bytes.param_bytes(a) + 4 * n_tensors and row["formula_error"] == 0
     save_record(_gpu_record("TRAIN-CHECKPOINT", "plain", _peak("plain") - row["formula_optimizer_states"], updates=0),
                 gpu_dir)  # the same run without an update: its peak lacks the moments
     with pytest.raises(ValueError, match=r"TRAIN-CHECKPOINT record .*'plain'.*updates=0.*no optimizer state"):

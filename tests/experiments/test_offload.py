@@ -7,7 +7,7 @@ import torch
 
 from bp_mech import offload
 from bp_mech.bench.step import train_step
-from bp_mech.bench.strategy import Applied
+from bp_mech.bench.strategy import Entered
 from bp_mech.experiments import decision
 from bp_mech.experiments import offload as experiment
 from bp_mech.records import references, registry
@@ -30,7 +30,7 @@ def test_make_hooks_and_hook_stats(tiny):
     assert all(isinstance(hooks[n], offload.ActivationOffload) for n in ("offload", "checkpoint-all+offload"))
     s = experiment.ARMS["offload"]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    train_step(model, opt, batches[0], s, applied=Applied(model, s, "cpu", hooks=hooks["offload"]))
+    train_step(model, opt, batches[0], s, entered=Entered(model, s, "cpu", hooks=hooks["offload"]))
     stats = experiment.hook_stats(hooks["offload"])
     assert stats["d2h"] == hooks["offload"].d2h_bytes > 0 and stats["host_pool_bytes"] == stats["d2h"]
     assert stats["pool_allocations"] == len(hooks["offload"]._order)
@@ -67,8 +67,8 @@ def test_link_metrics():
     assert experiment.link_metrics(0, 0, {"d2h": 1e9, "h2d": 1e9}, 1.0, 1.0)["overhead_over_bound"] is None
 
 
-def test_seed_reference_gives_the_seed_decision():
-    s = references.SEED["TRAIN-OFFLOAD"]  # the reference run's figures, in one place
+def test_the_course_reference_gives_its_own_decision():
+    s = references.REFERENCES["TRAIN-OFFLOAD"]  # the reference run's figures, in one place
     assert decision.decide(True, s.peak_saving, s.median_ratio).verdict == s.decision == "tune"
 
 

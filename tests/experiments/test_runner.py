@@ -19,10 +19,10 @@ def test_suite_dry_run_covers_every_experiment_at_the_given_workload_with_a_tota
     assert main(["run", "--suite", "gpu", "--mode", "dry_run", "--workload", "qwen05-b1s128"]) == 0
     cap = capsys.readouterr()
     doc = json.loads(cap.out)
-    plans, summary = doc["dry_runs"], doc["summary"]
-    assert [p["semantic_id"] for p in plans] == gpu_suite_ids()
-    assert {p["workload"] for p in plans} == {"qwen05-b1s128"}
-    per = {p["semantic_id"]: p["modes"]["real_gpu"]["estimated_seconds"] for p in plans}
+    dry_runs, summary = doc["dry_runs"], doc["summary"]
+    assert [p["semantic_id"] for p in dry_runs] == gpu_suite_ids()
+    assert {p["workload"] for p in dry_runs} == {"qwen05-b1s128"}
+    per = {p["semantic_id"]: p["modes"]["real_gpu"]["estimated_seconds"] for p in dry_runs}
     assert summary["estimated_seconds"] == per and summary["no_estimate"] == [] and summary["no_dry_run"] == []
     assert summary["total_estimated_seconds"] == pytest.approx(sum(per.values()), abs=0.051)
     assert f"estimated {summary['total_estimated_seconds']:.0f} s" in cap.err.strip().splitlines()[-1]
@@ -36,15 +36,15 @@ def _suite_total(capsys, *args) -> tuple[float, list]:
 
 def test_the_smoke_matrix_is_estimated_at_about_two_minutes_and_the_full_one_at_about_six(capsys):
     """The GPU machine is lent for 15 minutes, each call at most 10: the smoke phase (every code path
-    once, few steps; nine experiments, each building its model at least once) must plan within about
+    once, few steps; nine experiments, each building its model at least once) must be estimated within about
     two minutes, the full matrix within about six and a half, well within one call, leaving time for
     the machine's start and one targeted rerun."""
     from bp_mech.bench.timing import SMOKE_SCHEDULE
 
-    smoke, plans = _suite_total(capsys, "--workload", "qwen05-b1s128", "--smoke")
+    smoke, dry_runs = _suite_total(capsys, "--workload", "qwen05-b1s128", "--smoke")
     full, _ = _suite_total(capsys)
     assert smoke < 150 and full <= 400 and full > 2 * smoke
-    ck = next(p for p in plans if p["semantic_id"] == "TRAIN-CHECKPOINT")["modes"]["real_gpu"]
+    ck = next(p for p in dry_runs if p["semantic_id"] == "TRAIN-CHECKPOINT")["modes"]["real_gpu"]
     assert (ck["timed_rounds"], ck["warmup_rounds"]) == SMOKE_SCHEDULE
 
 

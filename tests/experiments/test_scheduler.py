@@ -55,6 +55,6 @@ def test_conformance_passes():
     assert row.passed, row.detail
 
 
-def test_dry_run_plan():
+def test_dry_run():
     p = registry.dry_run(registry.make_context("TRAIN-SCHEDULER-CLOCK", "dry_run"))
     assert p["candidates"] == ["naive-clock", "update-clock"] and p["optimizer_calls"] == 28 == ClockRun().optimizer_calls

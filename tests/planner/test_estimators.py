@@ -6,11 +6,9 @@ sits below the measured peak by the activations)."""
 import pytest
 import torch
 
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, estimators as E, lifecycle, plan
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
-from bp_mech.planner import estimators as E
-from bp_mech.planner import plan
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None,
@@ -91,7 +89,7 @@ def test_zero_params_counts_a_tied_weight_once_and_the_largest_module():
 
 def test_tiny_step_against_each_estimator(config):
     cpu = StepOptions().for_device("cpu")
-    led = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=cpu).ledger(PLAIN)
+    led = lifecycle.Session(build.ConfigWorkload(config, 2, 32), "cpu", options=cpu).ledger(PLAIN)
     assert led.source == "tracked-cpu" and led.finite
     fake = plan.plan(config, 2, 32, 2**40, candidates=(PLAIN,), options=cpu).rows[0].peak
     assert abs(fake / led.peak - 1) <= PEAK_TOL, (fake, led.peak)

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from bp_mech import ROOT, cli
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, inputs, lifecycle, plan
 from bp_mech.bench import strategy as S
 from bp_mech.planner.definitions import StepDefinition
 from bp_mech.planner.finetune import FineTune, FineTuneError, apply
 from bp_mech.bench.optimizer import StepOptions, make_optimizer
-from bp_mech.planner import inputs, plan
 from tests.planner.test_plan import FAMILY_FIELDS, PEAK_TOL, TINY, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
@@ -74,7 +73,7 @@ def test_each_mode_plans_the_real_steps_peak(family, mode):
     config, options, d, ft = _setup(family, mode)
     p = plan.plan(config, 2, 32, 2**30, candidates=STRATEGIES, options=options, definition=d, finetune=ft)
     assert [r.strategy for r in p.rows] == [s.name for s in STRATEGIES] and p.finetune == ft
-    sess = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32, finetune=ft), "cpu", options=options, definition=d)
+    sess = lifecycle.Session(build.ConfigWorkload(config, 2, 32, finetune=ft), "cpu", options=options, definition=d)
     assert type(sess.opt).__name__.lower() == options.optimizer
     trainable = _trainable(sess.model)
     assert p.model["trainable"] == sum(x.numel() for x in trainable)
@@ -99,7 +98,7 @@ def test_lora_and_freezing_change_what_they_should():
     config = tiny_config("llama")  # untied: the embedding is a parameter of its own
     led = {}
     for name, ft in (("full", None), ("lora", FineTune(lora_rank=4)), ("frozen", FineTune(freeze="embed_tokens"))):
-        sess = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32, finetune=ft), fake=True,
+        sess = lifecycle.Session(build.ConfigWorkload(config, 2, 32, finetune=ft), fake=True,
                                  options=StepOptions().for_device("cpu"))
         led[name] = sess.ledger().stages["backward"], sess.model
     state = {k: v[0]["gradients"] + v[0]["optimizer_states"] for k, v in led.items()}
@@ -107,7 +106,7 @@ def test_lora_and_freezing_change_what_they_should():
     embed = led["full"][1].get_input_embeddings().weight
     assert led["frozen"][0]["gradients"] == led["full"][0]["gradients"] - embed.numel() * embed.element_size()
     assert not led["frozen"][1].get_input_embeddings().weight.requires_grad
-    bf16 = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32, finetune=FineTune(lora_rank=4)), fake=True,
+    bf16 = lifecycle.Session(build.ConfigWorkload(config, 2, 32, finetune=FineTune(lora_rank=4)), fake=True,
                              definition=StepDefinition(weights="bfloat16"))
     assert {p.dtype for p in _trainable(bf16.model)} == {torch.float32}
     assert {p.dtype for p in bf16.model.parameters() if not p.requires_grad} == {torch.bfloat16}

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from bp_mech import cli
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, fit as F, lifecycle, plan
 from bp_mech.bench import strategy as S
 from bp_mech.bench.optimizer import StepOptions
-from bp_mech.planner import fit as F, plan
 
 from .test_plan import tiny_config
 
@@ -63,7 +62,7 @@ def test_each_answer_fits_and_one_more_does_not(family, axis):
         assert f.size and f.size % unit == 0 and f.needs <= budget < f.next_needs, f
         for size, fits in ((f.size, True), (f.size + unit, False)):  # the real step agrees
             shape = (size, 32) if axis == "batch" else (2, size)
-            real = lifecycle.Session(lifecycle.ConfigWorkload(config, *shape), "cpu", options=CPU).ledger(s)
+            real = lifecycle.Session(build.ConfigWorkload(config, *shape), "cpu", options=CPU).ledger(s)
             assert (plan.needs(real.peak) <= budget) == fits, (f, size, real.peak)
 
 

@@ -13,7 +13,7 @@ from bp_mech import ledger
 from bp_mech.planner import lifecycle
 from bp_mech.bench.step import optimizer_state, train_step
 from bp_mech.bench.optimizer import StepOptions, make_optimizer
-from bp_mech.bench.strategy import PLAIN, Applied, configured, parse
+from bp_mech.bench.strategy import PLAIN, Entered, configured, parse
 from bp_mech.instruments.tracking import StorageTracker, host_side
 from bp_mech.instruments.peak import PeakMemory
 from bp_mech.instruments.workload import ARCHITECTURES, build_model, make_batches, parse_workload
@@ -23,10 +23,10 @@ from bp_mech.offload import ActivationOffload, OffloadConfig
 TINY = parse_workload("tiny-b2s64")
 
 
-def tracked_step(model, opt, batch, s, tr, applied=None):
+def tracked_step(model, opt, batch, s, tr, entered=None):
     """One ``train_step`` of strategy ``s`` watched by a ``LedgerObserver`` on ``tr``."""
     with tr, lifecycle.LedgerObserver(tr, model, opt) as observe:
-        return train_step(model, opt, batch, s, applied=applied, observers=[observe])
+        return train_step(model, opt, batch, s, entered=entered, observers=[observe])
 
 
 def test_what_offload_moves_arrives_on_the_host():
@@ -48,7 +48,7 @@ def test_host_buffers_are_host_bytes_even_when_allocated_inside_the_step():
     seen = []
     for _ in range(2):  # first step: the pool allocates; second: it reuses its buffers
         tr = StorageTracker("cpu")
-        tracked_step(model, opt, batch, s, tr, Applied(model, s, "cpu", hooks=hooks))
+        tracked_step(model, opt, batch, s, tr, Entered(model, s, "cpu", hooks=hooks))
         seen.append((tr.marks["forward"][0], sum(tr.host.values()), tr.marks["forward"][2]))
     (dev1, host1, in_use1), (dev2, host2, in_use2) = seen
     assert dev1 == dev2 and host1 == host2 == hooks.pool.allocated > 0 and in_use1 == in_use2 > 0
@@ -77,7 +77,7 @@ def _one_update(name):
     opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.detach().clone() for p in model.parameters()))
     s = parse(name)
     with configured(model, s):
-        loss = tracked_step(model, opt, batch, s, StorageTracker("cpu"), Applied(model, s, "cpu")).loss
+        loss = tracked_step(model, opt, batch, s, StorageTracker("cpu"), Entered(model, s, "cpu")).loss
     return loss, grads, before, [p.detach().clone() for p in model.parameters()]
 
 
@@ -112,7 +112,7 @@ def test_tracker_reads_the_allocator_around_every_phase(fake_cuda):
     model, batch = build_model(TINY), make_batches(TINY, 1)[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tr = StorageTracker("cuda")
-    tracked_step(model, opt, batch, PLAIN, tr, Applied(model, PLAIN, "cpu"))
+    tracked_step(model, opt, batch, PLAIN, tr, Entered(model, PLAIN, "cpu"))
     mark = ["synchronize", "memory_allocated"]
     read = ["synchronize", "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"]
     # start forward, mark forward, start backward, mark backward, start optimizer, start zero_grad, mark, idle

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from bp_mech import cli
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, inputs, lifecycle, plan, report as plan_report
 from bp_mech.bench import strategy as S
 from bp_mech.bench.optimizer import StepOptions
-from bp_mech.planner import inputs, plan, report as plan_report
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None)
@@ -53,7 +52,7 @@ def test_fake_peak_equals_the_tracked_cpu_peak_for_every_strategy(family):
     # every candidate is planned, or left out because it does not apply to this model (with the reason)
     assert sorted([r.strategy for r in p.rows] + list(p.skipped)) == sorted(s.name for s in S.CANDIDATES)
     assert family == "opt" or not p.skipped  # (OPT: its fc1/fc2 sit on the block, no MLP to checkpoint)
-    session = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=CPU)
+    session = lifecycle.Session(build.ConfigWorkload(config, 2, 32), "cpu", options=CPU)
     for row in p.rows:
         s = S.parse(row.strategy)
         real = session.ledger(s)  # real tensors: a warm-up update under ``s``, then the measured one

@@ -11,11 +11,10 @@ import sys
 import pytest
 
 from bp_mech import ROOT, cli
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, lifecycle, plan
 from bp_mech.bench import strategy as S
 from bp_mech.planner.definitions import StepDefinition
 from bp_mech.instruments.adamw import torch_default_adamw
-from bp_mech.planner import plan
 from tests.planner.test_plan import CPU, FAMILY_FIELDS, PEAK_TOL, TINY, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
@@ -80,7 +79,7 @@ def _memtracker_peak(config, s, options, keep: bool) -> int:
 
     from bp_mech.bench.step import train_step
 
-    sess = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=options)
+    sess = lifecycle.Session(build.ConfigWorkload(config, 2, 32), "cpu", options=options)
     held = [] if keep else None
     train_step(sess.model, sess.opt, sess.batch, s, outputs=held)
     mt = MemTracker()
@@ -98,7 +97,7 @@ def test_each_loop_plans_the_real_steps_peak(keep):
     config, d = tiny_config("llama"), StepDefinition(keep_outputs=keep)
     p = plan.plan(config, 2, 32, 2**30, options=CPU, definition=d)
     assert p.definition.keep_outputs is keep and [r.strategy for r in p.rows] == [s.name for s in S.CANDIDATES]
-    sess = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=CPU, definition=d)
+    sess = lifecycle.Session(build.ConfigWorkload(config, 2, 32), "cpu", options=CPU, definition=d)
     for s, row in zip(S.CANDIDATES, p.rows):
         real = sess.ledger(s)
         assert real.source == "tracked-cpu" and abs(row.peak / real.peak - 1) <= PEAK_TOL, (s.name, row.peak, real.peak)
@@ -126,7 +125,8 @@ def test_the_command_states_the_loop_and_what_dropping_the_outputs_saves(tmp_pat
 def test_the_for_loop_adamw_is_an_implementation_like_the_others():
     import torch
 
-    from bp_mech.bench.optimizer import ADAMW_IMPLS, StepOptions, make_optimizer
+    from bp_mech.instruments.adamw import ADAMW_IMPLS
+    from bp_mech.bench.optimizer import StepOptions, make_optimizer
 
     assert set(ADAMW_IMPLS) == {"fused", "foreach", "for-loop"}
     assert StepDefinition(adamw="for-loop").name == "steady+for-loop-adamw"
@@ -148,7 +148,7 @@ def test_each_adamw_implementation_plans_the_real_steps_peak(impl):
     some = [S.PLAIN, *(S.parse(n) for n in ("checkpoint-all", "offload", "fp16", "micro2", "chunked-loss"))]
     p = plan.plan(config, 2, 32, 2**30, candidates=some, options=options)
     assert p.options.adamw == impl
-    sess = lifecycle.Session(lifecycle.ConfigWorkload(config, 2, 32), "cpu", options=options)
+    sess = lifecycle.Session(build.ConfigWorkload(config, 2, 32), "cpu", options=options)
     for s, row in zip(some, p.rows):
         real = sess.ledger(s)
         assert abs(row.peak / real.peak - 1) <= PEAK_TOL, (impl, s.name, row.peak, real.peak)

@@ -1,6 +1,6 @@
 """Per-GPU plans (``bp_mech.planner.shard``) against real ranks: 2 and 4 gloo processes running ``fully_shard``
 (2 running DDP) on a real step of the same tiny model, each tracking its own step as ``Session(fake=False)``
-does (real tensors, source "tracked-cpu", ``shard.ShardTracker``), against the one-process fake-tensor trace.
+does (real tensors, source "tracked-cpu", ``shard_tracking.ShardTracker``), against the one-process fake-tensor trace.
 
 Why 2 % holds: the fake trace runs the same program (FSDP2's own all-gathers, copy-outs, reduce-scatters
 and resizes, on a fake process group whose collectives move nothing): shapes, and so bytes, are those of
@@ -21,11 +21,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, lifecycle, shard
 from bp_mech.planner.definitions import STEADY, StepDefinition
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, parse
-from bp_mech.planner import shard
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, vocab_size=384,
             max_position_embeddings=256)
@@ -83,7 +82,7 @@ def _rank(rank: int, world: int, init: str, out) -> None:
         for case in CASES[world]:
             family, how, keep, name = case
             prepare = shard.fsdp2(init_device_mesh("cpu", (world,))) if how == "fsdp2" else shard.ddp
-            session = lifecycle.Session(lifecycle.ConfigWorkload(tiny_config(family), BATCH, SEQ), "cpu", options=CPU,
+            session = lifecycle.Session(build.ConfigWorkload(tiny_config(family), BATCH, SEQ), "cpu", options=CPU,
                                         definition=KEEP if keep else STEADY, prepare=prepare)
             if how == "ddp":  # DDP rebuilds its buckets in the second forward: the steady state is the third step
                 session.ledger(PLAIN)

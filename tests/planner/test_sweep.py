@@ -12,6 +12,7 @@ import pytest
 
 from bp_mech.book import computations
 from bp_mech.planner import inputs, plan, sweep
+from bp_mech.planner.pool import default_workers
 
 # planned live by every test run: two validated families, and every 16th model type of the mapping
 SAMPLE_EVERY = 16
@@ -25,7 +26,7 @@ def outcomes():
 def test_a_sample_planned_now_comes_out_as_the_record_says(outcomes):
     types = sweep.model_types()
     sample = ["qwen2", "gpt2", *types[::SAMPLE_EVERY]]
-    live = sweep.sweep(sample, workers=plan.default_workers())
+    live = sweep.sweep(sample, workers=default_workers())
     assert {t: outcomes[t] for t in sample} == live
 
 

@@ -15,6 +15,7 @@ from bp_mech.records import environment, registry, results
 from bp_mech.bench.timing import timing_threads
 from bp_mech.bench.compare import relative_l2
 from bp_mech.projects import baseline, baseline_loop, baseline_loss
+from bp_mech import accumulation
 from bp_mech.projects.baseline_loop import LoopConfig
 from bp_mech.scheduler import wsd_lr
 from bp_mech.instruments.workload import build_model, parse_workload
@@ -38,7 +39,7 @@ def test_simulated_ranks_reproduce_the_full_batch_and_the_per_rank_mean_does_not
     """float64: P ranks x b rows with the loss divisor N / P = 1 process x P b rows, to rounding."""
     model = build_model(W).double()
     micro = _uneven(k=2, G=4)
-    counts = [[int(baseline_loss.count_targets(baseline_loss.shard_rows(mb, r, 2)["labels"])) for mb in micro]
+    counts = [[int(accumulation.count_targets(baseline_loss.shard_rows(mb, r, 2)["labels"])) for mb in micro]
               for r in range(2)]
     assert sum(counts[0]) != sum(counts[1])  # the ranks hold different numbers of target tokens
     with timing_threads("cpu"):  # one intra-op thread (a second one only waits on a shared 2-core machine)
@@ -93,7 +94,7 @@ def test_two_runs_with_the_same_seed_reproduce_the_cpu_losses_exactly(one_proces
 def test_the_loop_counts_tokens_clips_and_steps_the_clock(one_process):
     run = one_process["run"]
     assert one_process["processes"] == 1 and one_process["threads"] == 1 and one_process["backend"] is None
-    want_tokens = [int(sum(baseline_loss.count_targets(b["labels"]) for b in pair))
+    want_tokens = [int(sum(accumulation.count_targets(b["labels"]) for b in pair))
                    for pair in zip(*[iter(baseline_loop.train_batches(W, CFG))] * CFG.accumulation)]
     assert run["target_tokens"] == want_tokens
     for norm, coef in zip(run["grad_norm"], run["clip_coef"]):
@@ -226,7 +227,7 @@ def test_config_for_each_device():
     assert (gpu.mixed_precision, gpu.save_tensors, gpu.device, gpu.naive_updates) == ("fp16", False, "cuda", 0)
 
 
-def test_dry_run_plan_touches_no_model(monkeypatch):
+def test_the_dry_run_touches_no_model(monkeypatch):
     monkeypatch.setattr(baseline_loop, "build_model", lambda *a, **k: pytest.fail("dry_run built a model"))
     ctx = registry.make_context("TRAIN-BASELINE", "dry_run", "qwen05-b2s512")
     p = registry.dry_run(ctx)

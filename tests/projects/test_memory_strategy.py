@@ -12,12 +12,11 @@ from bp_mech.bench.compare import EXACT_TOL, LOW_TOL, REORDER_TOL, tolerance
 from bp_mech.bench.oom import Failed
 from bp_mech.experiments import harness
 from bp_mech.planner.plan import headroom, needed_bytes
-from bp_mech.projects import memory_strategy as ms
+from bp_mech.projects import memory_strategy as ms, pareto
 from bp_mech.records import registry
-from bp_mech.projects import pareto
 from bp_mech.records.results import load_record, save_record
 from bp_mech.instruments.workload import build_model, make_batches, parse_workload
-from bp_mech.checks import ex76
+from bp_mech.checks import ex76, ex76_contract
 from conftest import mutant
 
 EX = "ex76_memory_strategy"
@@ -30,7 +29,7 @@ def test_pareto_front_matches_brute_force_dominance():
     for _ in range(200):
         pts = {f"p{i}": (rng.randint(1, 4), rng.randint(1, 4) * 0.5) for i in range(rng.randint(1, 9))}
         front = pareto.pareto_front(pts)
-        assert front == ex76._front(pts)  # every pair compared
+        assert front == ex76_contract.reference_front(pts)  # every pair compared
         assert [pts[n] for n in front] == sorted(pts[n] for n in front)  # ordered by peak, then time
 
 
@@ -261,7 +260,7 @@ def test_an_out_of_memory_candidate_is_its_failure_and_the_run_goes_on(cpu_only,
     assert not any(l.gradient_checkpointing for l in model.model.layers)  # every configuration was undone
 
 
-def test_dry_run_plans_the_gpu_run_in_about_three_minutes():
+def test_the_dry_run_estimates_the_gpu_run_at_about_three_minutes():
     p = registry.dry_run(registry.make_context("TRAIN-MEMORY-STRATEGY", "dry_run", "qwen05-b2s512"))
     gpu, cpu = p["modes"]["real_gpu"], p["modes"]["cpu"]
     assert p["candidates"] == list(ms.CANDIDATES)

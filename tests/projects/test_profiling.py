@@ -10,8 +10,8 @@ import torch
 from bp_mech.records import registry, results
 from bp_mech import ledger
 from bp_mech.bench.step import PHASES, train_step
-from bp_mech.ledger import CLASSES, STAGES, Ledger
-from bp_mech.projects import diagnosis, profiling, step_profile
+from bp_mech.ledger_table import CLASSES, STAGES, Ledger
+from bp_mech.projects import diagnosis, operators, profiling, step_profile
 from bp_mech.instruments.workload import ARCHITECTURES, build_model, make_batches, parse_workload
 from bp_mech.instruments.adamw import make_adamw
 from bp_mech.checks import ex74
@@ -83,7 +83,7 @@ def test_profile_step_writes_a_trace_and_the_timeline(tmp_path):
     p = step_profile.profile_step(w, "cpu", step_profile.ProfileConfig(timed=2, top_n=5), tmp_path / "t.json")
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert {step_profile.MARK + ph for ph in PHASES} <= names
+    assert {operators.MARK + ph for ph in PHASES} <= names
     assert [ph for ph, _, _ in p.phases] == list(PHASES)
     assert all(len(v) == len(p.times_us) for v in p.bytes_by_category.values())
     assert p.times_us == sorted(p.times_us)
@@ -151,14 +151,14 @@ def test_estimate_at_full_size_machinery_on_tiny():
     assert all(abs(r["error"]) <= 1e-2 for r in est["remedies"]), est["remedies"]
 
 
-def test_dry_run_plan():
-    plan = registry.dry_run(registry.make_context("TRAIN-PROFILING-DIAGNOSIS", "dry_run", "qwen05-b2s512"))
-    assert plan["candidates"] == list(profiling.CANDIDATES)
-    modes = plan["modes"]  # the key the suite's totals read (cli.plan_suite)
+def test_dry_run():
+    dr = registry.dry_run(registry.make_context("TRAIN-PROFILING-DIAGNOSIS", "dry_run", "qwen05-b2s512"))
+    assert dr["candidates"] == list(profiling.CANDIDATES)
+    modes = dr["modes"]  # the key the suite's totals read (experiments.runner.dry_run_suite)
     assert modes["real_gpu"]["profiler_schedule"] == dict(wait=1, warmup=1, active=1)
     assert modes["cpu"]["profiler_schedule"] == modes["real_gpu"]["profiler_schedule"]
     assert 0 < modes["real_gpu"]["estimated_seconds"] < modes["cpu"]["estimated_seconds"]
-    assert set(plan["remedies"]) == {r.name for r in diagnosis.REMEDIES}
+    assert set(dr["remedies"]) == {r.name for r in diagnosis.REMEDIES}
 
 
 # --- the CUDA paths, exercised on the CPU -----------------------------------------------------------
@@ -184,16 +184,16 @@ def test_operator_table_medians_per_step_and_device_time_on_cuda():
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  schedule=schedule(wait=0, warmup=1, active=3, repeat=1)) as prof:
         for _ in range(4):
-            with record_function(step_profile.MARK + "forward"):
+            with record_function(operators.MARK + "forward"):
                 (x @ x).relu()
             prof.step()
-    rows, med = step_profile.operator_table(prof.events(), "cpu", 3)
+    rows, med = operators.operator_table(prof.events(), "cpu", 3)
     names = [r["name"] for r in rows]
     assert "aten::mm" in names and all(r["calls"] == 1 for r in rows if r["name"] in ("aten::mm", "aten::relu"))
     per_step = sorted(e.self_cpu_time_total for e in prof.events() if e.name == "aten::mm")
     assert len(per_step) == 3 and rows[names.index("aten::mm")]["self_us"] == per_step[1]  # the median step
     assert med["step_us"] > 0 and med["phase_us"]["forward"] > 0 and med["self_total_us"] > 0
-    dev, dmed = step_profile.operator_table(prof.events(), "cuda", 3)  # no kernels: device time 0, still a table
+    dev, dmed = operators.operator_table(prof.events(), "cuda", 3)  # no kernels: device time 0, still a table
     assert dmed["self_total_us"] == 0 and all(o["self_us"] == 0 for o in dev)
 
 

@@ -7,9 +7,9 @@ import typing
 
 import pytest
 
-from bp_mech.experiments import (accumulation, amp, attention_backward, continual_pretrain, decision, ledger,
+from bp_mech.experiments import (accumulation, amp, attention_backward, continual_pretrain_rule, decision, ledger,
                                  local_backward, scheduler, update_dynamics)
-from bp_mech.ledger import STAGES, Ledger
+from bp_mech.ledger_table import STAGES, Ledger
 from bp_mech.projects import baseline, profiling
 from bp_mech.records import results
 from bp_mech.records.decision import VERDICTS, Decision, Verdict
@@ -60,12 +60,12 @@ BRANCHES = [
     (update_dynamics.decide, (_summary(all_finite=False, first_nonfinite=2),), "reject", ["update 2"]),
     (update_dynamics.decide, (_summary(spike=0.7),), "tune", ["0.70 nats", "SPIKE_MAX 0.5"]),
     (update_dynamics.decide, (_summary(),), "accept", ["5.000 -> 4.000"]),
-    (continual_pretrain.decide_domain, (0.1, 0.0, False), "reject", ["not finite"]),
-    (continual_pretrain.decide_domain, (0.005, 0.0, True), "reject", ["0.50%", "MIN_DOMAIN_GAIN_REL 1%"]),
-    (continual_pretrain.decide_domain, (0.1, 0.05, True), "tune", ["+5.00%", "MAX_HOLDOUT_DRIFT_REL 2%"]),
-    (continual_pretrain.decide_domain, (0.1, 0.01, True), "accept", ["10.00%", "+1.00%"]),
-    (continual_pretrain.decide_resume, (0.0, 0.0, "cuda"), "accept", ["RESUME_TOL 0.0001 on cuda"]),
-    (continual_pretrain.decide_resume, (0.0, 2e-3, "cuda"), "reject", ["0.002", "RESUME_TOL 0.0001"]),
+    (continual_pretrain_rule.decide_domain, (0.1, 0.0, False), "reject", ["not finite"]),
+    (continual_pretrain_rule.decide_domain, (0.005, 0.0, True), "reject", ["0.50%", "MIN_DOMAIN_GAIN_REL 1%"]),
+    (continual_pretrain_rule.decide_domain, (0.1, 0.05, True), "tune", ["+5.00%", "MAX_HOLDOUT_DRIFT_REL 2%"]),
+    (continual_pretrain_rule.decide_domain, (0.1, 0.01, True), "accept", ["10.00%", "+1.00%"]),
+    (continual_pretrain_rule.decide_resume, (0.0, 0.0, "cuda"), "accept", ["RESUME_TOL 0.0001 on cuda"]),
+    (continual_pretrain_rule.decide_resume, (0.0, 2e-3, "cuda"), "reject", ["0.002", "RESUME_TOL 0.0001"]),
     (ledger.decide, _ledgers(100), "accept", ["+0.0%", "STAGE_TOL 5%", "CLASS_TOL 3%"]),
     (ledger.decide, _ledgers(80), "tune", ["-20.0%", "CLASS_TOL 3%"]),
     (baseline.decide, (False, 5.0, 4.0), "reject", ["not finite"]),

@@ -17,7 +17,7 @@ What stays outside it, on purpose (``tests/bench/test_step_users.py`` holds the 
 any other loop that calls a backward and an optimizer's step):
 
 * a framework's own idiom that a chapter shows as such: Accelerate's ``accelerator.backward`` inside
-  ``accelerator.accumulate`` and the prepared optimizer's step, in ``accumulation.accelerate_updates``
+  ``accelerator.accumulate`` and the prepared optimizer's step, in ``accumulation_framework.accelerate_updates``
   (Part 02 · 11) and in project 73's loop ``projects.baseline_loop.run_updates`` (its divisor counts
   target tokens across processes);
 * a mistake a chapter demonstrates, which no strategy should carry: ``amp.clipping_order`` (clipping the
@@ -43,7 +43,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from bp_mech.instruments.counters import ForwardCounter, SavedBytesCounter
-from bp_mech.bench.strategy import PLAIN, Applied, Strategy, applied as enter_strategy
+from bp_mech.bench.strategy import PLAIN, Entered, Strategy, enter
 from bp_mech.instruments.peak import PeakMemory
 from bp_mech.scheduler import UpdateClock, scaler_step
 from bp_mech.update_dynamics import global_grad_norm
@@ -58,7 +58,7 @@ class StepState:
     model: torch.nn.Module
     opt: object  # the optimizer (None in a probe)
     strategy: Strategy
-    applied: Applied  # the strategy entered on the model: offload hooks, scaler, transfer counts
+    entered: Entered  # the strategy entered on the model: offload hooks, scaler, transfer counts
     micro: int = 0  # the micro-batch in progress (0 .. k - 1)
     loss: torch.Tensor | None = None  # the micro-batch's loss, from the end of its forward to the end of its backward
 
@@ -85,7 +85,7 @@ def _phase(name: str, state: StepState, observers: Sequence[Observer]):
 
 
 def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
-               applied: Applied | None = None, observers: Sequence[Observer] = (),
+               entered: Entered | None = None, observers: Sequence[Observer] = (),
                update: bool = True, max_norm: float | None = None,
                clock: UpdateClock | None = None,
                outputs: list | None = None) -> StepResult:
@@ -97,7 +97,7 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
         batch: ``input_ids`` and ``labels`` of shape (B, T); B must split into the
             strategy's micro-batches.
         strategy: the memory strategy (``bench.strategy.Strategy``); default plain.
-        applied: the strategy already entered on ``model`` (``bench.strategy.applied``),
+        entered: the strategy already entered on ``model`` (``bench.strategy.enter``),
             to reuse across steps (the offload's host pool, the scaler's state); None
             enters it for this one step.
         observers: callables ``(phase, state) -> context manager`` entered around each
@@ -120,14 +120,14 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
     Gradients an earlier call left (a probe, a user's own backward) are dropped first:
     every step starts from none, as the zero_grad that ends each step leaves it.
     """
-    if applied is None:
+    if entered is None:
         device = next(model.parameters()).device
-        with enter_strategy(model, strategy, device) as entered:
-            return train_step(model, opt, batch, strategy, applied=entered,
+        with enter(model, strategy, device) as e:
+            return train_step(model, opt, batch, strategy, entered=e,
                               observers=observers, update=update, max_norm=max_norm,
                               clock=clock, outputs=outputs)
-    if applied.strategy != strategy or applied.model is not model:
-        raise ValueError(f"applied is {applied.strategy.name!r} on another model; "
+    if entered.strategy != strategy or entered.model is not model:
+        raise ValueError(f"entered is {entered.strategy.name!r} on another model; "
                          f"train_step was asked for {strategy.name!r}")
     if update and opt is None:
         raise ValueError("a step that updates needs an optimizer")
@@ -136,15 +136,15 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
         raise ValueError(f"accumulation needs micro_batches ({k}) to divide "
                          f"the batch ({rows})")
     model.zero_grad(set_to_none=True)
-    scaler, state = applied.scaler, StepState(model, opt, strategy, applied)
+    scaler, state = entered.scaler, StepState(model, opt, strategy, entered)
     scale = scaler.get_scale() if scaler.is_enabled() else None
-    applied.d2h_bytes = applied.h2d_bytes = 0
+    entered.d2h_bytes = entered.h2d_bytes = 0
     losses = []
-    with applied.micro_batches(batch) as micro:
+    with entered.micro_batches(batch) as micro:
         for i, mb in enumerate(micro):
             state.micro = i
             with _phase("forward", state, observers):
-                with applied.forward():
+                with entered.forward():
                     out = model(**mb)
                     state.loss = out.loss
                 # kept: the last micro-batch's (or step's) are freed only now
@@ -155,7 +155,7 @@ def train_step(model, opt, batch: dict, strategy: Strategy = PLAIN, *,
             with _phase("backward", state, observers):
                 scaler.scale(state.loss).backward()
                 # the hooks' counters cover the last forward and its backward
-                applied.count_transfers()
+                entered.count_transfers()
             losses.append(state.loss.detach())
             state.loss = None
     loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0]
@@ -239,7 +239,7 @@ class Probe:
     saved_tensors: int  # tensors it saved there
 
 
-def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | None = None, device=None,
+def probe(model, batch: dict, strategy: Strategy = PLAIN, *, entered: Entered | None = None, device=None,
           observers: Sequence[Observer] = ()) -> Probe:
     """The step without the update on the current weights: loss, gradients, forward calls, saved bytes.
 
@@ -261,7 +261,7 @@ def probe(model, batch: dict, strategy: Strategy = PLAIN, *, applied: Applied | 
         marks.mark("after_forward")
 
     with ForwardCounter(model) as fc, marks:
-        r = train_step(model, None, batch, strategy, applied=applied, observers=(watch, *observers), update=False)
+        r = train_step(model, None, batch, strategy, entered=entered, observers=(watch, *observers), update=False)
     grads = [p.grad for p in model.parameters()]
     norm = global_grad_norm(grads, dtype=torch.float64).item()
     copies = [None if g is None else g.detach().clone() for g in grads]

@@ -7,15 +7,15 @@ Each mechanism is one context manager in its own module, with an off switch that
 field           mechanism (module)                                     entered
 ==============  =====================================================  =============================
 checkpoint      ``checkpointing.configure`` (Part 02 · 19)             around the whole step
-chunked_loss    ``chunked_loss.chunked``                               around the whole step
+chunked_loss    ``chunked_head.chunked``                               around the whole step
 micro_batches   ``accumulation.token_weighted`` (Part 02 · 11)         around the step's micro-batches
 offload         ``offload.ActivationOffload`` (Part 02 · 42)           around each forward
 amp             ``amp.autocast`` (+ a GradScaler for float16)          around each forward
 ==============  =====================================================  =============================
 
 ``Strategy`` names one combination (``Strategy().name == "plain"``,
-``parse("checkpoint-all+offload+fp16+chunked-loss")``); ``applied(model, strategy, device)`` enters
-the step-level switches and gives an ``Applied`` whose ``forward()`` enters the per-forward ones.
+``parse("checkpoint-all+offload+fp16+chunked-loss")``); ``enter(model, strategy, device)`` enters
+the step-level switches and gives an ``Entered`` whose ``forward()`` enters the per-forward ones.
 The one training step, ``bp_mech.bench.step.train_step``, runs under it: every experiment, Part 02 ·
 43's ledger, ``bp-mech plan`` and the projects step through it, so a strategy's name means one
 program everywhere, and these names are the only names of the strategies (records store them).
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech import accumulation, amp, checkpointing, chunked_loss, offload
+from bp_mech import accumulation, amp, checkpointing, chunked_head, chunked_loss, offload
 from bp_mech.instruments.tracking import host_side
 
 
@@ -189,9 +189,9 @@ def parse(name: str) -> Strategy:
 
 def unsupported(model, s: Strategy) -> str | None:
     """Why strategy ``s`` does not apply to ``model`` (its checkpointing or its chunked loss cannot be
-    applied: ``checkpointing.unsupported``, ``chunked_loss.unsupported``), or None when it does."""
+    applied: ``checkpointing.unsupported``, ``chunked_head.unsupported``), or None when it does."""
     why = checkpointing.unsupported(model, s.checkpoint) if s.checkpoint != "plain" else None
-    return why or (chunked_loss.unsupported(model) if s.chunked_loss is not None else None)
+    return why or (chunked_head.unsupported(model) if s.chunked_loss is not None else None)
 
 
 PLAIN = Strategy()
@@ -207,8 +207,8 @@ COMBINATIONS = tuple(parse(n) for n in (
 CANDIDATES = (PLAIN, *SINGLES, *COMBINATIONS)  # what ``bp-mech plan`` traces, plain first
 
 
-class Applied:
-    """A strategy entered on a model (what ``with applied(...)`` gives): the per-forward
+class Entered:
+    """A strategy entered on a model (what ``with enter(...)`` gives): the per-forward
     switches, the micro-batches, the GradScaler of fp16 and the transfer counters of the
     last step."""
 
@@ -276,22 +276,22 @@ class Applied:
 
 
 @contextlib.contextmanager
-def applied(model, strategy: Strategy, device="cpu",
+def enter(model, strategy: Strategy, device="cpu",
             offload_cfg: offload.OffloadConfig | None = None,
             scaler: torch.amp.GradScaler | None = None, hooks=None):
     """Enter ``strategy`` on ``model``: checkpointing and the chunked loss for the whole
-    block (undone after it), and an ``Applied`` for the per-forward switches.
+    block (undone after it), and an ``Entered`` for the per-forward switches.
     ``offload_cfg``: the offload's settings (default: ``offload.min_bytes(device)`` as
     threshold); ``scaler``: fp16's GradScaler (default: torch's defaults); ``hooks``:
     saved-tensor hooks that stand in for the offload (e.g. PyTorch's ``save_on_cpu``,
     which Part 02 · 42 compares with the book's offload)."""
     with configured(model, strategy):
-        yield Applied(model, strategy, device, offload_cfg, scaler, hooks)
+        yield Entered(model, strategy, device, offload_cfg, scaler, hooks)
 
 
 @contextlib.contextmanager
 def configured(model, strategy: Strategy):
     """The step-level switches of ``strategy`` on ``model`` (checkpointing, the chunked loss), undone after
     the block: what a model shared by several strategies enters around each of its steps."""
-    with checkpointing.configure(model, strategy.checkpoint), chunked_loss.chunked(model, strategy.chunked_loss):
+    with checkpointing.configure(model, strategy.checkpoint), chunked_head.chunked(model, strategy.chunked_loss):
         yield

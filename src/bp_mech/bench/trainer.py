@@ -1,7 +1,7 @@
 """A training loop's state around the one training step: model, optimizer, strategy, LR clock, clipping.
 
 ``Trainer`` holds what a loop keeps from one update to the next — the model, its optimizer, the memory
-strategy entered once on the model (an ``Applied``: the offload's host pool, fp16's GradScaler; the
+strategy entered once on the model (an ``Entered``: the offload's host pool, fp16's GradScaler; the
 step-level switches, checkpointing and the chunked loss, are entered around each step as
 ``bench.strategy.configured`` does), the update clock of Part 02 · 12 (``scheduler.UpdateClock``), the
 clip threshold and, for a loop that draws its own batches, a data stream — and its ``step`` is
@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from bp_mech.bench.step import Observer, train_step
-from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured
+from bp_mech.bench.strategy import PLAIN, Entered, Strategy, configured
 from bp_mech.instruments.adamw import make_adamw
 from bp_mech.scheduler import UpdateClock, WSDConfig
 from bp_mech.update_dynamics import clip_coefficient
@@ -80,12 +80,12 @@ class Trainer:
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.clock, self.max_norm, self.data, self.cfg = clock, max_norm, data, cfg
         self.observers = tuple(observers)
-        self.applied = Applied(model, strategy, self.device, scaler=scaler)  # one scaler, one host pool
+        self.entered = Entered(model, strategy, self.device, scaler=scaler)  # one scaler, one host pool
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
         """The strategy's GradScaler (enabled under fp16 only; a disabled one's ``state_dict()`` is {})."""
-        return self.applied.scaler
+        return self.entered.scaler
 
     @classmethod
     def build(cls, model, schedule: WSDConfig, strategy: Strategy = PLAIN, *, device=None,
@@ -153,7 +153,7 @@ class Trainer:
         lr = self.clock.lr if self.clock is not None else None
         with configured(self.model, self.strategy):
             r = train_step(self.model, self.optimizer, batch, self.strategy,
-                           applied=self.applied, observers=self.observers,
+                           entered=self.entered, observers=self.observers,
                            max_norm=self.max_norm, clock=self.clock)
         loss = r.loss.item()
         norm = None if r.grad_norm is None else r.grad_norm.item()
@@ -187,7 +187,8 @@ def phase_trainer(model, cfg, data=None, device=None, strategy: Strategy = PLAIN
         The ``Trainer``.
 
     Example:
-        >>> from bp_mech.continual_pretrain import TextStream, TrainConfig
+        >>> from bp_mech.continual_data import TextStream
+        >>> from bp_mech.continual_pretrain import TrainConfig
         >>> from bp_mech.instruments.workload import build_model, parse_workload
         >>> t = phase_trainer(build_model(parse_workload("tiny-b1s8")), TrainConfig(),
         ...                   TextStream(torch.arange(64), 1, 8, 0))

@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt
 
 from bp_mech.bench.trainer import phase_trainer
 from bp_mech.instruments.workload import build_model, parse_workload
-from bp_mech.continual_pretrain import TextStream, TrainConfig, load_texts, train
+from bp_mech.continual_data import TextStream, load_texts
+from bp_mech.continual_pretrain import TrainConfig, train
 from bp_mech.scheduler import WSDConfig
 
 PHASE_COLOURS = {"warmup": "tab:orange", "stable": "tab:green", "decay": "tab:purple"}

@@ -16,7 +16,8 @@ import time
 from bp_mech import RESULTS_DIR
 from bp_mech.planner import plan as planner
 from bp_mech.planner import sweep
-from bp_mech.planner.reference_gap import DEFINITIONS, Gap, default_workers, reference_gap
+from bp_mech.planner.pool import default_workers
+from bp_mech.planner.reference_gap import DEFINITIONS, Gap, reference_gap
 from bp_mech.records.computed import REFRESH_ENV, cached
 
 SWEEP = "sweep"  # every causal LM of Transformers' mapping: tests/planner/test_sweep.py
@@ -37,7 +38,7 @@ def plan(name: str, *args, **kwargs) -> planner.Plan:
     """``planner.plan(*args, **kwargs)`` from the computed record ``plan__<name>`` (its arguments, the code
     and the cached GPU records key it), traced on all the CPUs this process may use when refreshed."""
     return cached(f"plan__{name}", planner.plan, *args, inputs=gpu_record_files(),
-                  workers=planner.default_workers(), **kwargs)
+                  workers=default_workers(), **kwargs)
 
 
 def sweep_outcomes() -> dict[str, tuple[str, str]]:

@@ -5,7 +5,7 @@ records and draws; nothing here measures."""
 from __future__ import annotations
 
 from bp_mech.book.plots import figure
-from bp_mech.ledger import CLASS_LABELS, CLASSES
+from bp_mech.ledger_table import CLASS_LABELS, CLASSES
 from bp_mech.projects.diagnosis import POINT_LABELS
 from bp_mech.projects.step_profile import CATEGORIES, StepProfile
 

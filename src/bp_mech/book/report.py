@@ -1,9 +1,9 @@
 """What chapters call to show records: tables, cached GPU records, evidence labels, formatting.
 
-A chapter never shows an invalid record silently: it reads the cached records through ``cached``
-(``bp_mech.records.cache``: every file validated, mixed workloads or model commits within one run
-label refused, stale records marked), re-exported here with ``fmt_bytes`` (``instruments.tracking``) so
-that a page needs only this module.
+A chapter never shows an invalid record silently: it reads the cached records through
+``bp_mech.records.cache.cached`` (every file validated, mixed workloads or model commits within one run
+label refused, stale records marked) and shows them with this module's tables and boxes; bytes are
+formatted by ``bp_mech.instruments.peak.fmt_bytes``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ from dataclasses import dataclass
 
 from bp_mech.instruments.peak import fmt_bytes
 from bp_mech.records import provenance, references, registry, results
-from bp_mech.records.cache import Cached, cached
-
-__all__ = ["Cached", "cached", "fmt", "fmt_bytes", "markdown_table", "folded_table", "folded_markdown",
-           "DETAIL_COLUMNS", "decision_text", "ProvenanceBox", "provenance_box"]
 
 
 def fmt(v, spec: str = ".3g") -> str:
@@ -144,7 +140,7 @@ def provenance_box(record) -> ProvenanceBox:
     """The box a chapter shows beside a cached (GPU) record, or beside the records of one run label
     (a list of mergeable records): device, workload and model source, date, evidence level, whether
     the code hash is current or stale (``provenance.is_stale``'s comparison) and the course's reference
-    run's figures for the experiment where there are some (``references.SEED``), in a row "reference"."""
+    run's figures for the experiment where there are some (``references.REFERENCES``), in a row "reference"."""
     recs = list(record) if isinstance(record, (list, tuple)) else [record]
     r = recs[0]
     device = ", ".join(x for x in (r.device_name, r.device_memory and fmt_bytes(r.device_memory),
@@ -162,7 +158,7 @@ def provenance_box(record) -> ProvenanceBox:
             ("evidence", evidence + (f" (memory: {memory})" if memory else "")),
             ("code", code + (f"; git commit {', '.join(commits)}" if commits else "")
              + (f"; bp-mech {r.bp_mech_version}" if r.bp_mech_version else ""))]
-    if ref := references.seed_reference(r.semantic_id):
+    if ref := references.for_experiment(r.semantic_id):
         rows.append(("reference", ref.summary() + " — not this book's measurement"))
     title = (f"Provenance: {r.semantic_id}, run label {r.run_label}"
              + (f", candidate {r.candidate}" if len(recs) == 1 else f", {len(recs)} candidates")

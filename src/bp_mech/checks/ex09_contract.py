@@ -191,14 +191,21 @@ def measured_mlp_saved_bytes(batch, seq, hidden, inter, dtype) -> int:
 PREDICTIONS = [(2, 3, 8, 12, torch.float32), (1, 5, 6, 20, torch.bfloat16), (3, 2, 4, 4, torch.float64)]
 
 
-def check_predict_mlp_saved_bytes(m):
-    for args in PREDICTIONS:
-        at = f"(B, T, C, I) = {args[:4]}, {str(args[4]).removeprefix('torch.')}"
-        got = call("predict_mlp_saved_bytes", m.predict_mlp_saved_bytes, *args, at=at)
-        assert_type("predict_mlp_saved_bytes", "the prediction", got, int, at)
-        want = measured_mlp_saved_bytes(*args)
-        assert got == want, (f"predict_mlp_saved_bytes: predicted {got} B, the saved-tensor hooks measure {want} B "
+def saved_bytes_predicted(fn: str, f, cases, names: str, measured) -> None:
+    """``f(*args)`` is exactly ``measured(*args)``, an int, for each ``args`` of ``cases`` (the shape named
+    ``names``, then the dtype): a byte count has no noise."""
+    for args in cases:
+        at = f"{names} = {args[:-1]}, {str(args[-1]).removeprefix('torch.')}"
+        got = call(fn, f, *args, at=at)
+        assert_type(fn, "the prediction", got, int, at)
+        want = measured(*args)
+        assert got == want, (f"{fn}: predicted {got} B, the saved-tensor hooks measure {want} B "
                              f"(exact: a byte count has no noise) at {at}")
+
+
+def check_predict_mlp_saved_bytes(m):
+    saved_bytes_predicted("predict_mlp_saved_bytes", m.predict_mlp_saved_bytes, PREDICTIONS, "(B, T, C, I)",
+                          measured_mlp_saved_bytes)
 
 
 CHECKS = [check_linear_backward__contract, check_silu_backward__contract, check_rmsnorm_backward__contract,

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from bp_mech.checks.common import assert_all_close, autograd_grads, call, randn64
-from bp_mech.checks.ex09_contract import hold_contract
-from bp_mech.checks.properties import assert_finite, assert_type, explore, one_thread
+from bp_mech.checks.ex09_contract import hold_contract, saved_bytes_predicted
+from bp_mech.checks.properties import assert_finite, explore, one_thread
 
 REF = "float64 autograd"
 
@@ -202,13 +202,8 @@ PREDICTIONS = [(2, 3, 7, 4, torch.float32), (1, 4, 16, 8, torch.bfloat16), (3, 2
 
 
 def check_predict_eager_saved_bytes(m):
-    for args in PREDICTIONS:
-        at = f"(B, H, T, d) = {args[:4]}, {str(args[4]).removeprefix('torch.')}"
-        got = call("predict_eager_saved_bytes", m.predict_eager_saved_bytes, *args, at=at)
-        assert_type("predict_eager_saved_bytes", "the prediction", got, int, at)
-        want = measured_eager_saved_bytes(*args)
-        assert got == want, (f"predict_eager_saved_bytes: predicted {got} B, the saved-tensor hooks measure {want} B "
-                             f"(exact: a byte count has no noise) at {at}")
+    saved_bytes_predicted("predict_eager_saved_bytes", m.predict_eager_saved_bytes, PREDICTIONS, "(B, H, T, d)",
+                          measured_eager_saved_bytes)
 
 
 CHECKS = [check_softmax_backward__contract, check_attention_head_backward__contract,

@@ -80,8 +80,15 @@ def full_batch_loss(logits, labels):
                            ignore_index=-100, reduction="mean")
 
 
-def _torch_count(labels) -> int:
-    """Targets as torch counts them: the ratio of its summed and its mean cross-entropy (0 when none)."""
+def torch_count(labels) -> int:
+    """Targets as torch counts them: the ratio of its summed and its mean cross-entropy (0 when none).
+
+    Args:
+        labels: (B, T) labels, ``PAD`` where ignored.
+
+    Returns:
+        The number of targets, an int.
+    """
     z = torch.randn(*labels.shape, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     args = (z[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
     total = F.cross_entropy(*args, reduction="sum")
@@ -146,7 +153,7 @@ def check_count_targets__contract(m):
         got = call_unmodified("count_targets", m.count_targets, labels, names=("labels",), at=at)
         if not (torch.is_tensor(got) and got.dim() == 0 and not got.is_floating_point() and got.dtype != torch.bool):
             raise AssertionError(f"count_targets: returned {describe(got)}, expected a 0-dim integer tensor at {at}")
-        want = _torch_count(labels.contiguous())
+        want = torch_count(labels.contiguous())
         assert int(got) == want, f"count_targets: {int(got)} targets, torch's cross_entropy counts {want} at {at}"
     explore(st.tuples(SEEDS, st.integers(1, 5), st.integers(1, 9), st.sampled_from([0.0, 0.3, 1.0]),
                       st.sampled_from([None, "slice", "transpose"])), body,
@@ -211,7 +218,16 @@ class Raising(torch.nn.Module):
         return self.model(input_ids=input_ids)
 
 
-def _backward_contract(m, fn, ref_loss, case):
+def backward_contract(m, fn, ref_loss, case):
+    """An accumulated backward ``m.<fn>(model, batch, k)`` against float64 autograd of ``ref_loss``.
+
+    Args:
+        m, fn: the module under test and the function's name; ``ref_loss(logits, labels)``: the full batch's.
+        case: (seed, k, pads, prompts, pre): the batch, the micro-batches, whether ``.grad`` holds one.
+
+    Returns:
+        None; an ``AssertionError`` names what broke the contract.
+    """
     seed, k, pads, prompts, pre = case
     b = padded_batch(seed, pads, prompts if prompts else None)
     ref = ToyLM(seed)
@@ -253,12 +269,12 @@ def _backward_cases():
 
 @one_thread
 def check_accumulated_backward__contract(m):
-    explore(_backward_cases(), lambda c: _backward_contract(m, "accumulated_backward", full_batch_loss, c), examples=6)
+    explore(_backward_cases(), lambda c: backward_contract(m, "accumulated_backward", full_batch_loss, c), examples=6)
 
 
 @one_thread
 def check_accumulated_backward_per_sequence__contract(m):
-    explore(_backward_cases(), lambda c: _backward_contract(m, "accumulated_backward_per_sequence",
+    explore(_backward_cases(), lambda c: backward_contract(m, "accumulated_backward_per_sequence",
                                                             per_sequence_loss, c), examples=6)
 
 

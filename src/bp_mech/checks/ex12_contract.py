@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import get_wsd_schedule
 
 from bp_mech.checks.common import call
-from bp_mech.checks.properties import assert_json, assert_type, explore
+from bp_mech.checks.properties import assert_json, assert_raises, assert_type, explore
 from bp_mech.scheduler import WSDConfig
 
 REL_TOL = 1e-12  # float64; an equivalent formula differs by a few ulps
@@ -39,18 +39,6 @@ def _near(fn, what, got, want, base, at):
     assert err <= REL_TOL, f"{fn}: {what} is {got!r}, the reference gives {want!r} (rel error {err:.1e}) at {at}"
 
 
-def _raises(fn, f, args, at, exc=ValueError):
-    try:
-        f(*args)
-    except exc:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as e:
-        raise AssertionError(f"{fn}: raised {type(e).__name__}, expected {exc.__name__} at {at}") from e
-    raise AssertionError(f"{fn}: no {exc.__name__} at {at}")
-
-
 def check_wsd_lr__contract(m):
     cfg = WSDConfig(base_lr=1, warmup=1, stable=1, decay=1, min_lr_ratio=0)  # ints: the floor must still be a float
     for k in range(5):
@@ -63,7 +51,7 @@ def check_wsd_lr__contract(m):
         for k in ks:
             at = f"update {k} of {cfg}"
             _near("wsd_lr", "lr", call("wsd_lr", m.wsd_lr, k, cfg, at=at), cfg.base_lr * lam(k), cfg.base_lr, at)
-        _raises("wsd_lr", m.wsd_lr, (-1, cfg), f"update -1 (negative) of {cfg}")
+        assert_raises("wsd_lr", m.wsd_lr, (-1, cfg), ValueError, "update -1 (negative)", str(cfg))
     explore(st.tuples(CONFIGS, st.lists(st.integers(0, 25), min_size=1, max_size=8)), body)
 
 
@@ -127,7 +115,7 @@ def check_UpdateClock__state_dict(m):
                 f"{_state(c)} vs {_state(a)} at {at}")
         for bad in ({"updates": 3}, {"updates": -1, "skipped": 0}, {"updates": 3.0, "skipped": 0}):
             before_bad = _state(c)
-            _raises(fn, c.load_state_dict, (bad,), f"load_state_dict({bad}) of {cfg}")
+            assert_raises(fn, c.load_state_dict, (bad,), ValueError, f"load_state_dict({bad})", str(cfg))
             assert _state(c) == before_bad, (f"{fn}: a rejected load_state_dict({bad}) changed the clock to "
                                              f"{_state(c)} from {before_bad} at {cfg}")
     explore(st.tuples(CONFIGS, FLAGS, st.lists(st.booleans(), min_size=1, max_size=12)), body, examples=10)
@@ -172,7 +160,8 @@ def check_cosine_restarts_lr__contract(m):
         got = m.cosine_restarts_lr(n, base_lr, cycle, mult, base_lr * ratio)
         assert_type("cosine_restarts_lr", "the learning rate", got, float, f"update {n}, base_lr={base_lr}")
         for bad in ((-1, base_lr, cycle, mult), (0, base_lr, 0, mult), (0, base_lr, cycle, 0)):
-            _raises("cosine_restarts_lr", m.cosine_restarts_lr, bad, f"(update, base_lr, cycle, mult) = {bad}")
+            assert_raises("cosine_restarts_lr", m.cosine_restarts_lr, bad, ValueError,
+                          f"(update, base_lr, cycle, mult) = {bad}", "a bad argument")
     explore(st.tuples(st.sampled_from([1.0, 3e-4, 2, 0.5]), st.integers(1, 9), st.integers(1, 3),
                       st.sampled_from([0.0, 0.1, 0]), st.integers(1, 40)), body)
 

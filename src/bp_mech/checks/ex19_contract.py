@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bp_mech.instruments.counters import SavedBytesCounter
 from bp_mech.checks.common import assert_close, call
-from bp_mech.checks.properties import assert_type, call_unmodified, explore, strided
+from bp_mech.checks.properties import assert_raises, assert_type, call_unmodified, explore, strided
 
 TOL = 1e-12
 
@@ -89,14 +89,8 @@ def check_CheckpointedBlock__instances(m):
         f"{fn}: after one step of the first block and one forward of the second the counters are {a.calls} and "
         f"{b.calls} (want 2 and 1): the blocks share a counter")
     failing = m.CheckpointedBlock(_Boom())
-    at = "a block whose forward raises KeyError"
-    try:
-        failing(torch.randn(2, 4, requires_grad=True))
-    except KeyError:
-        return
-    except Exception as e:
-        raise AssertionError(f"{fn}: raised {type(e).__name__} instead of the block's KeyError at {at}") from e
-    raise AssertionError(f"{fn}: returned normally, the block's KeyError was swallowed at {at}")
+    assert_raises(fn, failing, (torch.randn(2, 4, requires_grad=True),), KeyError,
+                  "a block whose forward raises KeyError", "a forward")
 
 
 def check_count_forward_calls__contract(m):
@@ -112,14 +106,8 @@ def check_count_forward_calls__contract(m):
     def failing_step():
         raise KeyError("step failed")
 
-    at = "a step that raises KeyError"
-    try:
-        m.count_forward_calls(layers, failing_step)
-    except KeyError:
-        return
-    except Exception as e:
-        raise AssertionError(f"{fn}: raised {type(e).__name__} instead of the step's KeyError at {at}") from e
-    raise AssertionError(f"{fn}: returned normally, the step's KeyError was swallowed at {at}")
+    assert_raises(fn, m.count_forward_calls, (layers, failing_step), KeyError, "a step that raises KeyError",
+                  "3 layers")
 
 
 # --- the variant: a checkpoint policy under a byte budget -------------------------------

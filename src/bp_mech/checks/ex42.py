@@ -17,8 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bp_mech.checks.common import assert_close, call
 from bp_mech.checks.ex42_contract import (  # the toy model: one copy
     MIN_BYTES,
-    _params,
-    _toy,
+    toy_params,
+    toy_loss,
 )
 
 TOL = 1e-12  # float64: offloading copies bytes, the arithmetic is unchanged
@@ -39,19 +39,19 @@ def _reference_counts(params, scale, x):
         return t  # kept alive: no address is reused while counting
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _toy(x, *params, scale)
+        toy_loss(x, *params, scale)
     return sum(storages.values()), per_tensor
 
 
 def _grads_twice(m, seed, as_generator):
-    params, scale, x = _params(seed)
+    params, scale, x = toy_params(seed)
     leaves = [x, *params, scale]
-    want = torch.autograd.grad(_toy(x, *params, scale), leaves)
+    want = torch.autograd.grad(toy_loss(x, *params, scale), leaves)
     hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES,
                  at="construction")
     at = f"the toy forward (float64), parameters as a {'generator' if as_generator else 'list'}"
     with hooks:
-        loss = call(FN, _toy, x, *params, scale, at=at)
+        loss = call(FN, toy_loss, x, *params, scale, at=at)
     first = call(FN, torch.autograd.grad, loss, leaves, retain_graph=True, at=at + ", first backward")
     second = call(FN, torch.autograd.grad, loss, leaves,
                   at=at + ", second backward (every saved tensor unpacked again)")
@@ -79,7 +79,7 @@ def check_CountingOffload__bytes(m):
 
 def check_CountingOffload__parameters(m):
     for as_generator in (False, True):
-        params, _, _ = _params(2)
+        params, _, _ = toy_params(2)
         params[2].requires_grad_(False)  # a frozen parameter is still a parameter
         at = f"parameters as a {'generator' if as_generator else 'list'}, one of them frozen"
         hooks = call(FN, m.CountingOffload, (p for p in params) if as_generator else params, MIN_BYTES, at=at)

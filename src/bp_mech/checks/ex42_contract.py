@@ -24,8 +24,15 @@ TOL = 1e-12
 MIN_BYTES = 1024  # CountingOffload's threshold in every ex42 check
 
 
-def _params(seed):
-    """The toy model of every ex42 check: saved storages of several sizes, views sharing one storage."""
+def toy_params(seed):
+    """The toy model of every ex42 check: saved storages of several sizes, views sharing one storage.
+
+    Args:
+        seed: the generator's seed.
+
+    Returns:
+        (x, W1, W2, b, scale), float64 tensors that require grad: ``toy_loss``'s arguments.
+    """
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) / s[0] ** 0.5).requires_grad_()
     W1, W2, b = r(32, 128), r(64, 32), r(32)
@@ -34,7 +41,15 @@ def _params(seed):
     return [W1, W2, b], scale, x
 
 
-def _toy(x, W1, W2, b, scale):
+def toy_loss(x, W1, W2, b, scale):
+    """The toy model's loss; what each operation saves for backward is said beside it.
+
+    Args:
+        x, W1, W2, b, scale: ``toy_params``'s tensors.
+
+    Returns:
+        The scalar loss.
+    """
     h = x @ W1  # (B, T, 128); saves x and W1
     a, gate = h.chunk(2, -1)  # two views of h's storage
     y = torch.sigmoid(a) * gate  # sigmoid saves its output; mul saves it and `gate`, a view of h
@@ -60,16 +75,16 @@ def _contract(m, cls):
     assert (a.d2h_bytes, b.d2h_bytes) == (32768, 32768), (
         f"{fn}: two instances that each packed one 32 KiB storage count d2h_bytes {a.d2h_bytes} and {b.d2h_bytes} "
         f"(want 32768 each): the instances share state")
-    params, scale, x = _params(4)
+    params, scale, x = toy_params(4)
     hooks = make(params)
     at = "two forwards of the toy model under one instance"
     for _ in range(2):
         with hooks:
-            loss = call(fn, _toy, x, *params, scale, at=at)
+            loss = call(fn, toy_loss, x, *params, scale, at=at)
         call(fn, loss.backward, at=at)
     once = make(params)
     with once:
-        loss = _toy(x, *params, scale)
+        loss = toy_loss(x, *params, scale)
     loss.backward()
     for name in ("d2h_bytes", "h2d_bytes"):
         assert_type(fn, name, getattr(hooks, name), int, at)
@@ -87,7 +102,7 @@ def _contract(m, cls):
         raise AssertionError(f"{fn}: {type(e).__name__} came out of the with block instead of KeyError at {at}") from e
     else:
         raise AssertionError(f"{fn}: the with block swallowed the KeyError at {at}")
-    _toy(x, *params, scale).backward()  # outside any with block: plain autograd
+    toy_loss(x, *params, scale).backward()  # outside any with block: plain autograd
     assert hooks.d2h_bytes == before, (
         f"{fn}: a forward after the with block still went through the hooks (d2h_bytes {before} -> "
         f"{hooks.d2h_bytes}): they were not removed on exit at {at}")
@@ -115,7 +130,7 @@ def _replay(inputs, budget):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _toy(x, *params, scale)
+        toy_loss(x, *params, scale)
     resident = moved = 0
     for _, n in order:
         if resident + n <= budget:
@@ -128,14 +143,14 @@ def _replay(inputs, budget):
 def check_BudgetOffload(m):
     fn = "BudgetOffload"
     for seed, budget in ((0, 0), (1, 20000)):  # everything moves; some stays, the rest moves
-        params, scale, x = _params(seed)
+        params, scale, x = toy_params(seed)
         leaves = [x, *params, scale]
-        want = torch.autograd.grad(_toy(x, *params, scale), leaves)
+        want = torch.autograd.grad(toy_loss(x, *params, scale), leaves)
         hooks = call(fn, m.BudgetOffload, (p for p in params), budget, at=f"budget={budget}")
         moved, resident, total = _replay((params, scale, x), budget)
         at = f"the toy forward (float64) at budget={budget} B, {total} B of saved activations"
         with hooks:
-            loss = call(fn, _toy, x, *params, scale, at=at)
+            loss = call(fn, toy_loss, x, *params, scale, at=at)
         for which in ("first", "second"):
             got = call(fn, torch.autograd.grad, loss, leaves, retain_graph=which == "first", at=f"{at}, {which} backward")
             for name, a, b in zip(("dx", "dW1", "dW2", "db", "dscale"), got, want):

@@ -16,9 +16,9 @@ import torch
 from bp_mech.checks import ex43_contract
 from bp_mech.checks.common import call
 from bp_mech.checks.ex43_measure import (
-    _config,
-    _describe,
-    _dtype_at,
+    shape_config,
+    describe_shape,
+    describe_dtype,
     measure_block_saved_bytes,
     measure_state,
 )
@@ -36,37 +36,32 @@ def _equal(fn, got, want, at):
     assert value == want, f"{fn}: {value} bytes, PyTorch allocates {want} ({value - want:+d}) at {at}"
 
 
-def check_param_bytes(m):
+def _state_line(m, fn: str, index: int, dtypes) -> None:
+    """``m.<fn>(cfg, bytes_per_value)`` against line ``index`` (parameters, gradients, moments) of a real model's
+    ``measure_state``, for every shape and each of ``dtypes``."""
     for shape in SHAPES:
-        cfg = _config(shape)
-        for dtype, nb in DTYPES:
-            at = _dtype_at(shape, dtype, nb)
-            got = call("param_bytes", m.param_bytes, cfg, nb, at=at)
-            _equal("param_bytes", got, measure_state(shape, dtype)[0], at)
+        cfg = shape_config(shape)
+        for dtype, nb in dtypes:
+            at = describe_dtype(shape, dtype, nb)
+            _equal(fn, call(fn, getattr(m, fn), cfg, nb, at=at), measure_state(shape, dtype)[index], at)
+
+
+def check_param_bytes(m):
+    _state_line(m, "param_bytes", 0, DTYPES)
 
 
 def check_grad_bytes(m):
-    for shape in SHAPES:
-        cfg = _config(shape)
-        for dtype, nb in DTYPES[:2]:
-            at = _dtype_at(shape, dtype, nb)
-            got = call("grad_bytes", m.grad_bytes, cfg, nb, at=at)
-            _equal("grad_bytes", got, measure_state(shape, dtype)[1], at)
+    _state_line(m, "grad_bytes", 1, DTYPES[:2])
 
 
 def check_adam_state_bytes(m):
-    for shape in SHAPES:
-        cfg = _config(shape)
-        for dtype, nb in DTYPES[:2]:
-            at = _dtype_at(shape, dtype, nb)
-            got = call("adam_state_bytes", m.adam_state_bytes, cfg, nb, at=at)
-            _equal("adam_state_bytes", got, measure_state(shape, dtype)[2], at)
+    _state_line(m, "adam_state_bytes", 2, DTYPES[:2])
 
 
 def check_block_saved_bytes(m):
     for shape, (B, T) in zip(SHAPES, [(2, 16), (3, 10), (1, 33)]):
-        cfg = _config(shape)
-        at = _describe(shape, f"; batch {B}, seq {T}")
+        cfg = shape_config(shape)
+        at = describe_shape(shape, f"; batch {B}, seq {T}")
         got = call("block_saved_bytes", m.block_saved_bytes, cfg, B, T, at=at)
         _equal("block_saved_bytes", got, measure_block_saved_bytes(cfg, B, T), at)
 

@@ -55,11 +55,22 @@ def call_int(fn: str, f, cfg, *args, at: str) -> int:
     return got
 
 
+def predicted_within(fn: str, f, shape, batch: int, seq: int, measured, tol: float, what: str) -> None:
+    """``f(config of shape, batch, seq)`` (``call_int``) within ``tol``, relative, of ``measured()`` (called after
+    it: a stub costs no measurement); ``what``: the measurement in words, ``{want}`` where its bytes go."""
+    at = measure.describe_shape(shape, f"; batch {batch}, seq {seq}")
+    got = call_int(fn, f, measure.shape_config(shape), batch, seq, at=at)
+    want = measured()
+    err = got / want - 1
+    assert abs(err) <= tol, (f"{fn}: predicted {got} bytes, {what.format(want=want)} ({err:+.1%}, tolerance "
+                             f"{tol:.0%}) at {at}")
+
+
 def _state_contract(m, fn: str, index: int, dtypes):
     def body(case):
         shape, (dtype, nb) = case
-        at = measure._dtype_at(shape, dtype, nb)
-        got = call_int(fn, getattr(m, fn), measure._config(shape), nb, at=at)
+        at = measure.describe_dtype(shape, dtype, nb)
+        got = call_int(fn, getattr(m, fn), measure.shape_config(shape), nb, at=at)
         want = measure.measure_state(shape, dtype)[index]
         assert got == want, f"{fn}: {got} bytes, PyTorch allocates {want} ({got - want:+d}) at {at}"
 
@@ -81,8 +92,8 @@ def check_adam_state_bytes__contract(m):
 def check_block_saved_bytes__contract(m):
     def body(case):
         shape, B, T = case
-        at = measure._describe(shape, f"; batch {B}, seq {T}")
-        got = call_int("block_saved_bytes", m.block_saved_bytes, measure._config(shape), B, T, at=at)
+        at = measure.describe_shape(shape, f"; batch {B}, seq {T}")
+        got = call_int("block_saved_bytes", m.block_saved_bytes, measure.shape_config(shape), B, T, at=at)
         want = _block(shape, B, T)
         assert got == want, f"block_saved_bytes: {got} bytes, PyTorch saves {want} ({got - want:+d}) at {at}"
 
@@ -91,7 +102,7 @@ def check_block_saved_bytes__contract(m):
 
 @functools.cache
 def _block(shape, B: int, T: int) -> int:
-    return measure.measure_block_saved_bytes(measure._config(shape), B, T)
+    return measure.measure_block_saved_bytes(measure.shape_config(shape), B, T)
 
 
 # --- Exercise 43.5 (variant): the ledger of a GELU MLP ----------------------------------
@@ -156,17 +167,14 @@ def measure_forward_bytes(shape, batch: int, seq: int) -> int:
     """The "after forward" total of a real steady-state plain float32 step on the CPU (the chapter's tracker)."""
     from bp_mech.planner import lifecycle
     from bp_mech.planner.build import ConfigWorkload
-    return lifecycle.track(ConfigWorkload(measure._config(shape), batch, seq)).total("forward")
+    return lifecycle.track(ConfigWorkload(measure.shape_config(shape), batch, seq)).total("forward")
 
 
 def check_predict_forward_bytes(m):
     for shape, B, T in PREDICT_CASES:
-        at = measure._describe(shape, f"; batch {B}, seq {T}")
-        got = call_int("predict_forward_bytes", m.predict_forward_bytes, measure._config(shape), B, T, at=at)
-        want = measure_forward_bytes(shape, B, T)
-        err = got / want - 1
-        assert abs(err) <= PREDICT_TOL, (f"predict_forward_bytes: predicted {got} bytes, a real step holds {want} "
-                                         f"after its forward ({err:+.1%}, tolerance {PREDICT_TOL:.0%}) at {at}")
+        predicted_within("predict_forward_bytes", m.predict_forward_bytes, shape, B, T,
+                         lambda: measure_forward_bytes(shape, B, T), PREDICT_TOL,
+                         "a real step holds {want} after its forward")
 
 
 CHECKS = [check_param_bytes__contract, check_grad_bytes__contract, check_adam_state_bytes__contract,

@@ -15,7 +15,15 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 
-def _config(shape) -> Qwen2Config:
+def shape_config(shape) -> Qwen2Config:
+    """The Qwen2 config of a check's shape (SDPA attention, no KV cache).
+
+    Args:
+        shape: (hidden, heads, kv heads, intermediate, vocab, layers, tied).
+
+    Returns:
+        A ``Qwen2Config``.
+    """
     C, H, KV, I, V, L, tied = shape
     return Qwen2Config(hidden_size=C, num_attention_heads=H, num_key_value_heads=KV, intermediate_size=I,
                        vocab_size=V, num_hidden_layers=L, tie_word_embeddings=tied, max_position_embeddings=256,
@@ -37,20 +45,39 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _describe(shape, extra=""):
+def describe_shape(shape, extra=""):
+    """A check's shape in words, for a failure message.
+
+    Args:
+        shape: (hidden, heads, kv heads, intermediate, vocab, layers, tied).
+        extra: appended as is.
+
+    Returns:
+        The words, a str.
+    """
     C, H, KV, I, V, L, tied = shape
     return f"hidden {C}, heads {H}, kv heads {KV}, intermediate {I}, vocab {V}, layers {L}, tied={tied}{extra}"
 
 
-def _dtype_at(shape, dtype, nb):
-    return _describe(shape, f"; {str(dtype)[6:]}, bytes_per_value={nb}")
+def describe_dtype(shape, dtype, nb):
+    """``describe_shape`` with the dtype and ``bytes_per_value`` the check asked for.
+
+    Args:
+        shape: as ``describe_shape``'s.
+        dtype: the torch dtype.
+        nb: the bytes per value.
+
+    Returns:
+        The words, a str.
+    """
+    return describe_shape(shape, f"; {str(dtype)[6:]}, bytes_per_value={nb}")
 
 
 @functools.cache
 def measure_state(shape, dtype=torch.float32) -> tuple[int, int, int]:
     """(parameter, gradient, AdamW moment) bytes of a real ``Qwen2ForCausalLM`` of ``shape`` in ``dtype``:
     unique storages after a backward and one ``AdamW.step()`` (cached: the checks share the models)."""
-    cfg = _config(shape)
+    cfg = shape_config(shape)
     model = _model(cfg, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _backward(model, cfg)

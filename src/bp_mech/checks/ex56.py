@@ -26,8 +26,7 @@ from bp_mech.bench.strategy import parse
 from bp_mech.bench.timing import timing_threads
 from bp_mech.bench.trainer import phase_trainer
 from bp_mech.checks.common import assert_value, call
-from bp_mech.checks.ex56_contract import CHECKS as CONTRACT
-from bp_mech.checks.ex56_contract import _fingerprint, _same
+from bp_mech.checks.ex56_contract import CHECKS as CONTRACT, fingerprint, reference_token_loss, same_fingerprint
 from bp_mech.checks.properties import assert_type
 
 TOL = 1e-6  # float32 logits, cross-entropy summed in float32 per batch: relative to a float64 reference
@@ -60,27 +59,12 @@ def _batches(vocab: int, seed: int):
     return out
 
 
-def _reference(model, batches) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            logp = torch.log_softmax(model(input_ids=b["input_ids"]).logits.double(), dim=-1)
-            B, T = b["labels"].shape
-            for i in range(B):
-                for t in range(T - 1):
-                    y = int(b["labels"][i, t + 1])
-                    if y != -100:
-                        total -= logp[i, t, y].item()
-                        count += 1
-    return total / count
-
-
 def check_token_loss(m):
     for seed in (0, 1):
         model, batches = Bigram(11, seed), _batches(11, seed + 10)
         model.train()
         got = call("token_loss", m.token_loss, model, batches, at=f"seed {seed}")
-        assert_value("token_loss", "the loss", got, _reference(model, batches), tol=TOL,
+        assert_value("token_loss", "the loss", got, reference_token_loss(model, batches), tol=TOL,
                      ref="a float64 sum over target positions / their count",
                      at=f"3 batches with 16, 19 and 2 targets (seed {seed})")
         assert model.training, "token_loss: leave the model in the mode it was in (it was training)"
@@ -89,7 +73,7 @@ def check_token_loss(m):
 # --- the training state -------------------------------------------------------------------
 
 def _setup():
-    from bp_mech import continual_pretrain as cpt
+    from bp_mech import continual_data, continual_pretrain as cpt
     from bp_mech.instruments.workload import build_model, load_text, parse_workload, tokenize
 
     w = parse_workload("tiny-b1s16")
@@ -98,7 +82,7 @@ def _setup():
 
     def trainer(seed, **config):  # fp16: an enabled GradScaler, whose state resumes too
         return phase_trainer(build_model(w.replace(seed=seed), **config), cfg,
-                             cpt.TextStream(ids, w.batch, w.seq, cfg.seed + seed), strategy=parse("fp16"))
+                             continual_data.TextStream(ids, w.batch, w.seq, cfg.seed + seed), strategy=parse("fp16"))
 
     return cpt, trainer
 
@@ -174,9 +158,9 @@ def _check_restore(m):
     torch.manual_seed(1234)  # the global RNG at the capture
     snap = _snapshot(ref)
     state = call("capture_state", m.capture_state, ref, at=f"update {AT}")
-    kept = _fingerprint(state)
+    kept = fingerprint(state)
     want = [r.loss for r in cpt.train(ref, UPDATES)]
-    assert _same(kept, _fingerprint(state)), (f"capture_state: the captured state changed when the trainer trained "
+    assert same_fingerprint(kept, fingerprint(state)), (f"capture_state: the captured state changed when the trainer trained "
                                               f"on from update {AT} (it holds a live object or tensor, not a copy)")
     torch.manual_seed(999)  # a new process: another global RNG state, another init, another data seed
     fresh = trainer(1)
@@ -203,7 +187,7 @@ def _check_restore(m):
                          f"{diff:.3g} over updates {AT + 1}..{UPDATES} (bit for bit expected on the CPU)")
     for (k, a), b in zip(fresh.model.state_dict().items(), ref.model.state_dict().values()):
         assert torch.equal(a, b), f"restore_state: the weight {k} after update {UPDATES} differs from the uninterrupted run's"
-    assert _same(kept, _fingerprint(state)), (f"restore_state: the state changed when the restored trainer trained on "
+    assert same_fingerprint(kept, fingerprint(state)), (f"restore_state: the state changed when the restored trainer trained on "
                                               f"(it kept references into the state: copy) {at}")
     other = trainer(2, num_hidden_layers=1)  # a trainer of another model config: the state does not fit
     try:

@@ -56,7 +56,8 @@ def _batches(vocab: int, seed: int, empty: bool):
     return out
 
 
-def _reference(model, batches) -> float:
+def reference_token_loss(model, batches) -> float:
+    """The mean next-token loss per target token, float64, target by target: ``token_loss``'s reference."""
     total, count = 0.0, 0
     with torch.no_grad():
         for b in batches:
@@ -80,7 +81,7 @@ def check_token_loss__contract(m):
         got = call_unmodified("token_loss", m.token_loss, model, batches, names=("model", "batches"), at=at)
         assert_type("token_loss", "the loss", got, float, at)
         assert_finite("token_loss", "the loss", got, at)
-        assert_value("token_loss", "the loss", got, _reference(model, batches), tol=TOL if scale == 1 else TOL_EXTREME,
+        assert_value("token_loss", "the loss", got, reference_token_loss(model, batches), tol=TOL if scale == 1 else TOL_EXTREME,
                      ref="a float64 sum over target positions / their count", at=at)
 
     explore(cases, body)
@@ -109,7 +110,7 @@ def check_token_loss__contract(m):
 # --- the replay mix ---------------------------------------------------------------------------
 
 def _streams(seed_new: int, seed_old: int, T: int):
-    from bp_mech.continual_pretrain import TextStream
+    from bp_mech.continual_data import TextStream
 
     return TextStream(torch.arange(200), 1, T, seed_new), TextStream(torch.arange(OLD, OLD + 200), 1, T, seed_old)
 
@@ -162,28 +163,43 @@ def check_ReplayStream(m):
     explore(_MIX, body)
 
 
-def _fingerprint(x):
-    """A comparable copy of a state: tensors cloned, generators' states, objects by their attributes."""
+def fingerprint(x):
+    """A comparable copy of a state: tensors cloned, generators' states, objects by their attributes.
+
+    Args:
+        x: a state (tensors, generators, dicts, lists, objects).
+
+    Returns:
+        Its fingerprint, for ``same_fingerprint``.
+    """
     if torch.is_tensor(x):
         return ("t", x.detach().cpu().clone())
     if isinstance(x, torch.Generator):
         return ("t", x.get_state())
     if isinstance(x, dict):
-        return {k: _fingerprint(v) for k, v in x.items()}
+        return {k: fingerprint(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_fingerprint(v) for v in x]
+        return [fingerprint(v) for v in x]
     if hasattr(x, "__dict__") and not isinstance(x, type):
-        return {"obj": _fingerprint(vars(x))}
+        return {"obj": fingerprint(vars(x))}
     return x
 
 
-def _same(a, b) -> bool:
+def same_fingerprint(a, b) -> bool:
+    """Whether two ``fingerprint``s are equal, tensors bit for bit.
+
+    Args:
+        a, b: two fingerprints.
+
+    Returns:
+        True when they are equal.
+    """
     if isinstance(a, tuple) and a and a[0] == "t":
         return isinstance(b, tuple) and b[0] == "t" and a[1].shape == b[1].shape and torch.equal(a[1], b[1])
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_fingerprint(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, list) and len(a) == len(b) and all(same_fingerprint(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
@@ -200,9 +216,9 @@ def check_ReplayStream__resume(m):
         sd = call("ReplayStream.state_dict", s.state_dict, at=at)
         assert isinstance(sd, dict), f"ReplayStream.state_dict: returned {type(sd).__name__}, expected a dict at {at}"
         assert_type("ReplayStream.state_dict", "position", sd.get("position"), int, at)
-        kept = _fingerprint(sd)
+        kept = fingerprint(sd)
         want = [s.next()["input_ids"] for _ in range(3)]
-        assert _same(kept, _fingerprint(sd)), (f"ReplayStream.state_dict: the returned state changed when the stream "
+        assert same_fingerprint(kept, fingerprint(sd)), (f"ReplayStream.state_dict: the returned state changed when the stream "
                                                f"drew on (return a copy) at {at}")
         fresh = m.ReplayStream(*_streams(seeds[0] + 7, seeds[1] + 9, T), B, replay, period)  # other seeds
         call("ReplayStream.load_state_dict", fresh.load_state_dict, sd, at=at)
@@ -211,7 +227,7 @@ def check_ReplayStream__resume(m):
         for k, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), (f"ReplayStream.load_state_dict: batch {k} after resuming differs from the "
                                        f"uninterrupted stream's (restore the position and both streams) at {at}")
-        assert _same(kept, _fingerprint(sd)), (f"ReplayStream.load_state_dict: the loaded state changed when the "
+        assert same_fingerprint(kept, fingerprint(sd)), (f"ReplayStream.load_state_dict: the loaded state changed when the "
                                                f"resumed stream drew on (copy it; keep no reference) at {at}")
 
     explore(_MIX, body, examples=8)

@@ -83,7 +83,7 @@ def _run_ranks(fn, per_rank: list, *, fail: bool = False):
     from bp_mech.projects.baseline_loss import ThreadAllReduce
 
     P = len(per_rank)
-    group, out, calls, errors = ThreadAllReduce(P, timeout_s=5.0), [None] * P, [0] * P, [None] * P
+    group, out, calls = ThreadAllReduce(P, timeout_s=5.0), [None] * P, [0] * P
 
     class CollectiveError(RuntimeError):
         pass
@@ -96,17 +96,9 @@ def _run_ranks(fn, per_rank: list, *, fail: bool = False):
             if fail:
                 raise CollectiveError("the all-reduce failed")
             return op(t)
-        try:
-            out[r] = fn(per_rank[r], P, all_reduce)
-        except BaseException as e:  # noqa: BLE001 (returned to the caller's thread)
-            errors[r] = e
-            group.barrier.abort()
+        out[r] = fn(per_rank[r], P, all_reduce)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = group.run(rank_main)  # each rank's exception, returned to this thread
     if fail:
         return errors, calls
     real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]

@@ -29,7 +29,8 @@ def measured(case):
     """(plain rows, chunked rows) of one real step each, every storage tracked (tracked-cpu)."""
     from transformers import Qwen2Config
 
-    from bp_mech.planner.lifecycle import ConfigWorkload, Session
+    from bp_mech.planner.build import ConfigWorkload
+    from bp_mech.planner.lifecycle import Session
     from bp_mech.bench.strategy import PLAIN, Strategy
     from bp_mech.projects.diagnosis import ledger_rows
 

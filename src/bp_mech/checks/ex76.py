@@ -10,7 +10,7 @@ import random
 
 from bp_mech.checks import ex76_contract
 from bp_mech.checks.common import call
-from bp_mech.checks.ex76_contract import _front  # the brute-force reference
+from bp_mech.checks.ex76_contract import reference_front  # the brute-force reference
 
 GIB = 2**30
 
@@ -42,7 +42,7 @@ def check_pareto_front__classic_cases(m):
         ("a point better in both (the others dominated)", {"x": (3, 3.0), "best": (1, 1.0), "y": (2, 2.0)}, ["best"]),
     ]
     for what, points, want in cases:
-        assert _front(points) == want  # the reference agrees with the hand-made answer
+        assert reference_front(points) == want  # the reference agrees with the hand-made answer
         got = _call_front(m, points, what)
         assert got == want, (f"pareto_front: {what}: returned {got}, brute-force dominance gives {want} "
                              f"for points {points}")
@@ -52,7 +52,7 @@ def check_pareto_front__random(m):
     rng = random.Random(760)
     for trial in range(300):
         points = _random_points(rng, rng.randint(1, 12))
-        want = _front(points)
+        want = reference_front(points)
         got = _call_front(m, points, f"random set {trial}")
         if got != want:
             missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -121,7 +121,7 @@ def check_choose_for_budget__random(m):
         if any(abs(p - limit) <= 1e-9 * budget for p, _ in points.values()):
             continue  # exact boundaries are checked by hand (check_choose_for_budget__headroom)
         fitting = {n: p for n, p in points.items() if p[0] < limit}
-        front = _front(fitting)  # the pick is the fastest point of the fitting set's front
+        front = reference_front(fitting)  # the pick is the fastest point of the fitting set's front
         want = min(front, key=lambda n: (fitting[n][1], n)) if front else None
         got = _call_choose(m, points, budget, slack, context, f"random set {trial}")
         assert got == want, (f"choose_for_budget: returned {got!r}, want {want!r} (the fastest fitting point on the "

@@ -17,7 +17,7 @@ import math
 from hypothesis import strategies as st
 
 from bp_mech.checks.common import call
-from bp_mech.checks.ex43_contract import call_int
+from bp_mech.checks.ex43_contract import predicted_within
 from bp_mech.checks.properties import assert_json, assert_raises, assert_type, explore
 
 EXAMPLES = 40  # brute force on a few points is cheap: more cases, more ties
@@ -47,8 +47,15 @@ def _dominated(p, points) -> bool:
     return any(q[0] <= p[0] and q[1] <= p[1] and (q[0] < p[0] or q[1] < p[1]) for q in points)
 
 
-def _front(points: dict) -> list:
-    """Reference: the undominated names, ordered by (peak, time, name)."""
+def reference_front(points: dict) -> list:
+    """Reference: the undominated names, ordered by (peak, time, name).
+
+    Args:
+        points: name -> (peak, time).
+
+    Returns:
+        The names no other point dominates, in that order.
+    """
     kept = [n for n, p in points.items() if not _dominated(p, points.values())]
     return sorted(kept, key=lambda n: (points[n][0], points[n][1], n))
 
@@ -76,9 +83,9 @@ def check_pareto_front__contract(m):
             if not _dominated(points[name], points.values()):
                 raise AssertionError(f"pareto_front: dropped {name!r} {points[name]}, which nothing dominates, "
                                      f"at {at}")
-        if got != _front(points):
+        if got != reference_front(points):
             raise AssertionError(f"pareto_front: returned {got}, not ordered by (peak, time, name): "
-                                 f"{_front(points)} at {at}")
+                                 f"{reference_front(points)} at {at}")
 
     explore(POINTS, body, examples=EXAMPLES)
 
@@ -197,20 +204,14 @@ def measure_checkpoint_plan_peak(shape, batch: int, seq: int) -> int:
     from bp_mech.checks import ex43_measure as ex43
     from bp_mech.planner import plan as planner
 
-    sess = planner.session(ex43._config(shape), batch, seq, StepOptions().for_device("cuda"))
+    sess = planner.session(ex43.shape_config(shape), batch, seq, StepOptions().for_device("cuda"))
     return sess.ledger(parse("checkpoint-all")).peak
 
 
 def check_predict_checkpoint_plan_peak(m):
-    from bp_mech.checks import ex43_measure as ex43
-
     shape, B, T = PREDICT_CASE
-    at = ex43._describe(shape, f"; batch {B}, seq {T}")
-    got = call_int("predict_checkpoint_plan_peak", m.predict_checkpoint_plan_peak, ex43._config(shape), B, T, at=at)
-    want = measure_checkpoint_plan_peak(shape, B, T)
-    err = got / want - 1
-    assert abs(err) <= PREDICT_TOL, (f"predict_checkpoint_plan_peak: predicted {got} bytes, bp-mech plan traces "
-                                     f"{want} ({err:+.1%}, tolerance {PREDICT_TOL:.0%}) at {at}")
+    predicted_within("predict_checkpoint_plan_peak", m.predict_checkpoint_plan_peak, shape, B, T,
+                     lambda: measure_checkpoint_plan_peak(shape, B, T), PREDICT_TOL, "bp-mech plan traces {want}")
 
 
 CHECKS = [check_pareto_front__contract, check_pareto_front__bad_input, check_choose_for_budget__contract,

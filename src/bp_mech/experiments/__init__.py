@@ -1,2 +1,2 @@
-"""One module per experiment of the book (its candidates, plan, decision rule and records), all on
+"""One module per experiment of the book (its candidates, dry run, decision rule and records), all on
 ``harness``; the mechanisms they measure live one level up, in ``bp_mech.<mechanism>``."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech import accumulation
+from bp_mech import accumulation, accumulation_framework
 from bp_mech.bench.compare import relative_l2
 from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
@@ -231,7 +231,7 @@ def dry_run(ctx) -> dict:
     """Workloads, steps and, per mode, an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w, seqs = ctx.workload, seq_lengths(ctx.workload, AccumConfig())
 
-    def mode_plan(dev):
+    def mode_schedule(dev):
         cfg = config_for(dev, ctx.smoke)
         E, updates = w.batch * cfg.micro_max, 1 + steps_per_arm(cfg.timed, cfg.warmup)  # warm + measured
         # equivalence: full once, each micro arm twice (token, naive); k micro-batch passes per update
@@ -245,13 +245,13 @@ def dry_run(ctx) -> dict:
                 run_labels=[f"{ctx.run_label}-s{s}" for s in seqs],
                 effective_batch=w.batch * AccumConfig.micro_max, micro_batches=dict(MICRO), optimizer="AdamW",
                 normalisations=["token-weighted", "naive mean of means"], lr=AccumConfig.lr,
-                modes=own_weights_modes(mode_plan),
+                modes=own_weights_modes(mode_schedule),
                 estimate_basis=ASSUMED_BASIS + "; + 0.5 s per state load from the host (cuda)",
                 rule=dict(EQUIV_TOL=EQUIV_TOL, MIN_PEAK_SAVING=decision.MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST))
 
 
 def conformance():
-    """The hand-written loop vs ``accumulation.accelerate_updates``: first gradient and final parameters."""
+    """The hand-written loop vs ``accumulation_framework.accelerate_updates``: first gradient and final parameters."""
     from bp_mech.records.registry import ConformanceRow
     from bp_mech.instruments.workload import parse_workload
 
@@ -265,7 +265,7 @@ def conformance():
     for k in (2, 4):
         ours = train_updates(model, init, batches, k, "token", cfg, "cpu")
         ours_params, finite = accumulation.snapshot(model.parameters()), finite and ours["finite"]
-        first_grad = accumulation.accelerate_updates(model, init, batches, k, cfg.lr)
+        first_grad = accumulation_framework.accelerate_updates(model, init, batches, k, cfg.lr)
         worst = max(worst, relative_l2(first_grad, ours["grad"]))
         # the same float32 operations in the same order (Transformers' loss is cross_entropy(sum) / N over
         # the shifted labels, as ours; Accelerate's * k then / k is exact for k a power of two): the

@@ -9,7 +9,7 @@ AdamW's moments. ``updates`` counts the steps that applied an update, ``skipped_
 scaler skipped: together every step of the measurement (warm, tracked, warm-up and timed),
 ``len(metrics.applied_per_step)``, the warm update first. The overflow
 sample (``experiments.amp_overflow``) injects overflows into the same step (``bench.trainer.Trainer``
-under ``fp16``) and checks GradScaler against ``amp.DynamicLossScaler``, the parameters and the LR clock.
+under ``fp16``) and checks GradScaler against ``loss_scaling.DynamicLossScaler``, the parameters and the LR clock.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bp_mech import amp
+from bp_mech import amp, loss_scaling
 from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
-from bp_mech.bench.strategy import Applied, LowPrecision, Strategy, parse
+from bp_mech.bench.strategy import Entered, LowPrecision, Strategy, parse
 from bp_mech.bench.timing import SMOKE_SCHEDULE, timing_noise
 from bp_mech.instruments.workload import build_model, make_batches
 from bp_mech.instruments.adamw import make_adamw
@@ -76,7 +76,7 @@ CPU_CONFIG = AmpConfig()
 # One GPU (qwen05): 20 timed steps, and a base LR usual for a 0.5B model; at 1e-3 the FP32 and
 # AMP trajectories would drift apart for reasons other than precision within 20 updates.
 GPU_CONFIG = AmpConfig(timed=20, warmup=3, schedule=WSDConfig(base_lr=1e-4, warmup=2, stable=100, decay=10))
-SETUP_S = {"cuda": 2.0, "cpu": 0.5}  # plan: per candidate, copy the model to the device, first calls
+SETUP_S = {"cuda": 2.0, "cpu": 0.5}  # dry run: per candidate, copy the model to the device, first calls
 
 
 def config_for(device, smoke: bool = False) -> AmpConfig:
@@ -136,7 +136,7 @@ def measure(base, names, cfg: AmpConfig, device: str, batches: list[dict], progr
         clock = clocks[name] = UpdateClock(cfg.schedule, opt)
         scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=cfg.init_scale,
                                       growth_interval=cfg.growth_interval, enabled=s.amp == "float16")
-        run = harness.Run.of(model, opt, batches, s, Applied(model, s, device, scaler=scaler), max_norm=cfg.max_norm,
+        run = harness.Run.of(model, opt, batches, s, Entered(model, s, device, scaler=scaler), max_norm=cfg.max_norm,
                              clock=clock)
         run.step(-1)  # the warm update: AdamW's moments exist before anything is measured
         return run
@@ -245,7 +245,7 @@ def dry_run(ctx) -> dict:
     """Per mode, the config and an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w, tokens = ctx.workload, ctx.workload.batch * ctx.workload.seq
 
-    def mode_plan(dev):
+    def mode_schedule(dev):
         cfg = config_for(dev, ctx.smoke)
         steps = 1 + steps_per_arm(cfg.timed, cfg.warmup)  # the warm update, then the measured ones
         seconds = {}
@@ -257,7 +257,7 @@ def dry_run(ctx) -> dict:
         return cfg.timed, cfg.warmup, dict(config=asdict(cfg), estimated_seconds_per_candidate=seconds,
                                            estimated_seconds=round(ASSUMED_BUILD_S[dev] + sum(seconds.values()), 1))
 
-    return dict(modes=own_weights_modes(mode_plan),
+    return dict(modes=own_weights_modes(mode_schedule),
                 estimate_basis=f"{ASSUMED_BASIS}; + SETUP_S {SETUP_S} s per arm",
                 rule=dict(LOSS_REL_TOL=LOSS_REL_TOL, MIN_PEAK_SAVING=decision.MIN_PEAK_SAVING, MAX_TIME_COST=MAX_TIME_COST,
                           MAX_SKIPPED_FRACTION=MAX_SKIPPED_FRACTION))
@@ -271,7 +271,7 @@ def conformance():
 
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=1.0)
-    scaler, ours, same = torch.amp.GradScaler("cpu", growth_interval=3), amp.DynamicLossScaler(growth_interval=3), True
+    scaler, ours, same = torch.amp.GradScaler("cpu", growth_interval=3), loss_scaling.DynamicLossScaler(growth_interval=3), True
     for found_inf in (False, False, True, False, False, False, True, True, False, False, False, False):
         opt.zero_grad()
         scaler.scale(p.sum() * (math.inf if found_inf else 1.0)).backward()

@@ -1,7 +1,7 @@
 """TRAIN-AMP-BACKWARD's overflow sample: FP16 with overflows injected into the book's one training step
 (``bench.trainer.Trainer`` under the ``fp16`` strategy: ``bench.step.train_step`` with autocast, the
 GradScaler, unscale before the clip and the LR clock), the GradScaler checked against
-``amp.DynamicLossScaler``, the parameters left as they were on a skipped step, and the LR clock held. An
+``loss_scaling.DynamicLossScaler``, the parameters left as they were on a skipped step, and the LR clock held. An
 overflow is injected where it would happen: a forward hook multiplies the model's loss
 (``bench.trainer.loss_times``), so the step's backward starts from a loss that overflowed.
 """
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from bp_mech import amp
+from bp_mech import loss_scaling
 from bp_mech.bench.compare import all_finite
 from bp_mech.bench.oom import release_memory
 from bp_mech.bench.step import train_step
@@ -54,7 +54,7 @@ def overflow_sample(base, cfg, device: str, batches: list[dict]) -> dict:
     fp32_ok = all_finite(p.grad for p in model.parameters())
     model.zero_grad(set_to_none=True)
     tr = trainer(model, cfg, device, cfg.overflow_growth_interval)
-    ref = amp.DynamicLossScaler(cfg.init_scale, growth_interval=cfg.overflow_growth_interval)
+    ref = loss_scaling.DynamicLossScaler(cfg.init_scale, growth_interval=cfg.overflow_growth_interval)
     trace = {k: [] for k in TRACE}
     predicted, unchanged, held = [], [], []
     for c in range(cfg.overflow_n):

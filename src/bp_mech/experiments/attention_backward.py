@@ -19,12 +19,12 @@ from dataclasses import asdict
 
 import torch
 
-from bp_mech import attention_backward, attention_framework, attention_strategies
+from bp_mech import attention_backward, attention_framework, attention_rope, attention_strategies
 from bp_mech.attention_framework import attention_fn
-from bp_mech.attention_strategies import STRATEGIES, AttnConfig
+from bp_mech.attention_strategies import STRATEGIES
+from bp_mech.attention_config import AttnConfig
 from bp_mech.experiments.dry_run import per_mode, schedule
-from bp_mech.bench.compare import relative_error
-from bp_mech.bench.compare import all_finite
+from bp_mech.bench.compare import all_finite, relative_error
 from bp_mech.bench.oom import release_memory
 from bp_mech.bench.timing import time_interleaved
 from bp_mech.instruments.peak import PeakMemory
@@ -53,7 +53,7 @@ def make_inputs(cfg: AttnConfig, T: int, dtype=torch.float64, seed=0, device="cp
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
     B, H, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
     q, k, v, dO = r(B, H, T, d), r(B, Hkv, T, d), r(B, Hkv, T, d), r(B, H, T, d)
-    return (q, k, v, *attention_backward.rope_cos_sin(T, d, cfg.rope_theta, dtype, device)), dO
+    return (q, k, v, *attention_rope.rope_cos_sin(T, d, cfg.rope_theta, dtype, device)), dO
 
 
 def grads(fn, inputs, dO):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from bp_mech.bench.trainer import phase_trainer
-from bp_mech.continual_pretrain import TextStream, TrainConfig, train
+from bp_mech.continual_data import TextStream
+from bp_mech.continual_pretrain import TrainConfig, train
 from bp_mech.instruments.workload import build_model
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from bp_mech import continual_data, continual_eval, state_format, state_identity, training_state
 from bp_mech import continual_pretrain as cpt
-from bp_mech import training_state
 from bp_mech.bench.oom import Failed, attempt
 from bp_mech.bench.rates import ASSUMED_BASIS, ASSUMED_BUILD_S, dry_run_seconds
 from bp_mech.bench.step import StepResult, optimizer_state
@@ -45,9 +45,9 @@ from bp_mech.experiments import harness
 from bp_mech.experiments.continual_base import base_model
 from bp_mech.experiments.dry_run import own_weights_modes, schedule, steps_per_arm
 # the decision rule (domain: gain and drift; resumed: equal to the uninterrupted run), its constants and the
-# warning every decision carries, re-exported: the chapter names them here
+# warning every decision carries
 from bp_mech.experiments.continual_pretrain_rule import (MAX_HOLDOUT_DRIFT_REL, MIN_DOMAIN_GAIN_REL, RESUME_TOL,
-                                                          SEED_WARNING, decide_domain, decide_resume)
+                                                          SHIPPED_TEXTS_WARNING, decide_domain, decide_resume)
 from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
@@ -90,18 +90,18 @@ def config_for(arch: str, device, smoke: bool = False) -> CPTConfig:
 def check_options(ctx) -> dict:
     """The run's inputs, checked before anything runs (the CLI calls it first): the config, the texts
     (``--domain-text``/``--holdout-text`` readable and long enough), the domain text's split, and the
-    saved state of ``--resume-from`` (manifest, identity and files, ``training_state.read_manifest``)."""
+    saved state of ``--resume-from`` (manifest, identity and files, ``state_format.read_manifest``)."""
     w = ctx.workload
     cfg = config_for(w.arch, ctx.device, ctx.smoke)
-    texts = cpt.load_texts(ctx.options.get("domain_text"), ctx.options.get("holdout_text"), w)
+    texts = continual_data.load_texts(ctx.options.get("domain_text"), ctx.options.get("holdout_text"), w)
     try:
-        train_ids, domain_eval = cpt.split_text(texts["domain"].ids, cfg.domain_eval_fraction)
+        train_ids, domain_eval = continual_data.split_text(texts["domain"].ids, cfg.domain_eval_fraction)
     except ValueError as e:
         raise WorkloadError(f"domain text {texts['domain'].source}: {e}") from None
     wl, resume_dir = workload_fields(w), None
     if ctx.options.get("resume_from"):  # resolved now: this run's own saves may move a 'latest' it names
-        expected = training_state.identity(wl, cfg.domain, train_ids, w.batch, w.seq)
-        resume_dir, _ = training_state.read_manifest(ctx.options["resume_from"], expected, SEMANTIC_ID)
+        expected = state_identity.identity(wl, cfg.domain, train_ids, w.batch, w.seq)
+        resume_dir, _ = state_format.read_manifest(ctx.options["resume_from"], expected, SEMANTIC_ID)
     return dict(cfg=cfg, texts=texts, train_ids=train_ids, domain_eval=domain_eval, wl=wl, resume_dir=resume_dir)
 
 
@@ -119,12 +119,13 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
     w, dev, opts, N = ctx.workload, ctx.device, ctx.options, cfg.domain.updates
     model, pre_rows = base_model(w, texts["general"].ids, cfg.pretrain, dev)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    evals = {"domain": cpt.eval_batches(domain_eval, w.seq, w.batch),
-             "holdout": cpt.eval_batches(texts["holdout"].ids, w.seq, w.batch)}
+    evals = {"domain": continual_eval.eval_batches(domain_eval, w.seq, w.batch),
+             "holdout": continual_eval.eval_batches(texts["holdout"].ids, w.seq, w.batch)}
     record_id = dict(semantic_id=SEMANTIC_ID, page=ctx.experiment.page, run_label=ctx.run_label, candidate="domain")
 
     def new_trainer(m):
-        return phase_trainer(m, cfg.domain, cpt.TextStream(train_ids, w.batch, w.seq, cfg.domain.seed, dev), dev)
+        stream = continual_data.TextStream(train_ids, w.batch, w.seq, cfg.domain.seed, dev)
+        return phase_trainer(m, cfg.domain, stream, dev)
 
     saved = []  # (directory, seconds)
 
@@ -142,18 +143,19 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
         manifest = training_state.load_training_state(fresh, resume_dir or saved[0][0], wl, SEMANTIC_ID)
         load_s = time.perf_counter() - t0
         resumed = cpt.domain_run(fresh, evals, cfg.eval_at, N, progress=ctx.progress)
-        resume = cpt.resume_difference(main, resumed, manifest["clock"], final, list(fresh.model.parameters()))
+        resume = continual_eval.resume_difference(main, resumed, manifest["clock"], final,
+                                                  list(fresh.model.parameters()))
         del fresh, final
     model.load_state_dict(base)
     measured = measure(model, base, new_trainer, cfg, dev, ctx.progress)
     files = manifest["files"]
-    state = dict(fields=list(training_state.FIELDS), files={f: v["bytes"] for f, v in files.items()},
+    state = dict(fields=list(state_format.FIELDS), files={f: v["bytes"] for f, v in files.items()},
                 bytes=sum(v["bytes"] for v in files.values()), save_s=saved[0][1] if saved else None, load_s=load_s,
                 saved=[str(p) for p, _ in saved] if opts.get("state_dir") else None,
                 resumed_from=str(resume_dir) if resume_dir else "this run's saved state",
                 at_update=manifest["clock"]["updates"], clock=manifest["clock"], scaler=manifest["scaler"],
                 data_position=manifest["data_position"])
-    common = dict(texts={k: dict(source=t.source, tokens=len(t.ids), sha256=cpt.text_sha256(t.ids))
+    common = dict(texts={k: dict(source=t.source, tokens=len(t.ids), sha256=continual_data.text_sha256(t.ids))
                          for k, t in texts.items()},
                   domain_split=dict(train_tokens=len(train_ids), eval_tokens=len(domain_eval)),
                   base=dict(source="pretrained weights" if w.source == "pretrained" else
@@ -161,7 +163,7 @@ def train_and_resume(ctx, cfg: CPTConfig, texts, train_ids, domain_eval, wl, res
                             pretrain_updates=sum(r.applied for r in pre_rows),
                             pretrain_losses=[r.loss for r in pre_rows],
                             pretrain_config=dataclasses.asdict(cfg.pretrain)),
-                  domain_config=dataclasses.asdict(cfg.domain), warning=SEED_WARNING)
+                  domain_config=dataclasses.asdict(cfg.domain), warning=SHIPPED_TEXTS_WARNING)
     return dict(main=main, resumed=resumed, resume=resume, measured=measured, state=state, common=common)
 
 
@@ -202,10 +204,10 @@ def plain_record(ctx, main: dict, common: dict):
 
 
 def domain_record(ctx, cfg: CPTConfig, main: dict, m, state: dict, common: dict):
-    failure = m.failure if isinstance(m, harness.Failed) else None
+    failure = m.failure if isinstance(m, Failed) else None
     m = m if isinstance(m, harness.Measured) else None
     steps, evals = main["steps"], main["evals"]
-    gd = cpt.gain_and_drift(evals)
+    gd = continual_eval.gain_and_drift(evals)
     ok = all(finite(r["loss"]) for r in steps) and all(finite(e["domain"], e["holdout"]) for e in evals)
     decided = Decision.failed(failure) if failure else decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], ok)
     applied = sum(r["applied"] for r in steps)
@@ -244,7 +246,7 @@ def dry_run(ctx) -> dict:
     """Updates, saved state and, per mode, an estimate (``modes.real_gpu.estimated_seconds``: one GPU)."""
     w = ctx.workload
 
-    def mode_plan(dev):
+    def mode_schedule(dev):
         cfg = config_for(w.arch, dev, ctx.smoke)
         N, k = cfg.domain.updates, cfg.save_at
         pre = cfg.pretrain.updates if w.source == "config" else 0
@@ -260,8 +262,8 @@ def dry_run(ctx) -> dict:
     return dict(texts={n: ctx.options.get(f"{n}_text") or f"shipped:{n}" for n in ("general", "domain", "holdout")},
                 base="pretrained weights" if w.source == "pretrained" else
                 "random-init architecture + a short pretraining on the general text (loss values verify the chain only)",
-                state_fields=list(training_state.FIELDS), options={k: str(v) for k, v in ctx.options.items()},
-                modes=own_weights_modes(mode_plan),
+                state_fields=list(state_format.FIELDS), options={k: str(v) for k, v in ctx.options.items()},
+                modes=own_weights_modes(mode_schedule),
                 rule=dict(MIN_DOMAIN_GAIN_REL=MIN_DOMAIN_GAIN_REL, MAX_HOLDOUT_DRIFT_REL=MAX_HOLDOUT_DRIFT_REL,
                           RESUME_TOL=RESUME_TOL),
                 estimate_basis=ASSUMED_BASIS + f"; + two model builds and the saved state's bytes at {STATE_BYTES_S:.0e} "

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bp_mech import continual_pretrain as cpt
-from bp_mech import training_state
+from bp_mech import continual_data, continual_pretrain as cpt, training_state
 from bp_mech.bench.strategy import parse
 from bp_mech.bench.timing import timing_threads
 from bp_mech.bench.trainer import Trainer, phase_trainer
@@ -51,7 +50,7 @@ class ClockState:
 
 
 def _trainer(w, ids, seed: int) -> Trainer:
-    return phase_trainer(build_model(w.replace(seed=seed)), CFG, cpt.TextStream(ids, w.batch, w.seq, CFG.seed),
+    return phase_trainer(build_model(w.replace(seed=seed)), CFG, continual_data.TextStream(ids, w.batch, w.seq, CFG.seed),
                          strategy=parse("fp16"))
 
 

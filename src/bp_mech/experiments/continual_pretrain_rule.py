@@ -1,4 +1,4 @@
-"""Part 02 · 56's decision rule (``bp_mech.experiments.continual_pretrain`` re-exports it):
+"""Part 02 · 56's decision rule (``bp_mech.experiments.continual_pretrain`` applies it):
 
 * domain:  reject if a loss is not finite, or the domain loss fell by less than MIN_DOMAIN_GAIN_REL of the
   baseline's; tune if the holdout loss rose by more than MAX_HOLDOUT_DRIFT_REL of the baseline's; accept
@@ -19,7 +19,7 @@ from bp_mech.records.decision import Decision
 MIN_DOMAIN_GAIN_REL = 0.01
 MAX_HOLDOUT_DRIFT_REL = 0.02
 RESUME_TOL = {"cpu": 0.0, "cuda": 1e-4}  # CUDA: atomics in some backward kernels reorder float32 sums
-SEED_WARNING = ("the shipped texts only verify the measurement chain; a conclusion needs versioned domain and "
+SHIPPED_TEXTS_WARNING = ("the shipped texts only verify the measurement chain; a conclusion needs versioned domain and "
                 "retention sets and a pretrained base")
 
 
@@ -48,7 +48,7 @@ def decide_domain(domain_gain_rel: float, holdout_drift_rel: float, all_finite: 
         return Decision("tune", f"{gain}, but the holdout loss moved by {drift} (> MAX_HOLDOUT_DRIFT_REL "
                         f"{MAX_HOLDOUT_DRIFT_REL:.0%})", "lower the LR, fewer updates, or replay general text")
     return Decision("accept", f"{gain} (>= {MIN_DOMAIN_GAIN_REL:.0%}) and the holdout loss moved by {drift} (<= "
-                    f"{MAX_HOLDOUT_DRIFT_REL:.0%})", f"domain gain without holdout drift on these texts; {SEED_WARNING}")
+                    f"{MAX_HOLDOUT_DRIFT_REL:.0%})", f"domain gain without holdout drift on these texts; {SHIPPED_TEXTS_WARNING}")
 
 
 def decide_resume(loss_rel_diff: float, weight_rel_diff: float, device) -> Decision:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from bp_mech.bench.compare import tolerance
 from bp_mech.bench.strategy import PLAIN, Strategy
 from bp_mech.bench.timing import timing_noise
-from bp_mech.experiments.harness import Failed, Measured
+from bp_mech.bench.oom import Failed
+from bp_mech.experiments.harness import Measured
 from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 

@@ -61,12 +61,12 @@ def same_weights_modes(w, factors, smoke: bool = False, **per_device) -> dict:
     return per_mode(fields)
 
 
-def own_weights_modes(mode_plan: Callable[[str], tuple[int, int, dict]]) -> dict:
-    """Per mode, an experiment whose arms own their models: ``mode_plan(device type) -> (timed rounds,
+def own_weights_modes(mode_schedule: Callable[[str], tuple[int, int, dict]]) -> dict:
+    """Per mode, an experiment whose arms own their models: ``mode_schedule(device type) -> (timed rounds,
     warm-up rounds, fields)`` (``estimated_seconds`` among them); added here the steps each arm runs and
     how they are timed (interleaved on one CPU thread; alone on CUDA)."""
     def fields(dev):
-        rounds, warmup, own = mode_plan(dev)
+        rounds, warmup, own = mode_schedule(dev)
         return dict(timed_rounds=rounds, warmup_rounds=warmup, measured_steps=steps_per_arm(rounds, warmup),
                     interleaved=dev == "cpu", threads=CPU_TIMING_THREADS if dev == "cpu" else None, **own)
     return per_mode(fields)

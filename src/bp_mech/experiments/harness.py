@@ -35,7 +35,7 @@ import torch
 from bp_mech.bench.compare import Comparison, compare, tolerance
 from bp_mech.bench.oom import Failed, attempt, release_memory
 from bp_mech.bench.step import Probe, StepResult, optimizer_state, probe, train_step
-from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured
+from bp_mech.bench.strategy import PLAIN, Entered, Strategy, configured
 from bp_mech.bench.timing import Timing, time_interleaved, time_steps
 from bp_mech.instruments.peak import Peak, PeakMemory
 from bp_mech.instruments.adamw import make_adamw
@@ -58,13 +58,13 @@ class Run:
         return r
 
     @classmethod
-    def of(cls, model, opt, batches: list[dict], strategy: Strategy = PLAIN, applied: Applied | None = None,
+    def of(cls, model, opt, batches: list[dict], strategy: Strategy = PLAIN, entered: Entered | None = None,
            setup: Callable = contextlib.nullcontext, **step_options) -> "Run":
-        """The arm that trains ``model`` with ``opt`` under ``strategy`` (``applied``: it entered on the model),
+        """The arm that trains ``model`` with ``opt`` under ``strategy`` (``entered``: it entered on the model),
         step ``i`` on ``batches[(i + 1) % len(batches)]`` (the tracked step on ``batches[0]``);
         ``step_options``: ``train_step``'s ``max_norm`` and ``clock``."""
         def step(i: int) -> StepResult:
-            return train_step(model, opt, batches[(i + 1) % len(batches)], strategy, applied=applied, **step_options)
+            return train_step(model, opt, batches[(i + 1) % len(batches)], strategy, entered=entered, **step_options)
         return cls(step, lambda: [list(model.parameters()), optimizer_state(opt)], setup)
 
     @property
@@ -181,13 +181,13 @@ def same_weights(model, batches: list[dict], device, arms: dict[str, Strategy], 
     ``arms``: ``{name: strategy}`` (the name is the strategy's, or an experiment's own arm such as
     ``save_on_cpu``), ``baseline`` first among the probes; ``hooks``: ``{name: saved-tensor hooks}`` that
     stand in for an arm's offload. One update allocates AdamW's moments first, so every measured step is
-    a steady-state step; each arm keeps one ``Applied`` (its offload's host pool, its scaler) across its
+    a steady-state step; each arm keeps one ``Entered`` (its offload's host pool, its scaler) across its
     steps. The probes run after every timed step, one after another with no update in between: all start
     from the same weights, so loss and gradients compare with the baseline's exactly."""
     model.zero_grad(set_to_none=True)
     opt = make_adamw(model.parameters(), lr, device)
     train_step(model, opt, batches[0], PLAIN)  # AdamW's exp_avg / exp_avg_sq exist from here on
-    entered = {n: Applied(model, s, device, hooks=(hooks or {}).get(n)) for n, s in arms.items()}
+    entered = {n: Entered(model, s, device, hooks=(hooks or {}).get(n)) for n, s in arms.items()}
 
     def prepare(name, together):
         s = arms[name]
@@ -200,7 +200,7 @@ def same_weights(model, batches: list[dict], device, arms: dict[str, Strategy], 
         if isinstance(m, Failed):
             continue
         with configured(model, arms[name]):
-            p = attempt(probe, model, batches[0], arms[name], applied=entered[name], device=device)
+            p = attempt(probe, model, batches[0], arms[name], entered=entered[name], device=device)
         if isinstance(p, Failed):
             out[name] = Failed(p.failure, name)
             continue

@@ -24,7 +24,7 @@ from bp_mech import ledger
 from bp_mech.planner import lifecycle
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
-from bp_mech.ledger import STAGES, Ledger
+from bp_mech.ledger_table import CLASSES, STAGES, Ledger
 from bp_mech.records.decision import Decision
 
 CANDIDATES = ("plain", "checkpoint-all", "offload", "fp16", "micro2")  # the strategies the formula models
@@ -190,7 +190,7 @@ def dry_run(ctx) -> dict:
     peaks = {dev: {n: formula(ARCHITECTURES[w.arch], w.batch, w.seq, parse(n), dev).peak for n in CANDIDATES}
              for dev in ("cpu", "cuda")}
     return dict(sources=["measured (" + ctx.memory_source + ")", "estimated (fake-tensor)", "theoretical (formula)"],
-                stages=list(STAGES), classes=list(ledger.CLASSES), stage_tolerance=STAGE_TOL,
+                stages=list(STAGES), classes=list(CLASSES), stage_tolerance=STAGE_TOL,
                 class_tolerance=CLASS_TOL, large_classes=list(LARGE_CLASSES), large_share=LARGE_SHARE,
                 mechanisms=dict(checkpoint="checkpointing.configure(model, 'checkpoint-all')",
                                 offload="offload.ActivationOffload(min_bytes=offload.min_bytes(device))",

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bp_mech import local_backward
+from bp_mech import local_backward, local_backward_gelu
 from bp_mech.bench.compare import relative_error
 from bp_mech.instruments.workload import ARCHITECTURES
 from bp_mech.records.decision import Decision
@@ -46,7 +46,7 @@ class Op(NamedTuple):
 OPS = {
     "linear": Op(("x", "W", "b"), local_backward.linear_forward, _linear_backward_with_bias, F.linear),
     "silu": Op(("x",), local_backward.silu_forward, lambda x, dy: (local_backward.silu_backward(x, dy),), F.silu),
-    "gelu": Op(("x",), local_backward.gelu_forward, lambda x, dy: (local_backward.gelu_backward(x, dy),), F.gelu),
+    "gelu": Op(("x",), local_backward_gelu.gelu_forward, lambda x, dy: (local_backward_gelu.gelu_backward(x, dy),), F.gelu),
     "rmsnorm": Op(("x", "w"), local_backward.rmsnorm_forward, local_backward.rmsnorm_backward,
                   lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)),
     "swiglu_mlp": Op(("x", "Wg", "Wu", "Wd"), local_backward.swiglu_mlp_forward, local_backward.swiglu_mlp_backward,

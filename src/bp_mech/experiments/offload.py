@@ -4,7 +4,7 @@ that offload under checkpointing (``checkpoint-all+offload``).
 
 Before the candidates, a counting-only pass (``counters.SavedBytesCounter``, no copies) counts the
 saved activations independently; each record says whether the hooks' D2H bytes equal what that
-count predicts. On CUDA the pinned host link is measured (``offload.measure_bandwidth``) and each
+count predicts. On CUDA the pinned host link is measured (``host_memory.measure_bandwidth``) and each
 record sets the step-time overhead against the transfer bound. Measuring is the harness's
 (``harness.same_weights``), the decision rule and records ``bp_mech.experiments.decision``'s, as in
 Part 02 · 19. ``save_on_cpu`` is an arm of this experiment, not a strategy of the book: PyTorch's hooks
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech import checkpointing, offload
+from bp_mech import checkpointing, host_memory, offload
 from bp_mech.instruments import counters
 from bp_mech.bench.compare import EXACT_TOL, compare
 from bp_mech.bench.step import probe
-from bp_mech.bench.strategy import PLAIN, Applied, Strategy, configured, parse
+from bp_mech.bench.strategy import PLAIN, Entered, Strategy, configured, parse
 from bp_mech.instruments.tracking import host_side
 from bp_mech.instruments.workload import build_model, make_batches
 from bp_mech.experiments import decision, harness
@@ -93,7 +93,7 @@ def run(ctx, bandwidth: dict | None = None) -> list:
     batches = make_batches(ctx.workload, 4, device=device)
     counts = {c: count_saved(model, batches[0], c) for c in ("plain", "checkpoint-all")}
     if bandwidth is None and torch.device(device).type == "cuda":
-        bandwidth = offload.measure_bandwidth(device)
+        bandwidth = host_memory.measure_bandwidth(device)
     cfg = offload.OffloadConfig(min_bytes=offload.min_bytes(device))
     hooks = {name: make_hooks(name, model, cfg, device) for name, s in ARMS.items() if s.offload}
     results = harness.same_weights(model, batches, device, ARMS, *schedule(device, ctx.smoke), hooks=hooks,
@@ -141,7 +141,7 @@ def conformance():
     probes = []
     for hooks in (ours, save_on_cpu):
         with configured(model, s):
-            probes.append(probe(model, batch, s, applied=Applied(model, s, "cpu", hooks=hooks)))
+            probes.append(probe(model, batch, s, entered=Entered(model, s, "cpu", hooks=hooks)))
     loss_tol, grad_tol = EXACT_TOL["cpu"]
     errors = [compare(plain_probe, p) for p in probes]
     equal = all(e.within(EXACT_TOL["cpu"]) for e in errors)

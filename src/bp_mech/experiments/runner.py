@@ -55,7 +55,7 @@ def progress_bar(it, **kw):
 
 def run_one(semantic_id: str, mode: str, workload: str | None, out: Path | None, run_label: str | None,
             source: dict | None = None, smoke: bool = False, options: dict | None = None) -> int:
-    """Run (or, in ``dry_run``, plan) one experiment. With ``out``, every record is saved the moment
+    """Run (or, in ``dry_run`` mode, dry-run) one experiment. With ``out``, every record is saved the moment
     ``ctx.record`` makes it (validated, atomically), so a later failure loses nothing already made."""
     if mode == "real_gpu" and not cuda_available():
         raise UsageError("--mode real_gpu needs CUDA, and this torch reports no CUDA device; use --mode cpu or dry_run")

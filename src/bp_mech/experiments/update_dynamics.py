@@ -277,7 +277,7 @@ def dry_run(ctx) -> dict:
     """LRs, updates and, per mode, an estimate: ``modes.real_gpu.estimated_seconds`` is one GPU's."""
     w = ctx.workload
 
-    def mode_plan(dev):
+    def mode_schedule(dev):
         cfg = config_for(w.arch, dev, ctx.smoke)
         passes = cfg.updates + 1 + steps_per_arm(cfg.timed, cfg.warmup)  # traced + warm + measured
         overhead_s = cfg.updates * 0.05 + 2 * 0.5 if dev == "cuda" else 0.0  # snapshots + ratios, 2 loads from the host
@@ -287,7 +287,7 @@ def dry_run(ctx) -> dict:
                                            estimated_seconds=round(seconds, 1))
 
     return dict(max_norm=DynamicsConfig.max_norm, weight_decay=DynamicsConfig.weight_decay, optimizer="AdamW",
-                groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=own_weights_modes(mode_plan),
+                groups=list(update_dynamics.GROUPS), params=param_count(w.arch), modes=own_weights_modes(mode_schedule),
                 rule=RULE,
                 estimate_basis=ASSUMED_BASIS + "; + 0.05 s per traced update and 1 s of state loads per arm (cuda)")
 

@@ -40,8 +40,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 _DEVICE = torch.ops.prim.device.default  # ``tensor.device``, which a dispatch mode sees as an operator
 
 
-def _storage(t):
-    """The untyped storage of a strided tensor (None for anything else: sparse tensors have none)."""
+def storage_of(t):
+    """The untyped storage of a strided tensor (None for anything else: sparse tensors have none).
+
+    Args:
+        t: anything an operator is given or returns.
+
+    Returns:
+        ``t.untyped_storage()``, or None.
+    """
     return t.untyped_storage() if isinstance(t, torch.Tensor) and t.layout == torch.strided else None
 
 
@@ -126,7 +133,7 @@ class StorageTracker(TorchDispatchMode):
 
     def add(self, t, label: str = "other") -> None:
         """Count ``t``'s storage from now on (once: a storage already tracked is left as it is)."""
-        storage = _storage(t)
+        storage = storage_of(t)
         if storage is None or storage.nbytes() == 0 or storage in self.serial:
             return
         host = bool(self.host_depth) or t.device.type != self.device.type  # an offload's host buffer, a host tensor
@@ -149,7 +156,7 @@ class StorageTracker(TorchDispatchMode):
         return serial
 
     def relabel(self, t, label: str) -> None:
-        storage = _storage(t)
+        storage = storage_of(t)
         serial = self.serial.get(storage) if storage is not None else None
         if serial is not None:
             self.label[serial] = label
@@ -157,7 +164,7 @@ class StorageTracker(TorchDispatchMode):
     def _label(self, func, args) -> str:
         """The class of a storage born from ``func`` now: where in the step it is born."""
         if self.phase == "forward":
-            src = _storage(args[0]) if args else None
+            src = storage_of(args[0]) if args else None
             if func is torch.ops.aten._to_copy.default and src is not None and \
                     self.label.get(self.serial.get(src)) == "parameters":
                 return "parameters"  # autocast's low-precision weight copy

@@ -5,7 +5,8 @@ fine-tuning mode: ``finetune``), ``definitions`` (what "a step" means: steady, f
 outputs kept, weights' dtype), ``fake_ops`` (what a fake step needs that PyTorch's fake tensors lack),
 ``cuda_autocast`` (CUDA's autocast op lists, so a fake CPU step follows a GPU run), ``lifecycle`` (the
 ``Session``: one model and its optimizer, and the ledger of any strategy's step), ``shard_tracking`` and
-``shard`` (one rank under FSDP2 or DDP), ``trace`` (the strategies traced in forked workers).
+``shard`` (one rank under FSDP2 or DDP), ``trace`` (the strategies traced in forked workers: ``pool``,
+the planner's one pool of forked processes that inherit the fake session).
 
 ``bp-mech plan``: ``inputs`` (sizes, configs and shapes read and checked; ``PlanError``), ``request`` (the
 command's flags as one checked ``PlanRequest``), ``costs`` (FLOPs and the time factors measured in cached

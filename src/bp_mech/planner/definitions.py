@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bp_mech.bench.optimizer import ADAMW_IMPLS
+from bp_mech.instruments.adamw import ADAMW_IMPLS
 from bp_mech.bench.strategy import LowPrecision
-from bp_mech.ledger import Ledger
+from bp_mech.ledger_table import Ledger
 
 MOMENTS = ("resident", "first", "none")  # the steady state, the first step, forward + backward only
 HALF_WEIGHTS = tuple(p.value for p in LowPrecision)  # half-precision weights, no float32 master copy
@@ -99,7 +99,7 @@ class StepLedger:
             ``timeline``): memory over one step.
 
     Example:
-        >>> from bp_mech.ledger import CLASSES, STAGES
+        >>> from bp_mech.ledger_table import CLASSES, STAGES
         >>> stages = {s: dict.fromkeys(CLASSES, 0) for s in STAGES}
         >>> stages["backward_peak"]["parameters"] = 300
         >>> led = StepLedger(Ledger("formula", "plain", stages), STEADY, start=100)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.planner.lifecycle import ConfigWorkload, Session
+from bp_mech.planner.build import ConfigWorkload
+from bp_mech.planner.lifecycle import Session
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.planner import plan as planner

@@ -27,15 +27,15 @@ import torch
 
 from bp_mech.instruments import anatomy
 from bp_mech.planner import fake_ops
-from bp_mech.planner.build import ConfigWorkload, build  # noqa: F401 (ConfigWorkload: lifecycle's name for it)
+from bp_mech.planner.build import build
 from bp_mech.instruments.counters import ForwardCounter
 from bp_mech.planner.cuda_autocast import cuda_policy
 from bp_mech.planner.definitions import STEADY, StepDefinition, StepLedger
 from bp_mech.bench.step import StepState, optimizer_state, train_step
 from bp_mech.bench.optimizer import StepOptions, make_optimizer
-from bp_mech.bench.strategy import PLAIN, Strategy, applied
+from bp_mech.bench.strategy import PLAIN, Strategy, enter
 from bp_mech.instruments.tracking import StorageTracker
-from bp_mech.ledger import CLASSES, STAGES, Counts, Ledger
+from bp_mech.ledger_table import CLASSES, STAGES, Counts, Ledger
 from bp_mech.offload import OffloadConfig
 
 
@@ -70,7 +70,7 @@ class LedgerObserver:
     Use it around one step (it hooks ``lm_head`` and the parameters while entered)::
 
         with tracker, LedgerObserver(tracker, model, opt) as observe:
-            train_step(model, opt, batch, strategy, applied=entered,
+            train_step(model, opt, batch, strategy, entered=entered,
                        observers=[observe])
     """
 
@@ -98,7 +98,7 @@ class LedgerObserver:
 
     @contextlib.contextmanager
     def __call__(self, phase: str, state):
-        tr, host = self.tr, state.applied.host_bytes
+        tr, host = self.tr, state.entered.host_bytes
         tr.start(phase)
         yield
         if phase == "forward":
@@ -147,7 +147,7 @@ class Session:
                  definition: StepDefinition = STEADY, prepare=None, tracker=StorageTracker):
         """``prepare``: None, or ``prepare(model) -> model`` applied (under the session's mode) right after the
         model is built, before its optimizer is made (``planner.shard``: ``fully_shard`` or DDP). ``tracker``:
-        the storage tracker's class, called with the device for each step (``planner.shard.ShardTracker``
+        the storage tracker's class, called with the device for each step (``planner.shard_tracking.ShardTracker``
         sees through DTensors and FSDP's storage resizes)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -228,13 +228,13 @@ class Session:
                 make_optimizer(model.parameters(), self.options, device, impl)
         held = [] if d.keep_outputs else None  # the outputs a training loop's ``out`` holds
         with self.active(), cuda_policy() if emulate else contextlib.nullcontext(), \
-                applied(model, s, device, off, scaler) as ctx:
+                enter(model, s, device, off, scaler) as ctx:
             count = dict(updates=int(self.fake and resident), skipped=0)  # (fake: the session's moment update)
             if self.fake and ctx.offload is not None:
                 self._uncached_hooks(ctx.offload)
 
             def update(observers=()):
-                r = train_step(model, opt, batch, s, applied=ctx, observers=observers, update=opt is not None,
+                r = train_step(model, opt, batch, s, entered=ctx, observers=observers, update=opt is not None,
                                outputs=held)
                 if opt is None:  # no optimizer: the gradients are dropped as zero_grad would
                     with contextlib.ExitStack() as stack:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech.instruments import anatomy
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, lifecycle
 from bp_mech.planner.definitions import STEADY, StepDefinition
 from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
@@ -39,7 +39,7 @@ from bp_mech.planner.fit import Fit, largest
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
-from bp_mech.planner.trace import default_workers, ledgers, one_line  # noqa: F401 (default_workers: the CLI's)
+from bp_mech.planner.trace import ledgers, one_line
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -144,7 +144,7 @@ def session(config, batch: int, seq: int, options: StepOptions,
     """The fake session of ``config`` at (batch, seq), whose steps follow ``definition`` (``prepare``: the
     Session's, e.g. ``fully_shard``); a ``PlanError`` for a model the plan cannot take."""
     try:
-        s = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq, finetune=finetune), fake=True,
+        s = lifecycle.Session(build.ConfigWorkload(config, batch, seq, finetune=finetune), fake=True,
                               options=options, definition=definition, prepare=prepare)
     except FineTuneError as e:  # --freeze / --lora-targets that do not fit this model
         raise PlanError(str(e)) from None

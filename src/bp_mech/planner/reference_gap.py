@@ -38,10 +38,11 @@ import torch
 
 from bp_mech.planner import lifecycle
 from bp_mech.planner.definitions import STEADY, StepDefinition, StepLedger
+from bp_mech.planner.pool import default_workers, forked_map
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import parse
 from bp_mech.instruments.workload import parse_workload
-from bp_mech.records.references import SEED
+from bp_mech.records.references import REFERENCES
 
 TOLERANCE_PP = 1.0  # a definition reproduces a reference when its saving is within this many points of it
 _D = StepDefinition
@@ -59,7 +60,7 @@ DEFINITIONS: dict[str, StepDefinition] = {  # label -> definition: (a) to (g), t
 class Case:
     """Where a reference is traced: its workload and the strategies of its candidate arm."""
 
-    semantic_id: str  # the experiment (``records.references.SEED``)
+    semantic_id: str  # the experiment (``records.references.REFERENCES``)
     workload: str  # the reference's workload id, e.g. "qwen05-b2s512"
     strategies: tuple[str, ...]  # the candidate's strategies; several: the reference is the best of them ("up to")
 
@@ -188,43 +189,12 @@ def verdict(rows: list[GapRow], ref: float) -> Verdict:
     return Verdict(found, label, value, text)
 
 
-_SESSIONS: dict = {}  # (workload id, weights) -> Session: what forked workers inherit
-
-
-def _task(task) -> StepLedger:
-    wid, strategy, d = task
-    return _SESSIONS[(wid, d.weights)].step(parse(strategy), d)
-
-
-def _quiet_worker():
-    torch.set_num_threads(1)
-
-
-def default_workers() -> int:
-    """The CPUs this process may use, at most 4."""
-    import os
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cpus))
-
-
-def _run(tasks: list, workers: int) -> list:
-    """``_task`` of each task, in order: here, or (``workers`` > 1, Linux) in forked processes that inherit
-    the fake sessions (nothing is rebuilt or pickled but the ledgers)."""
-    import multiprocessing
-
-    if workers <= 1 or len(tasks) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_task(t) for t in tasks]
-    with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), _quiet_worker) as pool:
-        return pool.map(_task, tasks, chunksize=1)
-
-
 def reference_gap(semantic_id: str, definitions=None, workers: int | None = None, case: Case | None = None,
                   options: StepOptions = StepOptions().for_device("cuda")) -> Gap:
     """The table of one course reference: per definition, the predicted savings beside the reference.
 
     Args:
-        semantic_id: a reference of ``records.references.SEED`` that ``CASES`` traces.
+        semantic_id: a reference of ``records.references.REFERENCES`` that ``CASES`` traces.
         definitions: labels of ``DEFINITIONS`` to trace (None: all).
         workers: processes that trace the steps (forked; 1: this process; None: the CPUs this process may
             use, at most 4).
@@ -243,7 +213,7 @@ def reference_gap(semantic_id: str, definitions=None, workers: int | None = None
     t0, threads = time.perf_counter(), torch.get_num_threads()
     workers = workers or default_workers()
     case = case or CASES[semantic_id]
-    ref = SEED[semantic_id].peak_saving
+    ref = REFERENCES[semantic_id].peak_saving
     labels = list(definitions or DEFINITIONS)
     arms = {label: _arms(case, DEFINITIONS[label]) for label in labels}
     keys = []
@@ -251,15 +221,13 @@ def reference_gap(semantic_id: str, definitions=None, workers: int | None = None
         keys += [k for k in [base, *cands] if k not in keys]
     w = parse_workload(case.workload)
     torch.set_num_threads(1)  # fake tensors compute nothing: intra-op threads would only spin
-    try:
-        for weights in dict.fromkeys(d.weights for _, d in keys):
-            if (case.workload, weights) not in _SESSIONS:
-                _SESSIONS[(case.workload, weights)] = lifecycle.Session(w, fake=True, options=options,
-                                                                        definition=STEADY.replace(weights=weights))
-        done = dict(zip(keys, _run([(case.workload, s, d) for s, d in keys], workers)))
+    try:  # one fake session per weights' dtype, inherited by the forked workers
+        sessions = {weights: lifecycle.Session(w, fake=True, options=options,
+                                               definition=STEADY.replace(weights=weights))
+                    for weights in dict.fromkeys(d.weights for _, d in keys)}
+        done = dict(zip(keys, forked_map(lambda k: sessions[k[1].weights].step(parse(k[0]), k[1]), keys, workers)))
     finally:
         torch.set_num_threads(threads)
-        _SESSIONS.clear()
     rows = [_row(case, label, DEFINITIONS[label], ref, done[base], [(k[0], done[k]) for k in cands])
             for label, (base, cands) in arms.items()]
     return Gap(case, ref, TOLERANCE_PP, rows, verdict(rows, ref), time.perf_counter() - t0)

@@ -11,10 +11,11 @@ import sys
 
 from bp_mech.planner.definitions import StepDefinition
 from bp_mech.instruments.peak import fmt_bytes
-from bp_mech.ledger import STAGES
+from bp_mech.ledger_table import STAGES
 from bp_mech.instruments.adamw import torch_default_adamw
 from bp_mech.planner.inputs import GiB, load_config
-from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, default_workers, plan
+from bp_mech.planner.plan import ALLOCATOR_SLACK, CONTEXT_BYTES, Plan, plan
+from bp_mech.planner.pool import default_workers
 from bp_mech.planner.request import PlanRequest
 
 

@@ -67,7 +67,7 @@ class PlanRequest:
     seq: Shape = None  # --seq: tokens per sequence, "max", or the workload's
     device_name: str | None = None  # --device-name: use cached GPU records of this device only
     json: bool = False  # --json: print the plan as JSON
-    workers: int | None = None  # --workers: processes tracing the strategies (None: planner.trace.default_workers)
+    workers: int | None = None  # --workers: processes tracing the strategies (None: planner.pool.default_workers)
     keep_outputs: bool = False  # --keep-outputs: plan the loop whose outputs stay alive through backward
     weights: LowPrecision | None = None  # --dtype: half-precision weights without a master copy; None: float32
     optimizer: str = "adamw"  # --optimizer: bench.optimizer.OPTIMIZERS

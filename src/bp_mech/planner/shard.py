@@ -16,7 +16,7 @@
   their split (25 MiB, the first 1 MiB, rebuilt in the gradients' order) they add the bytes of every
   parameter that takes a gradient, at every stage (the real reducer's ``bucket_sizes`` sum to it: the test).
 
-The classes stay ``ledger.CLASSES``: gathered parameters count as "parameters", the collectives' buffers (and
+The classes stay ``ledger_table.CLASSES``: gathered parameters count as "parameters", the collectives' buffers (and
 DDP's buckets) as "other"; ``RankLedger.gathered`` / ``.collective`` say how many bytes of those they are.
 Validation: tests/planner/test_shard.py (2 and 4 gloo processes running ``fully_shard``, 2 running DDP).
 """
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 
 from bp_mech.instruments import anatomy
-from bp_mech.planner import lifecycle
+from bp_mech.planner import build, lifecycle
 from bp_mech.planner.definitions import STEADY, StepDefinition
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, Strategy
 from bp_mech.planner.shard_tracking import ShardTracker
 from bp_mech.instruments.tracking import StorageTracker
-from bp_mech.ledger import CLASSES, STAGES, Ledger
+from bp_mech.ledger_table import CLASSES, STAGES, Ledger
 
 SHARDINGS = ("fsdp2", "ddp")  # how the model is spread over the GPUs (``rank_ledger``'s ``shard``)
 PEAKS = ("forward_peak", *STAGES)  # the snapshots a RankLedger splits: the forward's peak, then the ledger's stages
@@ -213,6 +213,6 @@ def rank_ledger(config, batch: int, seq: int, gpus: int, shard: str, strategy: S
         (True, True)
     """
     with planning(shard, gpus) as (prepare, trace):
-        session = lifecycle.Session(lifecycle.ConfigWorkload(config, batch, seq), fake=True, options=options,
+        session = lifecycle.Session(build.ConfigWorkload(config, batch, seq), fake=True, options=options,
                                     definition=definition, prepare=prepare)
         return trace(session, strategy)

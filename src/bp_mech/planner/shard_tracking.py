@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from bp_mech.instruments.tracking import StorageTracker, _storage
+from bp_mech.instruments.tracking import StorageTracker, storage_of
 
 
 def _local(t):  # a DTensor's local shard (what this rank holds), else ``t``
@@ -85,7 +85,7 @@ class ShardTracker(StorageTracker):
 
     def _mark(self, t, label: str, kind: str | None = None) -> None:
         self.add(t, label)
-        if (serial := self.serial.get(_storage(t))) is not None:
+        if (serial := self.serial.get(storage_of(t))) is not None:
             self.label[serial] = label
             if kind and serial not in self.kind and serial in self.live:
                 self._grow(serial, kind)

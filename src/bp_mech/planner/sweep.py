@@ -12,13 +12,14 @@ tests/planner/test_sweep.py asserts that nothing crashed.
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import time
-import warnings
 
 from bp_mech.bench.strategy import PLAIN, parse
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.planner.inputs import PlanError
+from bp_mech.planner.pool import default_workers, forked_map
 
 # every mechanism in two traces besides plain's (the combination, and the one checkpointing it lacks)
 SWEEP = (PLAIN, parse("checkpoint-all+offload+fp16+chunked-loss"), parse("checkpoint-mlp"))
@@ -48,7 +49,8 @@ def outcome(model_type: str, candidates=SWEEP, batch: int = 1, seq: int = 64) ->
     """(``planned`` | ``refused`` | ``no-config`` | ``crashed``, detail) of one model type."""
     from transformers import AutoConfig
 
-    from bp_mech.planner.plan import one_line, plan
+    from bp_mech.planner.plan import plan
+    from bp_mech.planner.trace import one_line
 
     try:
         config = two_layers(AutoConfig.for_model(model_type))
@@ -64,34 +66,25 @@ def outcome(model_type: str, candidates=SWEEP, batch: int = 1, seq: int = 64) ->
     return "planned", f"{len(p.rows)} strategies, {p.model['attention']} attention" + (f"; left out {left}" if left else "")
 
 
-def _quiet_outcome(model_type: str, candidates=SWEEP) -> tuple[str, str]:
-    import torch
-    from transformers.utils import logging
-
-    torch.set_num_threads(1)  # fake tensors compute nothing
-    logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return outcome(model_type, candidates)
-
-
 def sweep(types=None, candidates=SWEEP, workers: int = 1) -> dict[str, tuple[str, str]]:
-    """``outcome`` of each model type (default: ``model_types()``), in ``workers`` forked processes."""
-    import functools
-    import multiprocessing
+    """``outcome`` of each model type.
 
+    Args:
+        types: model types (None: ``model_types()``).
+        candidates: the strategies each plan traces.
+        workers: forked processes (``planner.pool.forked_map``, each replaced by a fresh fork after 20
+            model types); 1: this process.
+
+    Returns:
+        {model type: (kind, detail)}, in the order of ``types``.
+    """
     todo = list(types or model_types())
-    one = functools.partial(_quiet_outcome, candidates=candidates)
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return {t: one(t) for t in todo}
-    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=20) as pool:
-        return dict(zip(todo, pool.map(one, todo, chunksize=1)))
+    one = functools.partial(outcome, candidates=candidates)
+    return dict(zip(todo, forked_map(one, todo, workers, max_tasks_per_child=20)))
 
 
 def main(argv=None) -> int:
     t0 = time.perf_counter()
-    from bp_mech.planner.plan import default_workers
-
     result = sweep(argv or None, workers=default_workers())
     counts = collections.Counter(kind for kind, _ in result.values())
     for t, (kind, detail) in result.items():

@@ -1,21 +1,18 @@
 """How ``bp-mech plan`` traces its candidates: one strategy's step at a time (``traced``: its ledger, or a
 ``bench.oom.Failed`` with the one-line reason it could not be traced: the strategy's failure, not the plan's
-end), in forked processes that inherit the fake session (``ledgers``), and an exception as one line
-(``one_line``)."""
+end), in forked processes that inherit the fake session (``ledgers``, on ``planner.pool``), and an
+exception as one line (``one_line``)."""
 
 from __future__ import annotations
 
-import torch
-
 from bp_mech.bench.oom import Failed
+from bp_mech.planner.pool import forked_map
+
 
 def one_line(e: BaseException, width: int = 160) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:width] if text else ''}".rstrip(": ")
-
-
-_SESSION = None  # (session, trace) a forked worker inherits (set only while ``ledgers``' pool runs)
 
 
 def traced(sess, trace, task):
@@ -41,52 +38,26 @@ def traced(sess, trace, task):
         return Failed(one_line(e), getattr(s, "name", str(s)))
 
 
-def _ledger_in_worker(task):
-    return traced(*_SESSION, task)
-
-
-def _quiet_worker():
-    import gc
-
-    torch.set_num_threads(1)
-    gc.freeze()  # the inherited session (the fake model, its optimizer) is never garbage: do not scan it again
-    gc.set_threshold(50_000, 20, 20)  # a trace makes many short-lived objects: collect young ones less often
-
-
 def ledgers(sess, strategies, workers: int = 1, trace=None):
-    """The session's ledger of each strategy, or (strategy, definition) (``traced``: a ``bench.oom.Failed`` where
-    it fails), in order.
-    ``workers`` > 1 (Linux): forked processes that inherit the fake session (and a sharded plan's fake
-    process group: nothing is rebuilt or pickled but the ledgers), one strategy per task; ``trace``:
-    ``traced``'s."""
-    global _SESSION
-    import multiprocessing
+    """The session's ledger of each strategy, in order (``traced``: a ``bench.oom.Failed`` where one fails).
 
-    if workers <= 1 or len(strategies) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        yield from (traced(sess, trace, s) for s in strategies)
-        return
-    # the longest first (more forward passes and hooks: more operations to trace), so that no worker is
-    # left with a long one at the end; the ledgers come back in the order asked for
+    Args:
+        sess: the fake session (``planner.lifecycle.Session``).
+        strategies: strategies, or (strategy, ``StepDefinition``) pairs.
+        workers: processes (``planner.pool.forked_map``: forked, they inherit the session and a sharded
+            plan's fake process group, so nothing is rebuilt or pickled but the ledgers); 1: this process.
+        trace: ``traced``'s.
+
+    Returns:
+        A generator of the ledgers, in the order of ``strategies``; the longest traces (more forward
+        passes and hooks: more operations) are handed out first.
+
+    Example:
+        >>> list(ledgers(None, ["plain"], trace=lambda sess, s, d: s.upper()))
+        ['PLAIN']
+    """
     def work(task):
         s = task[0] if isinstance(task, tuple) else task
         return s.micro_batches * (2 + (s.checkpoint != "plain") + s.offload)
 
-    order = sorted(range(len(strategies)), key=lambda i: -work(strategies[i]))
-    done, nxt = {}, 0
-    _SESSION = sess, trace
-    try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(strategies)), _quiet_worker) as pool:
-            for i, led in zip(order, pool.imap(_ledger_in_worker, [strategies[i] for i in order])):
-                done[i] = led
-                while nxt in done:
-                    yield done.pop(nxt)
-                    nxt += 1
-    finally:
-        _SESSION = None
-
-
-def default_workers() -> int:
-    """Processes for ``ledgers``: the CPUs this process may use, at most 4."""
-    import os
-
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return forked_map(lambda task: traced(sess, trace, task), strategies, workers, cost=work)

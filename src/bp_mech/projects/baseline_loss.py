@@ -92,25 +92,37 @@ class ThreadAllReduce:
             return total
         return all_reduce
 
+    def run(self, rank_main: Callable[[int], None]) -> list[BaseException | None]:
+        """``rank_main(r)`` for every rank, each in its own thread; returns each rank's
+        exception (None where it returned). A rank that raises breaks the barrier: the
+        others stop waiting for it."""
+        errors: list[BaseException | None] = [None] * len(self.slots)
+
+        def main(r: int) -> None:
+            try:
+                rank_main(r)
+            except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+                errors[r] = e
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=main, args=(r,)) for r in range(len(errors))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
 
 def divisors(local_counts: list[list[torch.Tensor]], divisor_fn: Callable = loss_divisor) -> list[torch.Tensor]:
     """Every simulated rank's divisor, each computed in its own thread with a ``ThreadAllReduce``
     (``local_counts[r]``: rank r's count per micro-batch). An exception in a rank is re-raised."""
     P = len(local_counts)
-    group, out, errors = ThreadAllReduce(P), [None] * P, []
+    group, out = ThreadAllReduce(P), [None] * P
 
     def rank_main(r):
-        try:
-            out[r] = divisor_fn(local_counts[r], P, group.op(r))
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
-            errors.append(e)
-            group.barrier.abort()
+        out[r] = divisor_fn(local_counts[r], P, group.op(r))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = [e for e in group.run(rank_main) if e is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return out

@@ -20,18 +20,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bp_mech import chunked_loss, ledger
+from bp_mech import chunked_loss, ledger, state_bytes
 from bp_mech.bench.strategy import Strategy, parse
-from bp_mech.ledger import CLASS_LABELS, CLASSES, STAGES
+from bp_mech.ledger_table import CLASS_LABELS, CLASSES, STAGE_LABELS, STAGES
 
 POINTS = ("forward_peak", *STAGES)  # the ledger's stages and the peak inside the forward
-POINT_LABELS = dict(ledger.STAGE_LABELS, forward_peak="peak in forward")
+POINT_LABELS = dict(STAGE_LABELS, forward_peak="peak in forward")
 
 # --- the ledger as a table, its dominant state ---------------------------------------------------
 
 
 def ledger_rows(led) -> dict[str, dict[str, int]]:
-    """``{point: {class: bytes}}`` of a ``ledger.Ledger``. The forward's peak comes in as a row: the
+    """``{point: {class: bytes}}`` of a ``ledger_table.Ledger``. The forward's peak comes in as a row: the
     forward stage's row plus the bytes alive only at that moment (the logits and the log-softmax
     output side by side), booked as logits & loss."""
     rows = {s: dict(led.stages[s]) for s in STAGES}
@@ -117,7 +117,7 @@ def known_lines(w) -> dict[str, int]:
     n, V, hd = w.batch * w.seq, a["vocab_size"], a["hidden_size"] // a["num_attention_heads"]
     return dict(logits=4 * n * V, log_softmax_output=4 * n * V, log_softmax_backward_buffers=8 * n * V,
                 targets=8 * n, padded_labels=8 * w.batch * (w.seq + 1), rope_cos_sin=8 * w.seq * hd,
-                rope_buffers=4 * hd, weights=ledger.param_bytes(a),
+                rope_buffers=4 * hd, weights=state_bytes.param_bytes(a),
                 tied_embedding_gradients=8 * V * a["hidden_size"] if a["tie_word_embeddings"] else 0)
 
 

@@ -29,7 +29,7 @@ from bp_mech.bench.oom import Failed, attempt, release_memory
 from bp_mech.bench.step import PHASES
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN
-from bp_mech.ledger import Ledger
+from bp_mech.ledger_table import Ledger
 from bp_mech.projects import diagnosis, step_profile
 from bp_mech.projects.diagnosis import POINT_LABELS, REMEDIES, Attribution, Dominant
 from bp_mech.projects.step_profile import ProfileConfig

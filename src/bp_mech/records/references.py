@@ -2,10 +2,10 @@
 (DESIGN.md's reference table), in one place.
 
 A chapter may quote them as *the course's reference run (RTX 5070 Ti, Qwen2.5-0.5B)*, beside this book's
-own runs, never as its own measurement: ``SeedReference.summary()`` and ``SeedReference.source`` say so in
-their wording, and ``report.provenance_box`` shows the summary beside a cached GPU record of the same
-experiment. Experiments the reference run did not measure have no entry. (The Python names keep the word
-"seed", the course material the figures come from; readers see "the course's reference run".)
+own runs, never as its own measurement: ``CourseReference.summary()`` and ``CourseReference.source`` say
+so in their wording, and ``report.provenance_box`` shows the summary beside a cached GPU record of the same
+experiment. ``REFERENCES`` holds them by experiment (``for_experiment``, ``for_strategy``); experiments the
+reference run did not measure have no entry.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ PHRASE = "the course's reference run"  # what readers read: never "the seed's", 
 
 
 @dataclass(frozen=True)
-class SeedReference:
+class CourseReference:
     """One row of the course's reference table (one experiment of the reference run)."""
 
     semantic_id: str  # the experiment it is a reference for
@@ -59,24 +59,24 @@ class SeedReference:
                 + (f"; {self.note}" if self.note else ""))
 
 
-SEED: dict[str, SeedReference] = {r.semantic_id: r for r in [
-    SeedReference("TRAIN-GRADIENT-ACCUMULATION", "seq 128 / 256", "micro-batch accumulation vs the full batch",
-                  peak_saving=0.173, median_ratio=1.335, decision=None, peak_is_upper_bound=True,
-                  condition="seq 256", note="short sequences: decision tune"),  # 2 and 4 micro-batches
-    SeedReference("TRAIN-AMP-BACKWARD", "default14", "FP16 autocast vs FP32", peak_saving=0.107, median_ratio=1.0,
-                  decision=None, strategy="fp16"),
-    SeedReference("TRAIN-CHECKPOINT", "b2s512_default2", "gradient checkpointing vs plain saving",
-                  peak_saving=0.337, median_ratio=1.192, decision="accept", strategy="checkpoint-all"),
-    SeedReference("TRAIN-OFFLOAD", "b2s512_default1", "host offload vs GPU-resident", peak_saving=0.343,
-                  median_ratio=5.87, decision="tune", strategy="offload"),
+REFERENCES: dict[str, CourseReference] = {r.semantic_id: r for r in [
+    CourseReference("TRAIN-GRADIENT-ACCUMULATION", "seq 128 / 256", "micro-batch accumulation vs the full batch",
+                    peak_saving=0.173, median_ratio=1.335, decision=None, peak_is_upper_bound=True,
+                    condition="seq 256", note="short sequences: decision tune"),  # 2 and 4 micro-batches
+    CourseReference("TRAIN-AMP-BACKWARD", "default14", "FP16 autocast vs FP32", peak_saving=0.107, median_ratio=1.0,
+                    decision=None, strategy="fp16"),
+    CourseReference("TRAIN-CHECKPOINT", "b2s512_default2", "gradient checkpointing vs plain saving",
+                    peak_saving=0.337, median_ratio=1.192, decision="accept", strategy="checkpoint-all"),
+    CourseReference("TRAIN-OFFLOAD", "b2s512_default1", "host offload vs GPU-resident", peak_saving=0.343,
+                    median_ratio=5.87, decision="tune", strategy="offload"),
 ]}
 
 
-def seed_reference(semantic_id: str) -> SeedReference | None:
+def for_experiment(semantic_id: str) -> CourseReference | None:
     """The course's reference run's figures for an experiment, or None where it measured none."""
-    return SEED.get(semantic_id)
+    return REFERENCES.get(semantic_id)
 
 
-def for_strategy(name: str) -> SeedReference | None:
+def for_strategy(name: str) -> CourseReference | None:
     """The course's reference figures that measured the strategy ``name``, or None."""
-    return next((r for r in SEED.values() if r.strategy == name), None)
+    return next((r for r in REFERENCES.values() if r.strategy == name), None)
