@@ -1,12 +1,12 @@
-"""Part 02 · 09: every property the exercise checks hold (``ex09_contract``) is broken by one mutant
-(an otherwise right solution), and the check rejects it with its message; the classic value mistakes
-are in tests/test_local_backward.py."""
+"""Part 02 · 09: every property the exercise checks hold (``ex09``'s declarations, derived by
+``checks.engine``) is broken by one mutant (an otherwise right solution), and the check rejects it with its
+message; the classic value mistakes are in tests/test_local_backward.py."""
 
 import pytest
 import torch
 from conftest import mutant
 
-from bp_mech.checks import ex09, ex09_contract
+from bp_mech.checks import ex09
 from checks.mutants import contiguous_only, modifies_input, storage_order_only
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # hypothesis shrinks a failure over many tiny cases
@@ -73,53 +73,53 @@ def _predict(f):
 
 
 CONTRACT_MUTANTS = {
-    "linear: modifies dy": (ex09_contract.check_linear_backward__contract,
+    "linear: modifies dy": (ex09.check_linear_backward,
                             {"linear_backward": modifies_input(A.linear_backward, 2)}, "dy was modified in place"),
-    "linear: db a view of dy": (ex09_contract.check_linear_backward__contract,
+    "linear: db a view of dy": (ex09.check_linear_backward,
                                 {"linear_backward": _linear_db_squeezed}, "db shares its storage with the input dy"),
-    "linear: float64 out": (ex09_contract.check_linear_backward__contract, {"linear_backward": _upcast(
+    "linear: float64 out": (ex09.check_linear_backward, {"linear_backward": _upcast(
         A.linear_backward)}, "dx has dtype torch.float64, expected torch.float32 at float32 inputs"),
-    "silu: storage order": (ex09_contract.check_silu_backward__contract,
+    "silu: storage order": (ex09.check_silu_backward,
                             {"silu_backward": storage_order_only(A.silu_backward)}, "differs .* non-contiguous"),
-    "silu: modifies x": (ex09_contract.check_silu_backward__contract,
+    "silu: modifies x": (ex09.check_silu_backward,
                          {"silu_backward": modifies_input(A.silu_backward, 0)}, "x was modified in place"),
-    "rmsnorm: modifies dy": (ex09_contract.check_rmsnorm_backward__contract,
+    "rmsnorm: modifies dy": (ex09.check_rmsnorm_backward,
                              {"rmsnorm_backward": modifies_input(A.rmsnorm_backward, 2)}, "dy was modified"),
-    "rmsnorm: contiguous only": (ex09_contract.check_rmsnorm_backward__contract,
+    "rmsnorm: contiguous only": (ex09.check_rmsnorm_backward,
                                  {"rmsnorm_backward": contiguous_only(A.rmsnorm_backward)},
                                  "raised RuntimeError at .* non-contiguous"),
-    "swiglu: contiguous only": (ex09_contract.check_swiglu_mlp_backward__contract,
+    "swiglu: contiguous only": (ex09.check_swiglu_mlp_backward,
                                 {"swiglu_mlp_backward": contiguous_only(A.swiglu_mlp_backward)},
                                 "raised RuntimeError at .* non-contiguous"),
-    "swiglu: modifies Wd": (ex09_contract.check_swiglu_mlp_backward__contract,
+    "swiglu: modifies Wd": (ex09.check_swiglu_mlp_backward,
                             {"swiglu_mlp_backward": modifies_input(A.swiglu_mlp_backward, 3)}, "Wd was modified"),
-    "ce: masks targets in place": (ex09_contract.check_cross_entropy_backward__contract,
+    "ce: masks targets in place": (ex09.check_cross_entropy_backward,
                                    {"cross_entropy_backward": _ce_masks_targets_in_place}, "targets was modified"),
-    "ce: shifts logits in place": (ex09_contract.check_cross_entropy_backward__contract,
+    "ce: shifts logits in place": (ex09.check_cross_entropy_backward,
                                    {"cross_entropy_backward": _ce_shifts_logits_in_place}, "logits was modified"),
-    "ce: storage order": (ex09_contract.check_cross_entropy_backward__contract,
+    "ce: storage order": (ex09.check_cross_entropy_backward,
                           {"cross_entropy_backward": storage_order_only(A.cross_entropy_backward)}, "non-contiguous"),
-    "layernorm: E[x^2] - E[x]^2": (ex09_contract.check_layernorm_backward__offset_and_constant_rows,
+    "layernorm: E[x^2] - E[x]^2": (ex09.check_layernorm_backward__offset_and_constant_rows,
                                    {"layernorm_backward": _layernorm(_one_pass)}, "differs from .* offset by 1e4"),
-    "layernorm: unbiased variance": (ex09_contract.check_layernorm_backward,
+    "layernorm: unbiased variance": (ex09.check_layernorm_backward,
                                      {"layernorm_backward": _layernorm(_unbiased)}, "dx differs from float64 autograd"),
-    "layernorm: no mean(g) term": (ex09_contract.check_layernorm_backward,
+    "layernorm: no mean(g) term": (ex09.check_layernorm_backward,
                                    {"layernorm_backward": _layernorm(_centred, mean_g=False)}, "dx differs"),
-    "layernorm: RMSNorm's dx": (ex09_contract.check_layernorm_backward,
+    "layernorm: RMSNorm's dx": (ex09.check_layernorm_backward,
                                 {"layernorm_backward": _layernorm(_centred, xhat_term=False)}, "dx differs"),
-    "layernorm: centres x in place": (ex09_contract.check_layernorm_backward__contract, {
+    "layernorm: centres x in place": (ex09.check_layernorm_backward, {
         "layernorm_backward": _layernorm(_centred, center_in_place=True)}, "x was modified in place"),
-    "layernorm: float64 out": (ex09_contract.check_layernorm_backward__contract, {
+    "layernorm: float64 out": (ex09.check_layernorm_backward, {
         "layernorm_backward": _upcast(A.layernorm_backward)}, "dtype torch.float64, expected torch.float32"),
-    "predict: forgets x": (ex09_contract.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
-        lambda n, C, I, s: 4 * n * I * s)}, "predicted .* the saved-tensor hooks measure"),
-    "predict: h and a*u twice, no x": (ex09_contract.check_predict_mlp_saved_bytes, {
-        "predict_mlp_saved_bytes": _predict(lambda n, C, I, s: 5 * n * I * s)}, "predicted"),
-    "predict: weights counted": (ex09_contract.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
-        lambda n, C, I, s: (n * C + 4 * n * I + 3 * C * I) * s)}, "predicted"),
-    "predict: float32 bytes always": (ex09_contract.check_predict_mlp_saved_bytes, {
-        "predict_mlp_saved_bytes": _predict(lambda n, C, I, s: (n * C + 4 * n * I) * 4)}, "predicted"),
-    "predict: a float": (ex09_contract.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
+    "predict: forgets x": (ex09.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
+        lambda n, C, I, s: 4 * n * I * s)}, "the prediction is .* the saved-tensor hooks' measurement gives"),
+    "predict: h and a*u twice, no x": (ex09.check_predict_mlp_saved_bytes, {
+        "predict_mlp_saved_bytes": _predict(lambda n, C, I, s: 5 * n * I * s)}, "prediction is"),
+    "predict: weights counted": (ex09.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
+        lambda n, C, I, s: (n * C + 4 * n * I + 3 * C * I) * s)}, "prediction is"),
+    "predict: float32 bytes always": (ex09.check_predict_mlp_saved_bytes, {
+        "predict_mlp_saved_bytes": _predict(lambda n, C, I, s: (n * C + 4 * n * I) * 4)}, "prediction is"),
+    "predict: a float": (ex09.check_predict_mlp_saved_bytes, {"predict_mlp_saved_bytes": _predict(
         lambda n, C, I, s: float((n * C + 4 * n * I) * s))}, "the prediction is a float, expected an int"),
 }
 
@@ -132,9 +132,87 @@ def test_contract_checks_reject_a_solution_that_breaks_one_property(name):
         check(_solutions(**overrides))
 
 
-def test_the_contract_mutants_are_right_on_the_value_checks():
-    """Each breaks only its property: the plain value checks pass it (the contract check is needed)."""
-    for overrides in ({"linear_backward": _linear_db_squeezed}, {"cross_entropy_backward": _ce_masks_targets_in_place},
-                      {"cross_entropy_backward": _ce_shifts_logits_in_place}):
-        for check in ex09.CHECKS[:9]:
-            check(_solutions(**overrides))
+def test_the_contract_mutants_give_the_right_values():
+    """Each breaks only its property: on fresh inputs its values are the reference's (the property is needed)."""
+    for k, f in ((ex09.LINEAR, _linear_db_squeezed), (ex09.CROSS_ENTROPY, _ce_masks_targets_in_place),
+                 (ex09.CROSS_ENTROPY, _ce_shifts_logits_in_place)):
+        for case in k.examples[""]:
+            args = k.inputs(case)
+            got = f(*[a.clone() if torch.is_tensor(a) else a for a in args.values()])
+            for a, w in zip(got if isinstance(got, tuple) else (got,), k.ref(**args)):
+                torch.testing.assert_close(a, w)
+
+
+def _leaks(f, leak, then=None):  # right values, but a global switch left flipped (and maybe an error after)
+    def g(*args, **kwargs):
+        out = f(*args, **kwargs)
+        leak()
+        if then is not None:
+            raise then
+        return out
+    return g
+
+
+def _linear_default_dtype(x, W, dy):  # db accumulated in the default dtype: right only when it is float64
+    dx, dW, db = A.linear_backward(x, W, dy)
+    return dx, dW, db.to(torch.get_default_dtype()).to(db.dtype)
+
+
+DERIVED_MUTANTS = {
+    "rmsnorm: default eps 1e-5": (ex09.check_rmsnorm_backward, {
+        "rmsnorm_backward": lambda x, w, dy, eps=1e-5: A.rmsnorm_backward(x, w, dy, eps)},
+        r"dx differs from float64 autograd.*eps left out \(default 1e-06\)"),
+    "rmsnorm: eps required": (ex09.check_rmsnorm_backward, {
+        "rmsnorm_backward": lambda x, w, dy, eps: A.rmsnorm_backward(x, w, dy, eps)}, "raised TypeError at .*eps left out"),
+    "ce: default ignore_index -1": (ex09.check_cross_entropy_backward, {
+        "cross_entropy_backward": lambda z, t, ignore_index=-1: A.cross_entropy_backward(z, t, ignore_index)},
+        "ignore_index left out"),
+    "layernorm: default eps 1e-6": (ex09.check_layernorm_backward, {
+        "layernorm_backward": lambda x, w, b, dy, eps=1e-6: A.layernorm_backward(x, w, b, dy, eps)}, "eps left out"),
+    "silu: grad mode left off": (ex09.check_silu_backward, {
+        "silu_backward": _leaks(A.silu_backward, lambda: torch.set_grad_enabled(False))}, "left the grad mode changed"),
+    "linear: float64 default left": (ex09.check_linear_backward, {
+        "linear_backward": _leaks(A.linear_backward, lambda: torch.set_default_dtype(torch.float64))},
+        "left the default dtype changed"),
+    "swiglu: reseeds torch": (ex09.check_swiglu_mlp_backward, {
+        "swiglu_mlp_backward": _leaks(A.swiglu_mlp_backward, lambda: torch.manual_seed(0))},
+        "left the torch RNG state changed"),
+    "ce: draws from torch's RNG": (ex09.check_cross_entropy_backward, {
+        "cross_entropy_backward": _leaks(A.cross_entropy_backward, lambda: torch.rand(1))}, "torch RNG state changed"),
+    "layernorm: autocast left on": (ex09.check_layernorm_backward, {
+        "layernorm_backward": _leaks(A.layernorm_backward, lambda: torch.set_autocast_enabled("cpu", True))},
+        "left the CPU autocast changed"),
+    "rmsnorm: grad mode off, then raises": (ex09.check_rmsnorm_backward, {"rmsnorm_backward": _leaks(
+        A.rmsnorm_backward, lambda: torch.set_grad_enabled(False), ValueError("x"))}, "also when raising"),
+    "linear: db in the default dtype": (ex09.check_linear_backward, {"linear_backward": _linear_default_dtype},
+                                        "db differs from float64 autograd"),
+}
+
+
+@pytest.mark.parametrize("name", list(DERIVED_MUTANTS))
+def test_the_derived_properties_reject_their_mutant(name):
+    check, overrides, message = DERIVED_MUTANTS[name]
+    with pytest.raises(AssertionError, match=f"^{next(iter(overrides))}: .*{message}"):
+        check(_solutions(**overrides))
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32  # put back for the next test
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("start", ["float64 default", "grad mode off", "autocast on", "reseeded"])
+def test_a_check_s_outcome_does_not_depend_on_the_state_it_starts_from(start):
+    """Run after anything (another check, a learner's cell that left a switch flipped): the same verdict, and
+    the caller's state is the caller's again after."""
+    flip = {"float64 default": lambda: torch.set_default_dtype(torch.float64),
+            "grad mode off": lambda: torch.set_grad_enabled(False),
+            "autocast on": lambda: torch.set_autocast_enabled("cpu", True), "reseeded": lambda: torch.manual_seed(7)}
+    try:
+        flip[start]()
+        before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))
+        rng = torch.random.get_rng_state()
+        ex09.check_linear_backward(A)
+        with pytest.raises(AssertionError, match="^linear_backward: db differs"):
+            ex09.check_linear_backward(_solutions(linear_backward=_linear_default_dtype))
+        assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")) == before
+        assert torch.equal(torch.random.get_rng_state(), rng)
+    finally:
+        torch.set_default_dtype(torch.float32), torch.set_grad_enabled(True), torch.set_autocast_enabled("cpu", False)

@@ -1,4 +1,4 @@
-"""Part 02 · 10: every property the exercise checks hold (``ex10_contract``) is broken by one mutant
+"""Part 02 · 10: every property the exercise checks hold (``ex10``'s declarations, derived by ``checks.engine``) is broken by one mutant
 (an otherwise right solution), and the check rejects it with its message; the classic value mistakes
 are in tests/test_attention_backward.py."""
 
@@ -9,7 +9,7 @@ import torch
 from conftest import mutant as _mutant
 
 from bp_mech import attention_backward
-from bp_mech.checks import ex10, ex10_contract
+from bp_mech.checks import ex10
 from checks.mutants import contiguous_only, modifies_input, storage_order_only
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # hypothesis shrinks a failure over many tiny cases
@@ -78,60 +78,60 @@ def _predict(f):
 
 
 CONTRACT_MUTANTS = {
-    "softmax: dP as the buffer": (ex10_contract.check_softmax_backward__contract,
+    "softmax: dP as the buffer": (ex10.check_softmax_backward,
                                   {"softmax_backward": _softmax_reuses_dP}, "dP was modified in place"),
-    "softmax: storage order": (ex10_contract.check_softmax_backward__contract,
+    "softmax: storage order": (ex10.check_softmax_backward,
                                {"softmax_backward": storage_order_only(A.softmax_backward)}, "non-contiguous"),
-    "softmax: float64 out": (ex10_contract.check_softmax_backward__contract,
+    "softmax: float64 out": (ex10.check_softmax_backward,
                              {"softmax_backward": _upcast(A.softmax_backward)}, "dtype torch.float64, expected"),
-    "head: scales q in place": (ex10_contract.check_attention_head_backward__contract,
+    "head: scales q in place": (ex10.check_attention_head_backward,
                                 {"attention_head_backward": _head_scales_q_in_place}, "q was modified in place"),
-    "head: contiguous only": (ex10_contract.check_attention_head_backward__contract,
+    "head: contiguous only": (ex10.check_attention_head_backward,
                               {"attention_head_backward": contiguous_only(A.attention_head_backward)},
                               "raised RuntimeError at .*non-contiguous"),
-    "head: naive softmax": (ex10_contract.check_attention_head_backward__large_scores,
+    "head: naive softmax": (ex10.check_attention_head_backward__large_scores,
                             {"attention_head_backward": _head_naive_softmax}, "non-finite values .* scores near"),
-    "gqa: returns dx when H = Hkv": (ex10_contract.check_gqa_reduce__contract,
+    "gqa: returns dx when H = Hkv": (ex10.check_gqa_reduce,
                                      {"gqa_reduce": _gqa_returns_dx_when_mha}, "dkv shares its storage with the input"),
-    "gqa: storage order": (ex10_contract.check_gqa_reduce__contract,
+    "gqa: storage order": (ex10.check_gqa_reduce,
                            {"gqa_reduce": storage_order_only(A.gqa_reduce)}, "non-contiguous"),
-    "blockwise: modifies dO": (ex10_contract.check_blockwise_backward__contract,
+    "blockwise: modifies dO": (ex10.check_blockwise_backward,
                                {"blockwise_backward": modifies_input(A.blockwise_backward, 5)}, "dO was modified"),
-    "blockwise: float64 out": (ex10_contract.check_blockwise_backward__contract,
+    "blockwise: float64 out": (ex10.check_blockwise_backward,
                                {"blockwise_backward": _upcast(A.blockwise_backward)}, "dtype torch.float64"),
-    "blockwise: exp(S) / exp(L)": (ex10_contract.check_blockwise_backward__large_scores,
+    "blockwise: exp(S) / exp(L)": (ex10.check_blockwise_backward__large_scores,
                                    {"blockwise_backward": _blockwise_exp_over_exp}, "non-finite values"),
-    "rope: modifies dy": (ex10_contract.check_rope_backward__contract,
+    "rope: modifies dy": (ex10.check_rope_backward,
                           {"rope_backward": modifies_input(A.rope_backward, 0)}, "dy was modified in place"),
-    "rope: contiguous only": (ex10_contract.check_rope_backward__contract,
+    "rope: contiguous only": (ex10.check_rope_backward,
                               {"rope_backward": contiguous_only(A.rope_backward)}, "raised RuntimeError .*non-contig"),
-    "window: one key too many": (ex10_contract.check_sliding_window_head_backward,
+    "window: one key too many": (ex10.check_sliding_window_head_backward,
                                  {"sliding_window_head_backward": _window(offset=1)}, "differs from float64 autograd"),
-    "window: one key too few": (ex10_contract.check_sliding_window_head_backward,
+    "window: one key too few": (ex10.check_sliding_window_head_backward,
                                 {"sliding_window_head_backward": _window(offset=-1)}, "differs"),
-    "window: ignored": (ex10_contract.check_sliding_window_head_backward,
+    "window: ignored": (ex10.check_sliding_window_head_backward,
                         {"sliding_window_head_backward": _window(ignore=True)}, "differs"),
-    "window: zeroed after the softmax": (ex10_contract.check_sliding_window_head_backward,
+    "window: zeroed after the softmax": (ex10.check_sliding_window_head_backward,
                                          {"sliding_window_head_backward": _window(after_softmax=True)}, "differs"),
-    "window: missing 1/sqrt(d)": (ex10_contract.check_sliding_window_head_backward,
+    "window: missing 1/sqrt(d)": (ex10.check_sliding_window_head_backward,
                                   {"sliding_window_head_backward": _window(scale=False)}, "dq differs"),
-    "window: naive softmax": (ex10_contract.check_sliding_window_head_backward__large_scores, {
+    "window: naive softmax": (ex10.check_sliding_window_head_backward__large_scores, {
         "sliding_window_head_backward": _window(softmax=lambda S, dim: _naive_softmax(S))}, "non-finite"),
-    "window: modifies k": (ex10_contract.check_sliding_window_head_backward__contract, {
+    "window: modifies k": (ex10.check_sliding_window_head_backward, {
         "sliding_window_head_backward": modifies_input(_window(), 1)}, "k was modified in place"),
-    "window: storage order": (ex10_contract.check_sliding_window_head_backward__contract, {
+    "window: storage order": (ex10.check_sliding_window_head_backward, {
         "sliding_window_head_backward": storage_order_only(_window())}, "non-contiguous"),
-    "predict: no mask": (ex10_contract.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
-        lambda bh, T, d, s: bh * (3 * T * d + T * T) * s)}, "predicted .* the saved-tensor hooks measure"),
-    "predict: a mask per head": (ex10_contract.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
-        lambda bh, T, d, s: bh * (3 * T * d + T * T) * s + bh * T * T)}, "predicted"),
-    "predict: P twice": (ex10_contract.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
-        lambda bh, T, d, s: bh * (3 * T * d + 2 * T * T) * s + T * T)}, "predicted"),
-    "predict: S kept too, no mask": (ex10_contract.check_predict_eager_saved_bytes, {
-        "predict_eager_saved_bytes": _predict(lambda bh, T, d, s: bh * (3 * T * d + 2 * T * T) * s)}, "predicted"),
-    "predict: mask in the dtype": (ex10_contract.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes":
-                                   _predict(lambda bh, T, d, s: (bh * (3 * T * d + T * T) + T * T) * s)}, "predicted"),
-    "predict: a float": (ex10_contract.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
+    "predict: no mask": (ex10.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
+        lambda bh, T, d, s: bh * (3 * T * d + T * T) * s)}, "the prediction is .* the saved-tensor hooks' measurement gives"),
+    "predict: a mask per head": (ex10.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
+        lambda bh, T, d, s: bh * (3 * T * d + T * T) * s + bh * T * T)}, "prediction is"),
+    "predict: P twice": (ex10.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
+        lambda bh, T, d, s: bh * (3 * T * d + 2 * T * T) * s + T * T)}, "prediction is"),
+    "predict: S kept too, no mask": (ex10.check_predict_eager_saved_bytes, {
+        "predict_eager_saved_bytes": _predict(lambda bh, T, d, s: bh * (3 * T * d + 2 * T * T) * s)}, "prediction is"),
+    "predict: mask in the dtype": (ex10.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes":
+                                   _predict(lambda bh, T, d, s: (bh * (3 * T * d + T * T) + T * T) * s)}, "prediction is"),
+    "predict: a float": (ex10.check_predict_eager_saved_bytes, {"predict_eager_saved_bytes": _predict(
         lambda bh, T, d, s: float(bh * (3 * T * d + T * T) * s + T * T))}, "the prediction is a float, expected an"),
 }
 
@@ -144,9 +144,58 @@ def test_contract_checks_reject_a_solution_that_breaks_one_property(name):
         check(mutant(**overrides))
 
 
-def test_the_contract_mutants_are_right_on_the_value_checks():
-    """Each breaks only its property: the chapter's value checks pass it (the contract check is needed)."""
-    for overrides in ({"gqa_reduce": _gqa_returns_dx_when_mha}, {"softmax_backward": _softmax_reuses_dP},
-                      {"attention_head_backward": _head_naive_softmax}):
-        for check in ex10.CHECKS[:6]:
-            check(mutant(**overrides))
+def test_the_contract_mutants_give_the_right_values():
+    """Each breaks only its property: on fresh inputs its values are the reference's (the property is needed)."""
+    for k, f in ((ex10.GQA, _gqa_returns_dx_when_mha), (ex10.SOFTMAX, _softmax_reuses_dP),
+                 (ex10.HEAD, _head_naive_softmax)):
+        for case in k.examples[""]:
+            args = k.inputs(case)
+            got = f(*[a.clone() if torch.is_tensor(a) else a for a in args.values()])
+            for a, w in zip(got if isinstance(got, tuple) else (got,), k.ref(**args)):
+                torch.testing.assert_close(a, w)
+
+
+def _head_in_default_dtype(q, k, v, dO):  # dq rounded through the default dtype: right only when it is float64
+    dq, dk, dv = A.attention_head_backward(q, k, v, dO)
+    return dq.to(torch.get_default_dtype()).to(dq.dtype), dk, dv
+
+
+def _leaves_grad_off(f):
+    def g(*args):
+        torch.set_grad_enabled(False)
+        return f(*args)
+    return g
+
+
+DERIVED_MUTANTS = {
+    "head: dq in the default dtype": (ex10.check_attention_head_backward,
+                                      {"attention_head_backward": _head_in_default_dtype}, "dq differs"),
+    "blockwise: grad mode left off": (ex10.check_blockwise_backward,
+                                      {"blockwise_backward": _leaves_grad_off(A.blockwise_backward)},
+                                      "left the grad mode changed"),
+    "rope: reseeds torch": (ex10.check_rope_backward, {"rope_backward": lambda *a: (torch.manual_seed(1),
+                                                                                   A.rope_backward(*a))[1]},
+                            "left the torch RNG state changed"),
+    "gqa: a list of one": (ex10.check_gqa_reduce, {"gqa_reduce": lambda dx, h: [A.gqa_reduce(dx, h)]},
+                           "dkv is a list, expected a tensor"),
+    "window: a list": (ex10.check_sliding_window_head_backward, {"sliding_window_head_backward": lambda *a: list(
+        A.sliding_window_head_backward(*a))}, r"returned a list, expected a tuple \(dq, dk, dv\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(DERIVED_MUTANTS))
+def test_the_derived_properties_reject_their_mutant(name):
+    check, overrides, message = DERIVED_MUTANTS[name]
+    with pytest.raises(AssertionError, match=f"^{next(iter(overrides))}: .*{message}"):
+        check(mutant(**overrides))
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+
+
+def test_a_check_after_a_float64_default_still_rejects_the_default_dtype_mutant():
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(AssertionError, match="^attention_head_backward: dq differs"):
+            ex10.check_attention_head_backward(mutant(attention_head_backward=_head_in_default_dtype))
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -3,6 +3,7 @@ exactly it (mutants), and the variant's and the prediction's classic mistakes ar
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from conftest import ROOT, load_solution, mutant
 
 from bp_mech.checks import ex42, ex42_contract
@@ -100,6 +101,43 @@ def test_shared_state_is_caught(cls, bad):
         getattr(ex42_contract, f"check_{cls}__contract")(mutant(NAME, **{cls: bad}))
 
 
+# --- telling storages apart: the address is not enough ------------------------------------
+
+
+def _counting_keyed(stale):
+    """CountingOffload whose host copy of a storage is reused while ``stale(entry, st, t)`` is False."""
+    class M(Counting):
+        def pack(self, t):
+            st = t.untyped_storage()
+            if st.data_ptr() in self._param_ptrs or st.nbytes() < self.min_bytes:
+                return t
+            entry = self._host.get(st.data_ptr())
+            if entry is None or stale(entry, st, t):
+                host = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).to("cpu", copy=True)
+                self.d2h_bytes += st.nbytes()
+                entry = self._host[st.data_ptr()] = (StorageWeakRef(st), t._version, host)
+            return entry[2], t.dtype, t.storage_offset(), t.size(), t.stride(), t.device
+    return M
+
+
+class _DefaultMinBytes1023(Counting):
+    def __init__(self, params, min_bytes=1023):
+        super().__init__(params, min_bytes)
+
+
+@pytest.mark.parametrize("bad, check, match", [
+    (_counting_keyed(lambda e, st, t: False), ex42.check_CountingOffload__storages, "the rewritten values"),
+    (_counting_keyed(lambda e, st, t: e[1] != t._version), ex42.check_CountingOffload__storages,
+     "comes back with the freed one's values"),
+    (_counting_keyed(lambda e, st, t: e[0].expired() or e[1] is not t._version),
+     ex42.check_CountingOffload__storages, "compare them with =="),
+    (_DefaultMinBytes1023, ex42.check_CountingOffload__min_bytes, "moved a uint8 tensor of 1023 B"),
+])
+def test_storage_identity_mistakes_are_caught(bad, check, match):
+    with pytest.raises(AssertionError, match=match):
+        check(mutant(NAME, CountingOffload=bad))
+
+
 # --- the variant: classic mistakes of a budgeted offload --------------------------------
 
 
@@ -135,8 +173,18 @@ class _KeepsOriginal(Budget):
         return super().unpack(packed if isinstance(packed, torch.Tensor) else packed[:6])
 
 
+class _UnpacksIntoHostCopy(Budget):  # the host copy itself comes back: backward may write into it
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        host, dtype, offset, size, stride, device = packed
+        self.h2d_bytes += host.numel()
+        return torch.empty(0, dtype=dtype, device=device).set_(host.untyped_storage(), offset, size, stride)
+
+
 @pytest.mark.parametrize("cls, check, match", [
     (_Strict, ex42_contract.check_BudgetOffload__rules, "1024 B storage under a 1024 B budget was moved"),
+    (_UnpacksIntoHostCopy, ex42_contract.check_BudgetOffload__rules, "a second unpack of a moved tensor"),
     (_StopsAtFirstOverflow, ex42_contract.check_BudgetOffload__rules, "the small one still fits"),
     (_PerTensor, ex42_contract.check_BudgetOffload__rules, "expected 16384"),
     (_ParamsUseBudget, ex42_contract.check_BudgetOffload__rules, "parameters use no budget"),
@@ -151,12 +199,15 @@ def test_budget_offload_mistakes_are_caught(cls, check, match):
 # --- the prediction: classic mistakes ---------------------------------------------------
 
 
-def _predict(no_threshold=False, per_element=False, no_input=False, both_ways=False, as_float=False):
+def _predict(no_threshold=False, per_element=False, no_input=False, both_ways=False, as_float=False, strict=False,
+             bitwise_or=False):
     def f(b, t, c, e, layers, min_bytes, nbytes):
         H = b * t * c * nbytes
         size = (lambda n: n // nbytes) if per_element else (lambda n: n)
-        fits = (lambda n: True) if no_threshold else (lambda n: size(n) >= min_bytes)
-        per_layer = (0 if no_input or not fits(H) else H) + (2 * e * H if fits(e * H) else 0)
+        fits = (lambda n: True) if no_threshold else (lambda n: size(n) > min_bytes) if strict else \
+            (lambda n: size(n) >= min_bytes)
+        add = (lambda u, v: u | v) if bitwise_or else (lambda u, v: u + v)
+        per_layer = add(0 if no_input or not fits(H) else H, 2 * e * H if fits(e * H) else 0)
         out = layers * per_layer * (2 if both_ways else 1)
         return float(out) if as_float else out
     return f
@@ -164,7 +215,8 @@ def _predict(no_threshold=False, per_element=False, no_input=False, both_ways=Fa
 
 @pytest.mark.parametrize("kw, match", [
     ({"no_threshold": True}, "predicted"), ({"per_element": True}, "predicted"), ({"no_input": True}, "predicted"),
-    ({"both_ways": True}, "predicted"), ({"as_float": True}, "the prediction is a float, expected an int")])
+    ({"both_ways": True}, "predicted"), ({"as_float": True}, "the prediction is a float, expected an int"),
+    ({"strict": True}, "predicted"), ({"bitwise_or": True}, "predicted")])
 def test_predict_d2h_bytes_mistakes_are_caught(kw, match):
     with pytest.raises(AssertionError, match=match):
         ex42_contract.check_predict_d2h_bytes(mutant(NAME, predict_d2h_bytes=_predict(**kw)))

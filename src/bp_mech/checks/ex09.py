@@ -1,135 +1,187 @@
-"""Checks of exercises/ex09_local_backward.py against float64 autograd (never the answer file).
+"""Checks of exercises/ex09_local_backward.py: one declaration per function (``engine.Contract``).
 
-Each ``check_*`` takes the solutions module and raises AssertionError on a wrong answer. Inputs are
-fresh random tensors with every leading shape the docstrings allow (2-D, 3-D and 4-D), a square
-weight so that a missing transpose gives wrong numbers rather than a shape error, rows where RMSNorm's
-eps decides, ``ignore_index`` at values other than -100, and inputs large enough that a formula
-without a stable softmax or sigmoid overflows. The contract around the numbers (inputs unchanged,
-strided views, no aliasing, float32 in float32 out), the LayerNorm variant and the saved-bytes
-prediction: ``ex09_contract``.
+References: float64 autograd (``F.linear``, ``F.silu``, ``F.rms_norm``, the Qwen2 MLP, ``F.cross_entropy``,
+``F.layer_norm``) and, for the saved-bytes prediction, a measurement with saved-tensor hooks on
+transformers' ``Qwen2MLP``; never the answer file. The domains are the docstrings': every leading shape
+("..." as no to three dimensions), square weights (a missing transpose gives wrong numbers, not a
+shape error), eps where it decides (a zero row, rows of ~1e-4), ``ignore_index`` negative, a real class
+id and one past the vocabulary, inputs of size 1000 (a formula without a stable sigmoid or softmax
+overflows), rows offset by 1e4 and constant rows (LayerNorm's variance). The engine derives the rest:
+defaults left out, inputs unchanged, strided views, float32 in float32 out, no aliasing, state restored.
 """
 
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 
-from bp_mech.checks import ex09_contract
-from bp_mech.checks.common import (
-    assert_all_close,
-    assert_close,
-    autograd_grads,
-    call,
-    randn64,
-)
+from bp_mech.checks.common import autograd_grads, randn64
+from bp_mech.checks.engine import Contract, checks
 
-TOL = 1e-10  # float64: hand-written and autograd agree to rounding
-REF = "float64 autograd"
-# (leading shape, C_in, C_out): 3-D square, 3-D wide, 2-D square, 4-D
-LINEAR_SHAPES = [((2, 5), 8, 8), ((3, 4), 6, 10), ((7,), 5, 5), ((2, 3, 2), 6, 4)]
+F32 = {torch.float32: 1e-4}  # float32 against the float64 reference: rounding of a few sums of ~10 terms
+AXES = {"seed": st.integers(0, 2**16), "lead": st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+        "width": st.sampled_from((2, 3, 5, 8)), "view": st.sampled_from(("slice", "transpose"))}
 
 
-def check_linear_backward(m):
-    for seed, (lead, ci, co) in enumerate(LINEAR_SHAPES):
-        g = torch.Generator().manual_seed(100 + seed)
-        x, W, b, dy = randn64(g, *lead, ci), randn64(g, co, ci), randn64(g, co), randn64(g, *lead, co)
-        at = f"x shape {tuple(x.shape)}, W shape {tuple(W.shape)}"
-        got = call("linear_backward", m.linear_backward, x, W, dy, at=at)
-        want = autograd_grads(F.linear, [x, W, b], dy)
-        assert_all_close("linear_backward", ("dx", "dW", "db"), got, want, tol=TOL, ref=REF, at=at)
+def _draw(**more):
+    return st.fixed_dictionaries({**AXES, **{k: v if hasattr(v, "example") else st.just(v) for k, v in more.items()}})
 
 
-def check_silu_backward(m):
-    for seed, shape in enumerate([(3, 7, 9), (11,), (4, 6), (2, 3, 2, 5)]):
-        g = torch.Generator().manual_seed(7 + seed)
-        x, dy = randn64(g, *shape) * 3, randn64(g, *shape)
-        at = f"shape {shape}"
-        got = call("silu_backward", m.silu_backward, x, dy, at=at)
-        assert_close("silu_backward", "dx", got, autograd_grads(F.silu, [x], dy)[0], tol=TOL, ref=REF, at=at)
+def _g(c):
+    return torch.Generator().manual_seed(c["seed"])
 
 
-def check_silu_backward__large_inputs(m):
-    x = torch.tensor([-1000.0, -750.0, -100.0, -40.0, 0.0, 40.0, 100.0, 750.0, 1000.0], dtype=torch.float64)
-    dy = torch.linspace(-1, 1, len(x), dtype=torch.float64) + 0.3
-    at = "x = ±40, ±100, ±750, ±1000 (exp(-x) overflows: use sigmoid, not a quotient of exponentials)"
-    got = call("silu_backward", m.silu_backward, x, dy, at=at)
-    assert_close("silu_backward", "dx", got, autograd_grads(F.silu, [x], dy)[0], tol=TOL, ref=REF, at=at)
+def _case(seed, lead, width, **more):
+    return {"seed": seed, "lead": lead, "width": width, **more}
 
 
-def _rmsnorm_case(m, x, w, dy, eps, at):
-    C = x.shape[-1]
-    want = autograd_grads(lambda x, w: F.rms_norm(x, (C,), w, eps), [x, w], dy)
-    got = call("rmsnorm_backward", m.rmsnorm_backward, x, w, dy, eps, at=at)
-    assert_all_close("rmsnorm_backward", ("dx", "dw"), got, want, tol=TOL, ref=REF, at=at)
+def _linear(c):
+    g, ci = _g(c), c["width"]
+    co = ci + c.get("wider", 0)
+    return {"x": randn64(g, *c["lead"], ci), "W": randn64(g, co, ci), "dy": randn64(g, *c["lead"], co)}
 
 
-def check_rmsnorm_backward(m):
-    for seed, (lead, eps) in enumerate((((2, 5), 1e-6), ((7,), 1e-2), ((2, 2, 3), 1e-6))):
-        g = torch.Generator().manual_seed(1 + seed)
-        x, w, dy = randn64(g, *lead, 12), 1 + 0.3 * randn64(g, 12), randn64(g, *lead, 12)
-        _rmsnorm_case(m, x, w, dy, eps, f"x shape {tuple(x.shape)}, eps {eps:g}")
+LINEAR = Contract(
+    "linear_backward", _linear, lambda x, W, dy: autograd_grads(F.linear, [x, W, x.new_zeros(len(W))], dy),
+    ("dx", "dW", "db"), dtypes=F32, draw=_draw(wider=1),
+    examples={"": [_case(100, (2, 5), 8), _case(101, (3, 4), 6, wider=4), _case(102, (7,), 5),
+                   _case(103, (2, 3, 2), 6, wider=-2)]})
+
+BIG = torch.tensor([-1000.0, -750.0, -100.0, -40.0, 0.0, 40.0, 100.0, 750.0, 1000.0], dtype=torch.float64)
 
 
-def check_rmsnorm_backward__tiny_rows(m):
-    g = torch.Generator().manual_seed(4)
-    x, w, dy = randn64(g, 2, 4, 12), 1 + 0.3 * randn64(g, 12), randn64(g, 2, 4, 12)
-    x[0, 1] = 0.0  # a zero row (a padding vector): only eps keeps r finite
-    x[1, 2] *= 1e-4  # mean(x^2) ~ 1e-8, far below eps: eps decides r
-    _rmsnorm_case(m, x, w, dy, 1e-6, f"x shape {tuple(x.shape)} with a zero row and a row of ~1e-4, eps 1e-06")
+def _silu(c):
+    if c.get("kind") == "large":
+        return {"x": BIG.clone(), "dy": torch.linspace(-1, 1, len(BIG), dtype=torch.float64) + 0.3}
+    g, shape = _g(c), (*c["lead"], c["width"])
+    return {"x": 4 * randn64(g, *shape), "dy": randn64(g, *shape)}
 
 
-def check_swiglu_mlp_backward(m):
-    # (leading shape, C, I): square projections (a transposed weight keeps its shape), 2-D wide, 4-D
-    for seed, (lead, C, I) in enumerate([((2, 4), 8, 8), ((5,), 6, 10), ((2, 3, 2), 4, 7)]):
-        g = torch.Generator().manual_seed(3 + seed)
-        x, dy = randn64(g, *lead, C), randn64(g, *lead, C)
-        Wg, Wu, Wd = randn64(g, I, C) / 3, randn64(g, I, C) / 3, randn64(g, C, I) / 3
-
-        def ref(x, Wg, Wu, Wd):
-            return F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)
-
-        at = f"x shape {tuple(x.shape)}, I = {I}"
-        got = call("swiglu_mlp_backward", m.swiglu_mlp_backward, x, Wg, Wu, Wd, dy, at=at)
-        want = autograd_grads(ref, [x, Wg, Wu, Wd], dy)
-        assert_all_close("swiglu_mlp_backward", ("dx", "dWg", "dWu", "dWd"), got, want, tol=TOL, ref=REF, at=at)
+SILU = Contract(
+    "silu_backward", _silu, lambda x, dy: autograd_grads(F.silu, [x], dy), ("dx",), dtypes=F32, draw=_draw(),
+    examples={"": [_case(7, (3, 7), 9), _case(8, (), 11), _case(9, (4,), 6), _case(10, (2, 3, 2), 5)],
+              "large_inputs": [{"kind": "large"}]},
+    note=lambda c: c.get("kind") and "x = ±40, ±100, ±750, ±1000: exp(-x) overflows, use sigmoid, not a quotient "
+                                     "of exponentials")
 
 
-def _ce_case(m, logits, targets, ignore_index, at, pass_default=False):
-    want = autograd_grads(lambda z: F.cross_entropy(z, targets, ignore_index=ignore_index), [logits],
-                          torch.ones((), dtype=torch.float64))[0]
-    args = (logits.clone(), targets.clone()) + (() if pass_default else (ignore_index,))
-    got = call("cross_entropy_backward", m.cross_entropy_backward, *args, at=at)
-    assert_close("cross_entropy_backward", "dlogits", got, want, tol=TOL, ref=REF, at=at)
+def _rmsnorm(c):
+    g, C = _g(c), c["width"]
+    x, w, dy = randn64(g, *c["lead"], C), 1 + 0.3 * randn64(g, C), randn64(g, *c["lead"], C)
+    if c.get("kind") == "tiny":
+        x[0, 1] = 0.0  # a zero row (a padding vector): only eps keeps r finite
+        x[1, 2] *= 1e-4  # mean(x^2) ~ 1e-8, far below eps: eps decides r
+    return {"x": x, "w": w, "dy": dy, "eps": c.get("eps", 1e-6)}
 
 
-def check_cross_entropy_backward(m):
-    g = torch.Generator().manual_seed(5)
-    logits = randn64(g, 12, 17) * 2
-    targets = torch.randint(0, 17, (12,), generator=g)
-    targets[[1, 4, 5]] = -100  # padding: ignored, and not counted in the mean
-    _ce_case(m, logits, targets, -100, "logits shape (12, 17), 3 of 12 targets -100 (default ignore_index)",
-             pass_default=True)
+RMSNORM = Contract(
+    "rmsnorm_backward", _rmsnorm,
+    lambda x, w, dy, eps: autograd_grads(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps), [x, w], dy),
+    ("dx", "dw"), dtypes=F32, defaults={"eps": 1e-6}, draw=_draw(eps=st.sampled_from((1e-6, 1e-2))),
+    examples={"": [_case(1, (2, 5), 12), _case(2, (7,), 12, eps=1e-2), _case(3, (2, 2, 3), 12)],
+              "tiny_rows": [_case(4, (2, 4), 12, kind="tiny")]},
+    note=lambda c: c.get("kind") and "a zero row and a row of ~1e-4: eps decides r")
 
 
-def check_cross_entropy_backward__ignore_index(m):
-    V = 17
-    for seed, ignore in enumerate((-1, 3, V)):  # negative, a real class id (a pad token), past the vocabulary
-        g = torch.Generator().manual_seed(50 + seed)
-        logits = randn64(g, 12, V) * 2
-        targets = torch.randint(0, V, (12,), generator=g)
-        targets[targets == ignore] = (ignore + 1) % V  # the real targets avoid the ignored id ...
-        targets[[0, 6, 7, 11]] = ignore  # ... and four rows carry it
-        _ce_case(m, logits, targets, ignore, f"logits shape (12, {V}), ignore_index={ignore} on 4 of 12 rows")
+def _swiglu(c):
+    g, C = _g(c), c["width"]
+    inter = C + c.get("extra", 2)
+    return {"x": randn64(g, *c["lead"], C), "Wg": randn64(g, inter, C) / 3, "Wu": randn64(g, inter, C) / 3,
+            "Wd": randn64(g, C, inter) / 3, "dy": randn64(g, *c["lead"], C)}
 
 
-def check_cross_entropy_backward__large_logits(m):
-    g = torch.Generator().manual_seed(6)
-    shift = torch.tensor([1000.0, -1000.0, 0.0, 800.0, -800.0, 0.0], dtype=torch.float64)
-    logits = randn64(g, 6, 11) * 2 + shift[:, None]
-    targets = torch.randint(0, 11, (6,), generator=g)
-    _ce_case(m, logits, targets, -100, "logits shape (6, 11) with rows shifted by ±800 and ±1000 "
-                                       "(exp overflows: subtract the row max)")
+def _mlp(x, Wg, Wu, Wd):
+    return F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)
 
 
-CHECKS = [check_linear_backward, check_silu_backward, check_silu_backward__large_inputs, check_rmsnorm_backward,
-          check_rmsnorm_backward__tiny_rows, check_swiglu_mlp_backward, check_cross_entropy_backward,
-          check_cross_entropy_backward__ignore_index, check_cross_entropy_backward__large_logits,
-          *ex09_contract.CHECKS]  # the contract, the LayerNorm variant and the saved-bytes prediction
+SWIGLU = Contract(
+    "swiglu_mlp_backward", _swiglu,
+    lambda x, Wg, Wu, Wd, dy: autograd_grads(_mlp, [x, Wg, Wu, Wd], dy), ("dx", "dWg", "dWu", "dWd"), dtypes=F32,
+    draw=_draw(), examples={"": [_case(3, (2, 4), 8, extra=0), _case(4, (5,), 6, extra=4), _case(5, (2, 3, 2), 4, extra=3)]})
+
+SHIFT = torch.tensor([1000.0, -1000.0, 0.0, 800.0, -800.0, 0.0], dtype=torch.float64)
+
+
+def _ce(c):
+    g, N, V, ignore = _g(c), c["rows"], c["width"], c.get("ignore", -100)
+    logits = 2 * randn64(g, N, V) + (SHIFT[:, None] if c.get("kind") == "large" else 0)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[targets == ignore] = (ignore + 1) % V  # the real targets avoid the ignored id ...
+    targets[list(c.get("ignored", ()))] = ignore  # ... and these rows carry it
+    return {"logits": logits, "targets": targets, "ignore_index": ignore}
+
+
+def _ce_ref(logits, targets, ignore_index):
+    one = torch.ones((), dtype=torch.float64)
+    return autograd_grads(lambda z: F.cross_entropy(z, targets, ignore_index=ignore_index), [logits], one)
+
+
+def _ce_case(seed, ignore, **more):
+    return {"seed": seed, "rows": 12, "width": 17, "ignore": ignore, "ignored": (0, 6, 7, 11), **more}
+
+
+CROSS_ENTROPY = Contract(
+    "cross_entropy_backward", _ce, _ce_ref, ("dlogits",), dtypes=F32, defaults={"ignore_index": -100},
+    draw=_draw(rows=st.integers(2, 9), width=st.sampled_from((1, 3, 5, 11)), ignore=st.sampled_from((-100, -1, 3)),
+               ignored=(0,)),
+    examples={"": [_ce_case(5, -100, ignored=(1, 4, 5))],
+              "ignore_index": [_ce_case(50, -1), _ce_case(51, 3), _ce_case(52, 17)],
+              "large_logits": [{"seed": 6, "rows": 6, "width": 11, "kind": "large"}]},
+    note=lambda c: (f"ignore_index on {len(c.get('ignored', ()))} of {c['rows']} rows" if "kind" not in c
+                    else "rows shifted by ±800 and ±1000: exp overflows, subtract the row max"))
+
+
+def _layernorm(c):
+    g, C = _g(c), c["width"]
+    x, dy = randn64(g, *c["lead"], C), randn64(g, *c["lead"], C)
+    w, b = 1 + 0.3 * randn64(g, C), randn64(g, C)
+    if c.get("kind") == "offset":
+        x[0] += 1e4  # a large common offset: mean(x^2) - mean(x)^2 loses eight digits to cancellation
+        x[1, 2] = 3.0  # a constant row: variance 0, eps decides r
+    return {"x": x, "w": w, "b": b, "dy": dy, "eps": c.get("eps", 1e-5)}
+
+
+LAYERNORM = Contract(
+    "layernorm_backward", _layernorm,
+    lambda x, w, b, dy, eps: autograd_grads(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps), [x, w, b], dy),
+    ("dx", "dw", "db"), dtypes=F32, defaults={"eps": 1e-5}, draw=_draw(width=st.sampled_from((3, 5, 8, 11))),
+    examples={"": [_case(70, (2, 5), 12), _case(71, (7,), 6, eps=1e-2), _case(72, (2, 2, 3), 9)],
+              "offset_and_constant_rows": [_case(80, (3, 4), 10, kind="offset", float64_only=True)]},
+    note=lambda c: c.get("kind") and "rows offset by 1e4 and a constant row")  # (C = 2: dx ~ eps, all rounding)
+
+
+def measured_mlp_saved_bytes(batch, seq, hidden, inter, dtype) -> int:
+    """What autograd keeps for one forward of ``transformers``' Qwen2MLP: distinct non-weight storages.
+
+    Args:
+        batch, seq, hidden, inter: B, T, C, I.
+        dtype: the dtype of x and the weights.
+
+    Returns:
+        the bytes the saved-tensor hooks see, an int.
+
+    Example:
+        >>> measured_mlp_saved_bytes(1, 1, 2, 2, torch.float32) > 0
+        True
+    """
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    from bp_mech.instruments.counters import SavedBytesCounter
+
+    mlp = Qwen2MLP(Qwen2Config(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")).to(dtype)
+    x = torch.zeros(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    counter = SavedBytesCounter(params=mlp.parameters())
+    with counter:
+        mlp(x)
+    return counter.bytes
+
+
+PREDICT = Contract(
+    "predict_mlp_saved_bytes", lambda c: dict(zip(("batch", "seq", "hidden", "inter", "dtype"), c["args"])),
+    lambda **a: (measured_mlp_saved_bytes(**a),), ("the prediction",), returns=int,
+    ref_name="the saved-tensor hooks' measurement", note=lambda c: "exact: a byte count has no noise",
+    examples={"": [{"args": (2, 3, 8, 12, torch.float32)}, {"args": (1, 5, 6, 20, torch.bfloat16)},
+                   {"args": (3, 2, 4, 4, torch.float64)}]})
+
+CHECKS = checks(LINEAR, SILU, RMSNORM, SWIGLU, CROSS_ENTROPY, LAYERNORM, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex09.check_silu_backward__large_inputs, ...

@@ -1,124 +1,221 @@
-"""Checks of exercises/ex10_attention_backward.py (never against the answer file).
+"""Checks of exercises/ex10_attention_backward.py: one declaration per function (``engine.Contract``).
 
-References: float64 autograd through ``torch.softmax``, ``F.scaled_dot_product_attention`` (causal)
-and transformers' ``repeat_kv`` / ``rotate_half`` / ``apply_rotary_pos_emb``; the blockwise
-backward's memory through ``bp_mech.instruments.peak.PeakMemory`` (tracked CPU storages), against ONE head's
-(T, T) score matrix. Head widths d > 1 make a missing 1/sqrt(d) visible; H/Hkv > 1 with several KV
-groups (and H = Hkv) makes a wrong GQA reduction visible; short sequences and row 0 make an
-off-by-one causal mask visible; "..." is tried as no, one and two leading dimensions. The contract
-around the numbers, scores of size 1e3, the sliding-window variant and the saved-bytes prediction:
-``ex10_contract``.
+References: float64 autograd through ``torch.softmax``, ``F.scaled_dot_product_attention`` (causal), a
+masked softmax attention (the sliding window) and transformers' ``repeat_kv`` / ``rotate_half``; the
+blockwise backward's memory through ``instruments.peak.PeakMemory`` (tracked CPU storages) against ONE
+head's (T, T) score matrix; the saved bytes through saved-tensor hooks. Never the answer file. The
+domains: head widths d > 1 (a missing 1/sqrt(d) shows), H/Hkv > 1 with several KV groups and H = Hkv (a
+wrong GQA reduction shows; n = 1 must not return dx itself), T = 1 and row 0 (an off-by-one causal mask),
+"..." as no to two leading dimensions, blocks of 1, short last tiles and blocks past T, windows of 1, T
+and past T, and scores near 1e3 where exp(S) overflows. The engine derives the rest.
 """
 
 import math
 
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 
-from bp_mech.checks import ex10_contract
-from bp_mech.checks.common import (
-    assert_all_close,
-    assert_close,
-    autograd_grads,
-    call,
-    randn64,
-)
+from bp_mech.checks.common import autograd_grads, randn64
+from bp_mech.checks.engine import Contract, checks
 
-TOL = 1e-10  # float64: hand-written and autograd agree to rounding
-REF = "float64 autograd"
+F32 = {torch.float32: 1e-4}  # float32 against the float64 reference: rounding of sums of a few tens of terms
+AXES = {"seed": st.integers(0, 2**16), "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
+        "T": st.integers(1, 9), "d": st.sampled_from((2, 4, 6)), "view": st.sampled_from(("slice", "transpose"))}
+DRAW = st.fixed_dictionaries(AXES)
+LARGE = "all scores near 1e3: exp(S) overflows, subtract the row max (or use the saved lse)"
+
+
+def _case(seed, lead, T, d, **more):
+    return {"seed": seed, "lead": lead, "T": T, "d": d, **more}
+
+
+def _qkv(c, n=4):
+    """``n`` float64 tensors of shape (..., T, d); ``large``: every score near 1e3 (q_0 = sqrt(d), k_0 = 1e3 +
+    noise): exp(S) overflows, but each softmax row keeps a spread of order one (well conditioned)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    q, k, *rest = [randn64(g, *c["lead"], c["T"], c["d"]) for _ in range(n)]
+    if c.get("large"):
+        q[..., 0], k[..., 0] = math.sqrt(c["d"]), k[..., 0] + 1e3
+    return [q, k, *rest]
 
 
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def check_softmax_backward(m):
-    for seed, shape in enumerate([(3, 5, 9), (9,), (4, 7), (2, 2, 3, 6)]):
-        g = torch.Generator().manual_seed(10 + seed)
-        S, dP = 2 * randn64(g, *shape), randn64(g, *shape)
-        if len(shape) >= 2:  # causally masked rows: P holds exact zeros, as in attention
-            n = shape[-1]
-            S = S.masked_fill(torch.ones(shape[-2], n, dtype=torch.bool).triu(1), float("-inf"))
-        at = f"shape {shape}" + (" with causally masked entries" if len(shape) >= 2 else "")
-        want = autograd_grads(lambda s: torch.softmax(s, -1), [S], dP)[0]
-        got = call("softmax_backward", m.softmax_backward, torch.softmax(S, -1), dP.clone(), at=at)
-        assert_close("softmax_backward", "dS", got, want, tol=TOL, ref=REF, at=at)
+def _softmax(c):
+    S, dP = _qkv(c, 2)
+    if c.get("flat"):  # one row, shape (n,)
+        S, dP = S[0], dP[0]
+    else:  # causally masked entries: P holds exact zeros, as in attention
+        S = (2 * S).masked_fill(torch.ones(c["T"], c["d"], dtype=torch.bool).triu(1), -math.inf)
+    return {"P": torch.softmax(S, -1), "dP": dP}
 
 
-def check_attention_head_backward(m):
-    for seed, (T, d) in enumerate([(9, 16), (13, 4), (1, 8), (2, 3)]):
-        g = torch.Generator().manual_seed(20 + seed)
-        q, k, v, dO = (randn64(g, T, d) for _ in range(4))
-        want = autograd_grads(lambda q, k, v: _sdpa(q[None], k[None], v[None])[0], [q, k, v], dO)
-        at = f"T={T}, d={d}"
-        got = call("attention_head_backward", m.attention_head_backward, q, k, v, dO, at=at)
-        assert_all_close("attention_head_backward", ("dq", "dk", "dv"), got, want, tol=TOL, ref=REF, at=at)
+SOFTMAX = Contract(  # softmax(log P) = P: autograd through softmax at the scores log P
+    "softmax_backward", _softmax, lambda P, dP: autograd_grads(lambda s: torch.softmax(s, -1), [P.log()], dP),
+    ("dS",), dtypes=F32, draw=DRAW, note=lambda c: not c.get("flat") and "causally masked entries",
+    examples={"": [_case(10, (3,), 5, 9), _case(11, (), 1, 9, flat=True), _case(12, (), 4, 7), _case(13, (2, 2), 3, 6)]})
 
 
-def check_gqa_reduce(m):
+def _head(c):
+    return dict(zip(("q", "k", "v", "dO"), _qkv({**c, "lead": ()})))
+
+
+HEAD = Contract(
+    "attention_head_backward", _head,
+    lambda q, k, v, dO: autograd_grads(lambda q, k, v: _sdpa(q[None], k[None], v[None])[0], [q, k, v], dO),
+    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, note=lambda c: c.get("large") and LARGE,
+    examples={"": [_case(20, (), 9, 16), _case(21, (), 13, 4), _case(22, (), 1, 8), _case(23, (), 2, 3)],
+              "large_scores": [_case(90, (), 9, 4, large=True, float64_only=True),
+                               _case(91, (), 6, 8, large=True, float64_only=True)]})
+
+
+def _gqa(c):
+    g, n = torch.Generator().manual_seed(c["seed"]), c.get("n", 1)
+    dx = randn64(g, 2, c["Hkv"] * n, c["T"], c["d"])
+    return {"dx": dx, "kv_heads": c["Hkv"]}
+
+
+def _repeat_kv_grad(dx, kv_heads):
     from transformers.models.qwen2.modeling_qwen2 import repeat_kv
 
-    for seed, (H, Hkv) in enumerate([(6, 2), (6, 3), (4, 1), (14, 2), (5, 5)]):  # the last: plain MHA, n = 1
-        g = torch.Generator().manual_seed(30 + seed)
-        x, dx = randn64(g, 2, Hkv, 5, 3), randn64(g, 2, H, 5, 3)
-        want = autograd_grads(lambda x, n=H // Hkv: repeat_kv(x, n), [x], dx)[0]
-        at = f"H={H}, Hkv={Hkv}, dx shape {tuple(dx.shape)}"
-        got = call("gqa_reduce", m.gqa_reduce, dx.clone(), Hkv, at=at)
-        assert_close("gqa_reduce", "dkv", got, want, tol=TOL, ref="float64 autograd of transformers' repeat_kv", at=at)
+    x = dx.new_zeros(dx.shape[0], kv_heads, *dx.shape[2:])
+    return autograd_grads(lambda x: repeat_kv(x, dx.shape[1] // kv_heads), [x], dx)
+
+
+GQA = Contract(
+    "gqa_reduce", _gqa, _repeat_kv_grad, ("dkv",), dtypes=F32, ref_name="float64 autograd of transformers' repeat_kv",
+    draw=st.fixed_dictionaries({**AXES, "Hkv": st.integers(1, 3), "n": st.integers(1, 3)}),
+    examples={"": [_case(30 + i, (), 5, 3, Hkv=kv, n=h // kv) for i, (h, kv) in
+                   enumerate([(6, 2), (6, 3), (4, 1), (14, 2), (5, 5)])]})  # the last: plain MHA, n = 1
 
 
 def _lse(q, k):
     T = q.shape[-2]
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    return torch.logsumexp(s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1)
+    return torch.logsumexp(s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1)
 
 
-def check_blockwise_backward(m):
-    # (leading dims, T, d, block): short last tile, exact tiles, block > T, block 1, no / one leading dim
-    for seed, (lead, T, d, block) in enumerate([((2, 3), 37, 8, 8), ((2, 3), 32, 8, 8), ((2, 3), 20, 8, 32),
-                                                 ((2, 3), 5, 8, 1), ((), 19, 4, 4), ((3,), 23, 16, 8)]):
-        g = torch.Generator().manual_seed(40 + seed)
-        q, k, v, dO = (randn64(g, *lead, T, d) for _ in range(4))
-        want = autograd_grads(_sdpa, [q, k, v], dO)
-        at = f"q shape {tuple(q.shape)}, block={block}"
-        got = call("blockwise_backward", m.blockwise_backward, q, k, v, _sdpa(q, k, v), _lse(q, k), dO, block, at=at)
-        assert_all_close("blockwise_backward", ("dq", "dk", "dv"), got, want, tol=TOL, ref=REF, at=at)
+def _blockwise(c):
+    q, k, v, dO = _qkv(c)
+    return {"q": q, "k": k, "v": v, "o": _sdpa(q, k, v), "lse": _lse(q, k), "dO": dO,
+            "block": c.get("block", 1 + c["seed"] % 4)}
 
 
-def check_blockwise_backward__memory(m):
+def _one_head(case, call, at):
+    """The promise of a blockwise backward: its peak stays below ONE head's (T, T) float64 score matrix."""
     from bp_mech.instruments.peak import PeakMemory
 
-    lead, T, d, block = (2, 2), 256, 8, 16
-    g = torch.Generator().manual_seed(50)
-    q, k, v, dO = (randn64(g, *lead, T, d) for _ in range(4))
-    o, lse = _sdpa(q, k, v), _lse(q, k)
-    at = f"q shape {tuple(q.shape)}, block={block}"
-    with PeakMemory("cpu") as pm:
-        call("blockwise_backward", m.blockwise_backward, q, k, v, o, lse, dO, block, at=at)
-    one_head = T * T * 8  # bytes of ONE head's (T, T) float64 score matrix; the outputs take 3/8 of it here
-    assert pm.peak.allocated < one_head, (
-        f"blockwise_backward: peak memory {pm.peak.allocated} B reaches one head's full (T, T) score matrix "
-        f"({one_head} B; tracked CPU storages) at {at}: recompute P tile by tile, never a whole row of tiles "
-        f"per head")
+    if case.get("memory"):
+        with PeakMemory("cpu") as pm:
+            call()
+        one_head = case["T"] ** 2 * 8  # the outputs take 3/8 of it here
+        assert pm.peak.allocated < one_head, (
+            f"blockwise_backward: peak memory {pm.peak.allocated} B reaches one head's full (T, T) score matrix "
+            f"({one_head} B; tracked CPU storages) at {at}: recompute P tile by tile, never a whole row of tiles "
+            f"per head")
 
 
-def check_rope_backward(m):
+BLOCKWISE = Contract(
+    "blockwise_backward", _blockwise, lambda q, k, v, o, lse, dO, block: autograd_grads(_sdpa, [q, k, v], dO),
+    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, promise=_one_head, note=lambda c: c.get("large") and LARGE,
+    examples={"": [_case(40 + i, lead, T, d, block=b) for i, (lead, T, d, b) in enumerate(
+        [((2, 3), 37, 8, 8), ((2, 3), 32, 8, 8), ((2, 3), 20, 8, 32), ((2, 3), 5, 8, 1), ((), 19, 4, 4),
+         ((3,), 23, 16, 8)])],  # a short last tile, exact tiles, block > T, block 1, no / one leading dim
+        "memory": [_case(50, (2, 2), 256, 8, block=16, memory=True, float64_only=True)],
+        "large_scores": [_case(90, (), 9, 4, block=4, large=True, float64_only=True),
+                         _case(91, (2,), 6, 8, block=4, large=True, float64_only=True)]})
+
+
+def _rope(c):
+    g, x_shape = torch.Generator().manual_seed(c["seed"]), c.get("x") or (*c["lead"], c["T"], c["d"])
+    table, d = c.get("table") or (c["T"], c["d"]), x_shape[-1]
+    pos = torch.randint(0, 4096, table[:-1], generator=g).double() if "table" in c else torch.arange(table[0]).double()
+    ang = pos[..., None] * 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    randn64(g, *x_shape)  # (x: the forward's input, not an argument)
+    return {"dy": randn64(g, *x_shape), "cos": torch.cat([ang, ang], -1).cos(), "sin": torch.cat([ang, ang], -1).sin()}
+
+
+def _rope_ref(dy, cos, sin):
     from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-    for seed, (x_shape, table_shape) in enumerate([((2, 3, 7, 8), (7, 8)), ((7, 8), (7, 8)), ((3, 5, 4), (5, 4)),
-                                                   ((2, 3, 6, 8), (2, 1, 6, 8))]):  # the last: Qwen2's (B, 1, T, d)
-        g = torch.Generator().manual_seed(60 + seed)
-        d = x_shape[-1]
-        pos = torch.randint(0, 4096, table_shape[:-1], generator=g).double()
-        ang = pos[..., None] * 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-        x, dy = randn64(g, *x_shape), randn64(g, *x_shape)
-        want = autograd_grads(lambda x, c=cos, s=sin: x * c + rotate_half(x) * s, [x], dy)[0]  # apply_rotary_pos_emb's
-        at = f"dy shape {x_shape}, cos/sin shape {tuple(cos.shape)}"
-        got = call("rope_backward", m.rope_backward, dy.clone(), cos, sin, at=at)
-        assert_close("rope_backward", "dx", got, want, tol=TOL, ref="float64 autograd of transformers' RoPE", at=at)
+    return autograd_grads(lambda x: x * cos + rotate_half(x) * sin, [torch.zeros_like(dy)], dy)  # apply_rotary_pos_emb
 
 
-CHECKS = [check_softmax_backward, check_attention_head_backward, check_gqa_reduce, check_blockwise_backward,
-          check_blockwise_backward__memory, check_rope_backward,
-          *ex10_contract.CHECKS]  # the contract, the sliding-window variant and the saved-bytes prediction
+ROPE = Contract(
+    "rope_backward", _rope, _rope_ref, ("dx",), dtypes=F32, draw=DRAW,
+    ref_name="float64 autograd of transformers' RoPE",
+    examples={"": [{"seed": 60 + i, "x": x, "table": t} for i, (x, t) in enumerate(
+        [((2, 3, 7, 8), (7, 8)), ((7, 8), (7, 8)), ((3, 5, 4), (5, 4)), ((2, 3, 6, 8), (2, 1, 6, 8))])]})  # Qwen2's
+
+
+def window_attention(q, k, v, window):
+    """The reference forward: a causal, banded mask and PyTorch's softmax (differentiated by autograd).
+
+    Args:
+        q, k, v: shape (..., T, d).
+        window: the keys each query sees, itself included.
+
+    Returns:
+        the attention output, shape (..., T, d).
+
+    Example:
+        >>> q = torch.ones(3, 2); window_attention(q, q, torch.arange(3.0)[:, None].expand(3, 2), 1)[:, 0]
+        tensor([0., 1., 2.])
+    """
+    T = q.shape[-2]
+    band = torch.ones(T, T, dtype=torch.bool).tril() & ~torch.ones(T, T, dtype=torch.bool).tril(-window)
+    S = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(S.masked_fill(~band, -math.inf), -1) @ v
+
+
+def _window(c):
+    return {**dict(zip(("q", "k", "v", "dO"), _qkv(c))), "window": c.get("window", 1 + c["seed"] % (c["T"] + 1))}
+
+
+WINDOW = Contract(
+    "sliding_window_head_backward", _window,
+    lambda q, k, v, dO, window: autograd_grads(lambda q, k, v: window_attention(q, k, v, window), [q, k, v], dO),
+    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, ref_name="float64 autograd of a masked softmax attention",
+    note=lambda c: c.get("large") and LARGE,
+    examples={"": [_case(100 + i, lead, T, d, window=w) for i, (lead, T, d, w) in enumerate(
+        [((), 9, 4, 3), ((), 7, 8, 1), ((2,), 6, 4, 6), ((2,), 5, 4, 9), ((2, 2), 11, 2, 4)])],  # band, diagonal,
+        "large_scores": [_case(110, (2,), 9, 4, window=3, large=True, float64_only=True)]})  # T, past T, 2 dims
+
+
+def measured_eager_saved_bytes(batch, heads, seq, head_dim, dtype) -> int:
+    """The stub's forward, run under the saved-tensor hooks: the distinct storages autograd keeps.
+
+    Args:
+        batch, heads, seq, head_dim: B, H, T, d.
+        dtype: the dtype of q, k, v.
+
+    Returns:
+        the bytes the hooks see, an int.
+
+    Example:
+        >>> measured_eager_saved_bytes(1, 1, 2, 2, torch.float32) > 0
+        True
+    """
+    from bp_mech.instruments.counters import SavedBytesCounter
+
+    q, k, v = (torch.zeros(batch, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    counter = SavedBytesCounter()
+    with counter:
+        S = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        torch.softmax(S.masked_fill(mask, float("-inf")), dim=-1) @ v
+    return counter.bytes
+
+
+PREDICT = Contract(
+    "predict_eager_saved_bytes", lambda c: dict(zip(("batch", "heads", "seq", "head_dim", "dtype"), c["args"])),
+    lambda **a: (measured_eager_saved_bytes(**a),), ("the prediction",), returns=int,
+    ref_name="the saved-tensor hooks' measurement", note=lambda c: "exact: a byte count has no noise",
+    examples={"": [{"args": (2, 3, 7, 4, torch.float32)}, {"args": (1, 4, 16, 8, torch.bfloat16)},
+                   {"args": (3, 2, 5, 2, torch.float64)}]})
+
+CHECKS = checks(SOFTMAX, HEAD, GQA, BLOCKWISE, ROPE, WINDOW, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex10.check_blockwise_backward__memory, ...

@@ -5,10 +5,15 @@ every saved tensor again); an independent counting-only ``saved_tensors_hooks`` 
 (distinct non-parameter storages of at least ``MIN_BYTES``, each counted once); and weak references
 that tell whether a packed object still keeps the original storage alive. The parameters come as a
 list and as a generator (``model.parameters()``); the size rule is tried exactly at ``min_bytes``, one
-byte under it, at a non-default ``min_bytes``, on a two-element view of a large storage, and in
-bfloat16 and float16 (bytes, not elements).
+byte under it, at a non-default ``min_bytes``, at the constructor's default (1024: uint8 storages of 1024
+and 1023 B), on a two-element view of a large storage, and in bfloat16 and float16 (bytes, not elements).
+A storage is told apart from another by more than its address: one rewritten in place between two packs is
+saved with its new values, a new storage at a freed one's address (``torch.frombuffer`` over one buffer, as
+an allocator reuses freed memory) is copied and counted again, and the views of a storage whose version
+counter is past 256 (a buffer rewritten many times; Python caches only small ints) share one copy.
 """
 
+import array
 import gc
 
 import torch
@@ -93,8 +98,10 @@ def check_CountingOffload__parameters(m):
 
 
 def _moves(m, min_bytes, t, at):
-    """Pack and unpack ``t``; True when it was moved (and then counted at its storage's size, values intact)."""
-    hooks = call(FN, m.CountingOffload, [], min_bytes, at=at)
+    """Pack and unpack ``t``; True when it was moved (and then counted at its storage's size, values intact).
+    ``min_bytes=None``: the constructor's default."""
+    args = ([],) if min_bytes is None else ([], min_bytes)
+    hooks = call(FN, m.CountingOffload, *args, at=at)
     packed = call(FN, hooks.pack, t, at=at)
     out = call(FN, hooks.unpack, packed, at=at)
     if out is t:
@@ -124,12 +131,15 @@ def check_CountingOffload__min_bytes(m):
         (MIN_BYTES, big[3, 5:7], True, "a 2-element view of a 32 KiB storage (the rule is per storage)"),
         (4096, torch.randn(256, dtype=torch.float64), False, "a 2 KiB tensor under min_bytes=4096"),
         (4096, torch.randn(2048).bfloat16(), True, "a 4 KiB bfloat16 tensor at min_bytes=4096"),
+        (None, torch.randint(0, 256, (1024,), dtype=torch.uint8), True, "a uint8 tensor of 1024 B"),
+        (None, torch.randint(0, 256, (1023,), dtype=torch.uint8), False, "a uint8 tensor of 1023 B"),
     ]
     for min_bytes, t, want, what in cases:
-        at = f"{what}, min_bytes={min_bytes}"
+        shown = "the default (1024)" if min_bytes is None else min_bytes
+        at = f"{what}, min_bytes={shown}"
         got = _moves(m, min_bytes, t, at)
         assert got == want, f"{FN}: {'moved' if got else 'kept'} {what}, expected it {'moved' if want else 'kept'} " \
-                            f"(storage bytes < min_bytes stay) at min_bytes={min_bytes}"
+                            f"(storage bytes < min_bytes stay) at min_bytes={shown}"
 
 
 def check_CountingOffload__storage_freed(m):
@@ -182,9 +192,59 @@ def check_CountingOffload__unpacked_twice(m):
         f"{FN}: h2d_bytes is {hooks.h2d_bytes}, expected {2 * n} (each unpack copies the storage back) at {at}")
 
 
+def check_CountingOffload__storages(m):
+    # a storage rewritten in place between two packs: each pack saves the values it saw
+    hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+    t = torch.randn(32, 32, dtype=torch.float64)
+    at = "one 8 KiB tensor packed, rewritten in place (t.mul_(-3)), packed again"
+    call(FN, hooks.pack, t, at=at)
+    t.mul_(-3.0)
+    second = call(FN, hooks.pack, t, at=at)
+    assert torch.equal(call(FN, hooks.unpack, second, at=at), t), (
+        f"{FN}: the second pack does not give back the rewritten values (a storage rewritten since its host copy "
+        f"needs a new one: compare t._version) at {at}")
+
+    # a new storage at the address of a freed one (an allocator reuses freed memory): a new storage
+    hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+    buf = bytearray(4096)
+    at = "a 4 KiB storage packed and freed, then a new storage with other values at the same address"
+    buf[:] = array.array("d", [1.0] * 512).tobytes()
+    old = torch.frombuffer(buf, dtype=torch.float64)
+    first = call(FN, hooks.pack, old, at=at)
+    ref = StorageWeakRef(old.untyped_storage())
+    del old
+    gc.collect()
+    assert ref.expired(), f"{FN}: the packed object still keeps the original storage alive (nothing freed) at {at}"
+    buf[:] = array.array("d", [2.0] * 512).tobytes()
+    new = torch.frombuffer(buf, dtype=torch.float64)
+    second = call(FN, hooks.pack, new, at=at)
+    assert torch.equal(call(FN, hooks.unpack, second, at=at), torch.full((512,), 2.0, dtype=torch.float64)), (
+        f"{FN}: the new storage comes back with the freed one's values (its host copy was reused: the address "
+        f"alone does not tell a storage; is the storage it was copied from still alive?) at {at}")
+    assert torch.equal(call(FN, hooks.unpack, first, at=at), torch.ones(512, dtype=torch.float64)), (
+        f"{FN}: the freed storage no longer comes back with its own values at {at}")
+    assert hooks.d2h_bytes == 2 * 4096, (
+        f"{FN}: d2h_bytes is {hooks.d2h_bytes}, expected {2 * 4096} (two storages, each copied once) at {at}")
+
+    # views of a storage whose version counter is past Python's small-int cache: still one storage
+    hooks = call(FN, m.CountingOffload, [], MIN_BYTES, at="construction")
+    t = torch.zeros(32, 32, dtype=torch.float64)
+    for _ in range(300):
+        t.add_(1.0)
+    n = t.untyped_storage().nbytes()
+    at = f"three views of one {n} B storage rewritten in place 300 times (t._version = {t._version})"
+    views = [t, t.view(-1), t[3:]]
+    packed = [call(FN, hooks.pack, v, at=at) for v in views]
+    assert hooks.d2h_bytes == n, (
+        f"{FN}: d2h_bytes is {hooks.d2h_bytes}, expected {n} (one storage, one copy; versions are ints, compare "
+        f"them with ==) at {at}")
+    for i, (v, p) in enumerate(zip(views, packed)):
+        assert torch.equal(call(FN, hooks.unpack, p, at=at), v), f"{FN}: view {i} does not come back at {at}"
+
+
 from bp_mech.checks import ex42_contract  # noqa: E402
 
 # then the contract, the variant and the prediction (ex42_contract.py)
 CHECKS = [check_CountingOffload, check_CountingOffload__bytes, check_CountingOffload__parameters,
           check_CountingOffload__min_bytes, check_CountingOffload__storage_freed, check_CountingOffload__views,
-          check_CountingOffload__unpacked_twice, *ex42_contract.CHECKS]
+          check_CountingOffload__unpacked_twice, check_CountingOffload__storages, *ex42_contract.CHECKS]

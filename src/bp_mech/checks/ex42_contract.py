@@ -192,15 +192,25 @@ def check_BudgetOffload__rules(m):
     del fresh
     gc.collect()
     assert ref.expired(), f"{fn}: the packed object of a moved tensor keeps its storage alive (nothing freed)"
-    assert torch.equal(gone.unpack(p), keep), f"{fn}: unpack does not give back the saved values of a moved tensor"
+    first = gone.unpack(p)
+    assert torch.equal(first, keep), f"{fn}: unpack does not give back the saved values of a moved tensor"
+    first.mul_(-3.0)  # backward may write into what it unpacked: the next unpack needs a fresh copy
+    assert torch.equal(gone.unpack(p), keep), (
+        f"{fn}: a second unpack of a moved tensor, after the first one's result was written in place, does not give "
+        f"back the saved values (each unpack copies the host bytes back, to a fresh storage)")
+    assert gone.h2d_bytes == 2 * 32768, (
+        f"{fn}: h2d_bytes is {gone.h2d_bytes} after two unpacks of a moved 32 KiB storage, expected {2 * 32768}")
 
 
 def check_predict_d2h_bytes(m):
     fn = "predict_d2h_bytes"
-    # (batch, seq, width, expansion, layers, min_bytes, dtype): below, at and above the threshold
+    # (batch, seq, width, expansion, layers, min_bytes, dtype): below, at and above the threshold; the last two
+    # (a block input of 96 B, an inner tensor of 288 B) have the input above the threshold and the inner tensor at
+    # it, and sizes whose bits overlap (96 + 576 is not 96 | 576)
     cases = [(2, 3, 4, 4, 3, 256, torch.float32), (1, 5, 8, 2, 4, 400, torch.float64),
              (2, 2, 4, 3, 2, 64, torch.float32), (2, 4, 4, 2, 3, 128, torch.float32),
-             (1, 2, 4, 2, 2, 10**6, torch.float32)]
+             (1, 2, 4, 2, 2, 10**6, torch.float32), (2, 3, 4, 3, 2, 64, torch.float32),
+             (1, 3, 4, 3, 2, 288, torch.float64)]
     for b, t, c, e, n_layers, min_bytes, dtype in cases:
         at = (f"batch={b}, seq={t}, width={c}, expansion={e}, layers={n_layers}, min_bytes={min_bytes}, "
               f"{str(dtype)[6:]}")

@@ -3,7 +3,7 @@
 The checks of chapter NN live in ``src/bp_mech/checks/exNN.py`` (listed in ``src/bp_mech/checks/__init__.py``'s
 ``CHAPTERS``). Each check is named after the ONE exercise function it tests, ``check_<function>`` or
 ``check_<function>__<aspect>``; ``check_chapter`` runs them in-process on the learner's file and
-groups them by function:
+groups them by function (an engine check carries the function its declaration grades, ``.tests``):
 
     PASS linear_backward
     TODO silu_backward: not implemented yet
@@ -133,8 +133,9 @@ def _by_calls(check, functions: list[str]) -> str | None:
 
 
 def mapping(chapter: str) -> list[tuple[str, str | None, str]]:
-    """(check name, function or None, how: "name" | "calls" | "none") for every check of a chapter.
-    ``how`` says whether the name follows the convention or the function was found by what it calls."""
+    """(check name, function or None, how: "declared" | "name" | "calls" | "none") for every check of a
+    chapter. ``how`` says whether the check's declaration names its function (``engine.Contract``), its name
+    follows the convention or the function was found by what it calls."""
     name, checks = chapter_checks(chapter)
     return _map_checks(checks, exercise_functions(name))
 
@@ -143,7 +144,9 @@ def _map_checks(checks: list, functions: list[str]) -> list[tuple[str, str | Non
     """``mapping``'s rows for ``checks`` against the exercise file's ``functions``."""
     rows = []
     for c in checks:
-        if fn := _by_name(c.__name__, functions):
+        if (fn := getattr(c, "tests", None)) in functions:  # an engine check: its declaration names it
+            rows.append((c.__name__, fn, "declared"))
+        elif fn := _by_name(c.__name__, functions):
             rows.append((c.__name__, fn, "name"))
         elif fn := _by_calls(c, functions):
             rows.append((c.__name__, fn, "calls"))

@@ -1,0 +1,155 @@
+"""``checks.engine``: from one declaration, every derived property rejects the function that breaks it, with its
+one-line message (a mutated input, an alias, a default ignored, a leaked switch, a module left in eval mode or
+hooked, a wrong type), a stub passes through, the cases are the examples first and then the same drawn ones
+every run, and a check's outcome does not depend on the state it starts from."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+from bp_mech.checks.common import autograd_grads
+from bp_mech.checks.engine import Contract, check, checks, clean, restore, state
+
+
+def _x(c):
+    return {"x": torch.linspace(-2, 2, c["n"], dtype=torch.float64), "dy": torch.ones(c["n"], dtype=torch.float64),
+            "k": c.get("k", 2.0)}
+
+
+def _ref(x, dy, k):
+    return autograd_grads(lambda x: k * F.silu(x), [x], dy)[0], dy * k
+
+
+K = Contract("f", _x, _ref, ("dx", "dk"), defaults={"k": 2.0}, dtypes={torch.float32: 1e-5}, ref_name="autograd",
+             draw=st.fixed_dictionaries({"n": st.integers(1, 6)}), examples={"": [{"n": 3}], "one": [{"n": 1}]})
+(RUN, ONE) = check(K)
+
+
+def right(x, dy, k=2.0):
+    s = torch.sigmoid(x)
+    return k * dy * s * (1 + x * (1 - s)), dy * k
+
+
+def _m(f):
+    return type("Solutions", (), {"f": staticmethod(f)})
+
+
+def test_a_right_function_passes_and_the_checks_are_named_by_their_declaration():
+    RUN(_m(right)), ONE(_m(right))
+    assert [c.__name__ for c in checks(K)] == ["check_f", "check_f__one"] and RUN.tests == ONE.tests == "f"
+
+
+def _mutates(x, dy, k=2.0):
+    out = right(x, dy, k)
+    dy.zero_()
+    return out
+
+
+def _leak(switch):
+    def f(x, dy, k=2.0):
+        switch()
+        return right(x, dy, k)
+    return f
+
+
+@pytest.mark.parametrize("f, message", [
+    (_mutates, r"^f: dy was modified in place, max change 1 at x shape \(3,\), dy shape \(3,\), k left out"),
+    (lambda x, dy, k=3.0: right(x, dy, k), r"dx differs from autograd, max rel error .* > 1e-10 at .*k left out "
+                                           r"\(default 2.0\)"),
+    (lambda x, dy, k: right(x, dy, k), "raised TypeError at .*k left out"),
+    (lambda x, dy, k=2.0: [*right(x, dy, k)], r"returned a list, expected a tuple \(dx, dk\)"),
+    (lambda x, dy, k=2.0: tuple(t.double() for t in right(x, dy, k)), "dx has dtype torch.float64, expected "
+                                                                      "torch.float32 at float32 inputs"),
+    (lambda x, dy, k=2.0: tuple(t * x.is_contiguous() for t in right(x, dy, k)),
+     "differs .* as non-contiguous slice views"),
+    (lambda x, dy, k=2.0: tuple(t.requires_grad_() * 1 for t in right(x, dy, k)), "attached to the autograd graph"),
+    (lambda x, dy, k=2.0: tuple(t * torch.nan for t in right(x, dy, k)), "dx has 3 non-finite values"),
+    (_leak(lambda: torch.set_grad_enabled(False)), "left the grad mode changed"),
+    (_leak(lambda: torch.set_default_dtype(torch.float64)), "left the default dtype changed"),
+    (_leak(lambda: torch.rand(1)), r"left the torch RNG state changed \(its state before, another after"),
+    (_leak(lambda: torch.set_autocast_enabled("cpu", True)), "left the CPU autocast changed"),
+    (_leak(lambda: (torch.set_grad_enabled(False), 1 / 0)), "grad mode changed .* also when raising"),
+])
+def test_each_derived_property_rejects_the_function_that_breaks_it(f, message):
+    with pytest.raises(AssertionError, match=f"^f: .*{message}" if not message.startswith("^") else message):
+        RUN(_m(f))
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32  # put back by the engine
+    assert not torch.is_autocast_enabled("cpu")
+
+
+ALIAS = Contract("h", lambda c: {"x": torch.ones(3, dtype=torch.float64)}, lambda x: (x.clone(), x.clone()),
+                 ("y", "z"), ref_name="x", examples={"": [{}]})
+
+
+@pytest.mark.parametrize("h, message", [
+    (lambda x: (x, x.clone()), r"^h: y shares its storage with the input x \(return a new tensor"),
+    (lambda x: (lambda y: (y, y))(x.clone()), "^h: z shares its storage with y"),
+    (lambda x: (x.clone(), x.clone()[None]), r"^h: z has shape \(1, 3\), x gives \(3,\)")])
+def test_results_are_new_tensors_of_their_own(h, message):
+    with pytest.raises(AssertionError, match=message):
+        check(ALIAS)[0](type("S", (), {"h": staticmethod(h)}))
+
+
+def test_a_stub_passes_through_as_not_implemented():
+    def stub(x, dy, k=2.0):
+        raise NotImplementedError("ex: f")
+
+    with pytest.raises(NotImplementedError, match="ex: f"):
+        RUN(_m(stub))
+
+
+def test_the_examples_come_first_and_the_drawn_cases_are_the_same_every_run():
+    seen = []
+
+    def spy(x, dy, k=2.0):
+        seen.append(len(x))
+        return right(x, dy, k)
+
+    RUN(_m(spy))
+    first, seen[:] = list(seen), []
+    RUN(_m(spy))
+    assert first == seen and first[:3] == [3, 3, 3] and len(set(first)) > 2  # the example, its view, float32
+
+
+def _module_case(c):
+    return {"net": c["net"], "x": torch.ones(2, 3, dtype=torch.float64)}
+
+
+NET = Contract("g", _module_case, lambda net, x: (x.sum(),), ("y",), strides=False,
+               examples={"": [{"net": torch.nn.Sequential(torch.nn.Linear(3, 3))}]})
+
+
+@pytest.mark.parametrize("touch, message", [
+    (lambda net: net.eval(), r"left the net.training changed \(True before, False after"),
+    (lambda net: net[0].register_forward_hook(lambda *a: None), "left the net.0's forward hooks changed"),
+])
+def test_modules_passed_in_keep_their_train_flags_and_hooks(touch, message):
+    (run,) = check(NET)
+    net = NET.examples[""][0]["net"]
+
+    def g(net, x):
+        touch(net)
+        return x.sum()
+
+    with pytest.raises(AssertionError, match=f"^g: {message}"):
+        run(type("S", (), {"g": staticmethod(g)}))
+    assert net.training and not net[0]._forward_hooks  # restored by the engine
+    run(type("S", (), {"g": staticmethod(lambda net, x: x.sum())}))
+
+
+def test_a_check_starts_clean_whatever_the_caller_left_and_gives_the_caller_its_state_back():
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(3)
+    before = state({})
+    try:
+        with clean():
+            assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+            assert torch.get_num_threads() == 1
+        RUN(_m(right))
+        with pytest.raises(AssertionError, match="^f: dx differs"):  # dx through the default dtype: float32 here
+            RUN(_m(lambda x, dy, k=2.0: (right(x, dy, k)[0].to(torch.get_default_dtype()).to(x.dtype), dy * k)))
+        assert state({}) == before
+    finally:
+        restore({**before, "grad mode": True, "default dtype": torch.float32}, {})
