@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-train-cpu
 REQS   := requirements/torch-cpu.txt requirements/training-mechanism.txt requirements/book.txt
 
-.PHONY: venv book test records clean preflight
+.PHONY: venv book test records clean preflight mutation
 venv: $(STAMP)
 
 $(STAMP): $(REQS) pyproject.toml
@@ -28,6 +28,10 @@ records: $(STAMP)   ## refresh the cached CPU records and the computed records (
 	$(VENV)/bin/bp-mech run --suite cpu --out book/results
 	$(PY) tools/book_build.py --records
 	$(PY) -m bp_mech.book.computations
+
+mutation: $(STAMP)   ## mutation score of the graded code under the exercise checks (about an hour on two cores; not in make test)
+	$(PY) -m pip install --quiet -r requirements/mutation.txt
+	nice -n 10 $(PY) tools/mutation.py $(CHAPTERS)
 
 preflight: $(STAMP)
 	$(VENV)/bin/bp-mech preflight --profile TRAIN-CPU

@@ -1,0 +1,89 @@
+"""The mutation report (``tools/mutation_report.json``, written by ``make mutation``) against the tree.
+
+The report names every file it mutated by SHA-256: when graded code changes, its score no longer describes it,
+and the test says to rerun ``make mutation``. Its counts must add up, each equivalent mutant must still be listed
+(with a reason) in ``tools/mutation_equivalent.toml``, and CONTRIBUTING.md's "Mutation score" table must be the
+one the report renders. The tool's own pieces (what is graded, how a mutant is named) are tested on small sources.
+"""
+
+import ast
+import json
+
+import pytest
+
+import mutation
+import mutation_run
+
+REPORT = json.loads(mutation.REPORT.read_text(encoding="utf-8"))
+MEASURED = {m: c for m, c in REPORT["chapters"].items() if "score" in c}
+
+
+def test_some_chapter_was_measured():
+    assert MEASURED, "tools/mutation_report.json measures no chapter: run `make mutation`"
+
+
+@pytest.mark.parametrize("marker", sorted(MEASURED))
+def test_graded_code_unchanged_since_the_report(marker):
+    changed = [rel for rel, digest in MEASURED[marker]["files"].items()
+               if not (mutation.ROOT / rel).exists() or mutation.sha256(mutation.ROOT / rel) != digest]
+    assert not changed, (f"{marker}: graded code changed since tools/mutation_report.json was written: {changed}; "
+                         f"rerun `make mutation` (or `.venv/bin/python tools/mutation.py {marker}`)")
+
+
+@pytest.mark.parametrize("marker", sorted(MEASURED))
+def test_report_arithmetic(marker):
+    c = MEASURED[marker]
+    assert c["generated"] == c["killed"] + c["timed_out"] + c["survived"] + c["equivalent"]
+    assert c["survived"] == len(c["survivors"]) and c["equivalent"] == len(c["equivalents"])
+    judged = c["generated"] - c["equivalent"]
+    assert c["score"] == (round((c["killed"] + c["timed_out"]) / judged, 4) if judged else 1.0)
+    assert len(set(c["survivors"]) | {e["mutant"] for e in c["equivalents"]}) == c["survived"] + c["equivalent"]
+
+
+def test_equivalent_mutants_are_still_listed_with_a_reason():
+    listed = mutation.load_equivalent()
+    assert all(reason.strip() for reason in listed.values())
+    for marker, c in MEASURED.items():
+        for e in c["equivalents"]:
+            assert listed.get(e["mutant"]) == e["reason"], f"{marker}: {e['mutant']} left the equivalent list"
+
+
+def test_contributing_table_is_the_reports():
+    text = mutation.CONTRIBUTING.read_text(encoding="utf-8")
+    table = text.split(mutation.BEGIN, 1)[1].split(mutation.END, 1)[0].strip()
+    assert table == mutation.render_table(REPORT), "CONTRIBUTING.md's mutation table differs: rerun `make mutation`"
+
+
+def test_graded_names_are_the_stubs(tmp_path):
+    f = tmp_path / "ex.py"
+    f.write_text("class Given:\n    x: int = 1\n\n"
+                 "class Todo:\n    def step(self):\n        raise NotImplementedError('ex')\n\n"
+                 "def f(a):\n    raise NotImplementedError\n\n"
+                 "def _helper():\n    raise NotImplementedError\n")
+    assert mutation.graded_names(f) == ["Todo", "f"]
+
+
+def test_a_mutant_is_named_by_its_definition_and_lines():
+    tree = ast.parse("class C:\n    def step(self, n):\n        return n + 1\n\ndef g():\n    pass\n")
+    assert mutation_run.qualname(tree, 3) == "C.step" and mutation_run.qualname(tree, 6) == "g"
+    diff = "--- a/x.py\n+++ b/x.py\n@@ -3 +3 @@\n-        return n + 1\n+        return n - 1"
+    assert mutation_run.describe("x.py", "C.step", diff) == "x.py::C.step: `return n + 1` -> `return n - 1`"
+
+
+def test_helpers_follow_calls_and_self_methods():
+    tree = ast.parse("def f():\n    return _a()\n\ndef _a():\n    return b\n\ndef b():\n    pass\n\n"
+                     "def unused():\n    pass\n\n"
+                     "class C:\n    def step(self):\n        return self._apply()\n\n"
+                     "    def _apply(self):\n        return f()\n\n    def extra(self):\n        pass\n")
+    defs = mutation._defs(tree)
+    assert sorted(mutation._with_helpers(["f"], defs)) == ["_a", "b", "f"]
+    assert sorted(mutation._with_helpers(["C.step"], defs)) == ["C._apply", "C.step", "_a", "b", "f"]
+
+
+def test_postponed_annotations_are_not_graded():
+    src = "from __future__ import annotations\n\ndef f(a: int | None) -> str | None:\n    return a | 1\n"
+    notes = mutation.annotations(ast.parse(src))
+    spans = [("f", 3, 4)]
+    assert not mutation.graded(spans, notes, (3, 13)) and not mutation.graded(spans, notes, (3, 28))
+    assert mutation.graded(spans, notes, (4, 13)) and not mutation.graded(spans, notes, (5, 0))
+    assert mutation.annotations(ast.parse(src.split("\n", 1)[1])) == []  # evaluated: a mutant there can fail
