@@ -7,9 +7,9 @@ variant (a sliding-window head) and the prediction are written here.
 
 import torch
 
-from bp_mech.attention_backward import (attention_backward, attention_forward, blockwise_backward, gqa_reduce,
-                                        softmax_backward)
-from bp_mech.attention_rope import rope_backward
+from bp_mech.attention_backward import (  # noqa: F401 (re-exported: the answers to Exercises 10.3 and 10.4)
+    attention_backward, attention_forward, blockwise_backward, gqa_reduce, softmax_backward)
+from bp_mech.attention_rope import rope_backward  # noqa: F401 (re-exported: the answer to Exercise 10.5)
 
 
 def attention_head_backward(q, k, v, dO):

@@ -41,7 +41,9 @@ def accumulated_backward_per_sequence(model, batch, k):
 
 
 def predict_naive_weights(counts):
-    """w_j = N / (k n_j): the naive loss's weight over the token-weighted one."""
+    """Both losses are sums of the same S_j: the token mean weighs S_j by 1 / N, the
+    naive mean by 1 / (k n_j). Gradients are linear, so micro-batch j's contribution
+    is scaled by the ratio of the two coefficients: w_j = N / (k n_j)."""
     if not counts or min(counts) < 1:
         raise ValueError(f"counts must be a non-empty list of ints >= 1, got {counts}")
     n, k = sum(counts), len(counts)

@@ -24,7 +24,11 @@ def cosine_restarts_lr(update, base_lr, cycle, mult=1, min_lr=0.0):
 
 
 def predict_decay_entry(warmup, stable, overflows, growth_interval):
-    """Skipped: the first ``overflows`` calls, then one per growth_interval."""
+    """The skipped calls are the first ``overflows``, then one after every
+    ``growth_interval`` applied updates. Update u = W + S is preceded by u // g full
+    groups of g applied updates, each followed by a skip, and by the initial skips: it
+    runs at call o + u + u // g. The naive clock reads the decay at call u; of the
+    r = max(0, u - o) calls after the initial skips, every (g + 1)-th was skipped."""
     u, g = warmup + stable, growth_interval
     call = overflows + u + u // g  # u // g full groups before update u, each + 1 skip
     r = max(0, u - overflows)  # naive: the calls after the overflows, before call u

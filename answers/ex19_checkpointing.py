@@ -51,6 +51,10 @@ def choose_checkpoint_layers(saved_bytes: list[int], input_bytes: list[int],
 
 def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
                         layers: int, every: int, element_bytes: int) -> int:
+    """Walk one block and ask what each backward reads: the first Linear its input
+    (H bytes), SiLU its input (e H), the second Linear its input, SiLU's output (e H).
+    A plain block saves A = (1 + 2e) H; a checkpointed one only its input, H. Count
+    the checkpointed layers and add."""
     H = batch * seq * width * element_bytes  # one (batch, seq, width) tensor
     A = H + 2 * expansion * H  # the first Linear's input, SiLU's input, the second's
     checkpointed = sum(1 for i in range(layers) if every > 0 and i % every == 0)

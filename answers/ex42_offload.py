@@ -89,6 +89,10 @@ class BudgetOffload(torch.autograd.graph.saved_tensors_hooks):
 
 def predict_d2h_bytes(batch: int, seq: int, width: int, expansion: int, layers: int,
                       min_bytes: int, element_bytes: int) -> int:
+    """What each block saves for its backward: the first Linear its input (H bytes),
+    SiLU its input and the second Linear its input (e H each). The offload moves a
+    storage once, and only if it reaches ``min_bytes``; the weights never move. Sum
+    per block, times the number of blocks."""
     H = batch * seq * width * element_bytes  # a block's input
     inner = expansion * H  # SiLU's input, the second Linear's input
     per_layer = (H if H >= min_bytes else 0) + (2 * inner if inner >= min_bytes else 0)

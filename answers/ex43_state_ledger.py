@@ -6,7 +6,7 @@ exercise. The variant (``gelu_mlp_saved_bytes``) and the prediction
 (``predict_forward_bytes``) are written here.
 """
 
-from bp_mech.state_bytes import adam_state_bytes, block_saved_bytes, grad_bytes, param_bytes
+from bp_mech.state_bytes import adam_state_bytes, block_saved_bytes, grad_bytes, param_bytes  # noqa: F401
 
 
 def gelu_mlp_saved_bytes(hidden: int, intermediate: int, batch: int, seq: int,
@@ -19,7 +19,10 @@ def gelu_mlp_saved_bytes(hidden: int, intermediate: int, batch: int, seq: int,
 
 
 def predict_forward_bytes(cfg, batch: int, seq: int) -> int:
-    """W + 2W + L blocks + the final norm + the fp32 log-probabilities."""
+    """The ledger's lines alive when the forward returns: the parameters W; AdamW's two
+    moments 2W (it stepped before); no gradients (``zero_grad`` freed them); what the L
+    layers saved; the final RMSNorm's saves 4 n (3C + 1); the float32
+    log-probabilities 4 n V."""
     n, C, V = batch * seq, cfg.hidden_size, cfg.vocab_size
     W = param_bytes(cfg)
     saved = cfg.num_hidden_layers * block_saved_bytes(cfg, batch, seq)

@@ -23,6 +23,10 @@ def clip_per_group_(groups, max_norms, eps=1e-6):
 
 
 def predict_first_update_norm(optimizer, numel, grad_norm, max_norm, lr):
+    """Clipping multiplies g by c = min(1, max_norm / (||g|| + eps)). SGD moves by lr
+    times the clipped gradient: lr c ||g||. AdamW's first bias-corrected moments are
+    c g and c^2 g^2, so m/sqrt(v) = sign(g) per element (its eps is negligible): every
+    element moves by lr, a norm of lr sqrt(numel), whatever c is."""
     if optimizer == "adamw":  # m/sqrt(v) = g/|g| = ±1 per element, whatever c is
         return lr * math.sqrt(numel)
     coef = min(1.0, max_norm / (grad_norm + 1e-6))  # SGD: p -= lr * c * g

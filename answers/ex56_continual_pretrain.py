@@ -42,5 +42,8 @@ class ReplayStream:
 
 def predict_replay_tokens(updates: int, batch: int, seq: int, replay: int,
                           period: int) -> int:
+    """The first N batches are the first n = N B rows; the stream's rule counts over the
+    whole run, so floor(n q) of them are old-domain rows (not N floor(B q): the floor
+    is not per batch), each of T tokens."""
     rows = updates * batch
     return rows * replay // period * seq  # floor(n q) replayed rows of seq tokens

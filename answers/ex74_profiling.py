@@ -34,8 +34,12 @@ def self_time_by_name(intervals) -> dict:
 
 def predict_logits_line_saving(tokens: int, vocab: int, hidden: int,
                                chunk: int) -> int:
-    """Plain line at the log-softmax backward (output 4 n V + two buffers 8 n V)
-    minus the chunked loss's line there (12 n + 4 n C + max(k 4 c V, 4 c V + 4 V C))."""
+    """Step by step: the plain line at the log-softmax backward holds the saved output
+    (4 n V) and the two (n, V) buffers of its backward (8 n V). The chunked loss's line
+    there holds its per-token bytes (12 n), dh (4 n C) and the larger of k chunks'
+    logits and one chunk's dz with its product (max(k 4 c V, 4 c V + 4 V C)), with
+    c = min(chunk, n) and k = 2 when there is more than one chunk. Saving: the
+    difference."""
     n, V, C = tokens, vocab, hidden
     c = min(chunk, n)
     k = 2 if n > c else 1

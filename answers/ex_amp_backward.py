@@ -44,6 +44,11 @@ def cast_report(grads, dtype=torch.bfloat16):
 
 def predict_recovery_step(overflows, growth_interval, backoff_factor=0.5,
                           growth_factor=2.0):
+    """Each of the k overflows multiplies the scale by the backoff factor: after step
+    k - 1 it is S0 * backoff**k. Each growth multiplies it by the growth factor, so m
+    growths undo them once growth**m * backoff**k >= 1. A growth needs N finite steps
+    in a row, and the first finite step is step k: the m-th growth lands on step
+    k - 1 + m N."""
     level, growths = backoff_factor**overflows, 0  # S / S0 after the overflows
     while level < 1.0:  # exact: powers of two
         level, growths = level * growth_factor, growths + 1

@@ -25,7 +25,8 @@ import torch
 def linear_backward(x: torch.Tensor, W: torch.Tensor, dy: torch.Tensor):
     """Backward of ``y = x @ W.T + b`` (``torch.nn.Linear``).
 
-    Math: dx = dy W;  dW = sum over all leading positions of dy^T x;  db = sum of dy.
+    Return the gradients of the loss with respect to x, W and the bias b, given
+    dy = dL/dy; dW and db sum the contributions of every leading position.
 
     Args:
         x: input, shape (..., in).
@@ -42,7 +43,7 @@ def linear_backward(x: torch.Tensor, W: torch.Tensor, dy: torch.Tensor):
 def silu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Backward of ``y = x * sigmoid(x)``.
 
-    Math: with s = sigmoid(x), dy/dx = s * (1 + x * (1 - s)).
+    Return dx = dL/dx given dy = dL/dy, elementwise.
 
     Args:
         x: input, any shape.
@@ -61,9 +62,9 @@ def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
 
     RMSNorm: Zhang & Sennrich, 2019.
 
-    Math: let r = (mean(x^2) + eps)^(-1/2) per row, xhat = x * r and g = dy * w. Then
-        dx = r * (g - xhat * mean(g * xhat))      (both terms matter: r depends on x)
-        dw = sum over all rows of dy * xhat
+    The mean runs over the last dimension (one normaliser per row). Return dx = dL/dx
+    and dw = dL/dw given dy = dL/dy; derive them yourself (the chapter's hint: x enters
+    both the numerator and the normaliser).
 
     Args:
         x: input, shape (..., C).
@@ -84,10 +85,8 @@ def swiglu_mlp_backward(x: torch.Tensor, Wg: torch.Tensor, Wu: torch.Tensor,
 
     The MLP has no biases.
 
-    Math: with g = x Wg^T, u = x Wu^T, a = silu(g), h = a * u:
-        dh = dy Wd,  dWd = dy^T h,  dg = (dh * u) * silu'(g),  du = dh * a,
-        dx = dg Wg + du Wu   (x feeds both branches),  dWg = dg^T x,  dWu = du^T x.
-    Reuse ``linear_backward`` and ``silu_backward``.
+    Return the gradients of all four inputs given dy = dL/dy. Reuse
+    ``linear_backward`` and ``silu_backward``.
 
     Args:
         x: input, shape (..., C).
@@ -109,8 +108,8 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor,
     The loss is the mean of ``logsumexp(z_i) - z_i[t_i]`` over the rows whose target is
     not ``ignore_index`` (the convention of ``torch.nn.functional.cross_entropy``).
 
-    Math: d loss / d z_i = (softmax(z_i) - onehot(t_i)) / n_valid for a valid row,
-    0 for an ignored one; n_valid counts the valid rows only.
+    The mean divides by the number of valid rows, not by N. Return the gradient of
+    that loss with respect to every logit (ignored rows included).
 
     Args:
         logits: shape (N, V).
@@ -134,10 +133,9 @@ def layernorm_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
     RMSNorm it subtracts the row mean and has a bias; var is the biased variance
     (divide by C, not C - 1).
 
-    Math: per row, mu = mean(x), r = (mean((x - mu)^2) + eps)^(-1/2),
-    xhat = (x - mu) * r and g = dy * w. Then
-        dx = r * (g - mean(g) - xhat * mean(g * xhat))   (mu and r both depend on x)
-        dw = sum over all rows of dy * xhat,   db = sum over all rows of dy
+    mean and var run over the last dimension (per row). Return dx, dw and db given
+    dy = dL/dy; derive dx from your RMSNorm backward (the exercise's question is what
+    the mean adds).
 
     Args:
         x: input, shape (..., C).

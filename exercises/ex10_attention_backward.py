@@ -32,9 +32,8 @@ import torch
 def softmax_backward(P: torch.Tensor, dP: torch.Tensor) -> torch.Tensor:
     """Backward of the row softmax ``P = softmax(S, dim=-1)``.
 
-    Math: the Jacobian of one row is diag(p) - p p^T, so for each row
-        dS = P * (dP - rowsum(dP * P))
-    where rowsum keeps the last dimension (shape (..., 1)) so it broadcasts.
+    Each row of the last dimension is one softmax: return dS = dL/dS given
+    dP = dL/dP, row by row, without forming the Jacobian.
 
     Args:
         P: softmax probabilities, shape (..., n); every row sums to 1.
@@ -55,12 +54,8 @@ def attention_head_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         S = scale * q k^T                      (T, T), scale = 1 / sqrt(d)
         S[i, j] = -inf where j > i             (the causal mask; j == i stays visible)
         P = softmax(S, dim=-1),   O = P v
-    Backward:
-        dV = P^T dO
-        dP = dO v^T
-        dS = P * (dP - rowsum(dP * P))         (the softmax backward)
-        dQ = scale * dS k,   dK = scale * dS^T q
-    The scale appears in the backward too: S depends on q and k through scale * q k^T.
+    Return the gradients of q, k and v given dO = dL/dO (your softmax backward is one
+    step of it).
 
     Args:
         q, k, v: query, key, value of one head, shape (T, d) each.
@@ -81,8 +76,8 @@ def gqa_reduce(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
     In the forward, H query heads share Hkv = ``kv_heads`` KV heads: KV head g is copied
     to the n = H / Hkv consecutive query heads g*n, g*n + 1, ..., g*n + n - 1, i.e.
-    x_full[:, h] = x[:, h // n]. A copy's backward adds the gradients of all its copies:
-        dx[:, g] = sum over r in 0..n-1 of dx_full[:, g*n + r]
+    x_full[:, h] = x[:, h // n]. Return the gradient of the (B, Hkv, T, d) tensor
+    given the gradient of the expanded one.
 
     Args:
         dx: gradient with respect to the expanded tensor, shape (B, H, T, d).
@@ -101,17 +96,11 @@ def blockwise_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        block: int):
     """The recompute (FlashAttention) backward of causal attention, one tile at a time.
 
-    The forward saved only O and the row log-sum-exp L[i] = logsumexp_j S[i, j] (masked
-    entries excluded), not P. So a tile of P is rebuilt from q, k and L:
-        P[i, j] = exp(scale * q_i . k_j - L[i])   for j <= i, 0 for j > i
-    and the softmax backward's row sum needs no P at all:
-        D[i] = rowsum(dP * P)[i] = rowsum(dO * O)[i]          (shape (..., T))
-    For each query tile I and key tile J (rows/columns [start, start + block), the last
-    tile may be shorter), skipping tiles entirely above the diagonal:
-        P_IJ = exp(scale * q_I k_J^T - L_I), masked causally
-        dV_J += P_IJ^T dO_I
-        dS_IJ = P_IJ * (dO_I v_J^T - D_I)
-        dQ_I += scale * dS_IJ k_J,   dK_J += scale * dS_IJ^T q_I
+    The forward is ``attention_head_backward``'s (causal, scale = 1 / sqrt(d)); it
+    saved only O and the row log-sum-exp L[i] = logsumexp_j S[i, j] (masked entries
+    excluded), not P. Work in tiles of query rows I and key columns J, each
+    [start, start + block) (the last tile may be shorter): rebuild what a tile needs
+    from q, k, v, O, L and dO, and add its contributions to dq, dk and dv.
     Never build a (T, T) matrix, not even one head at a time: the check measures the
     memory your function allocates and fails when it reaches the size of ONE head's full
     (T, T) score matrix (T * T elements, whatever the leading dimensions). T need not be
@@ -140,9 +129,8 @@ def rope_backward(dy: torch.Tensor, cos: torch.Tensor,
     Qwen2 applies it with ``apply_rotary_pos_emb``.
 
     Forward: y = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) for
-    the halves x1, x2 of the last dimension. rotate_half is a linear map R with
-    R^T = -R, so
-        dx = dy * cos + R^T(dy * sin) = dy * cos - rotate_half(dy * sin)
+    the halves x1, x2 of the last dimension. Return dx = dL/dx given dy = dL/dy (the
+    tables are constants: no gradient for them).
 
     Args:
         dy: upstream gradient, shape (..., T, d), d even.

@@ -145,9 +145,12 @@ def accumulated_backward_per_sequence(model, batch: dict, k: int) -> torch.Tenso
 def predict_naive_weights(counts: list) -> list:
     """Predict how the mean of micro-batch means re-weights each micro-batch.
 
-    The naive loss (1/k) sum_j S_j / n_j multiplies the gradient that micro-batch j
-    contributes to the full-batch token mean by a factor w_j. Compute w_j from the
-    chapter's formula, for micro-batches holding ``counts[j]`` = n_j targets.
+    The naive loss (1/k) sum_j S_j / n_j (S_j: micro-batch j's summed token loss)
+    multiplies the gradient that micro-batch j contributes, relative to the full-batch
+    token mean, by a factor w_j (dimensionless). Predict w_j, before measuring, for k
+    micro-batches holding ``counts[j]`` = n_j targets. The check measures it as the
+    ratio of the naive to the token-weighted gradient on micro-batch j's own rows of a
+    parameter table, in float64 (relative tolerance 1e-9).
 
     Args:
         counts: n_1 ... n_k, a list of ints, each >= 1 (not modified).

@@ -143,7 +143,7 @@ def choose_checkpoint_layers(saved_bytes: list[int], input_bytes: list[int],
 def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
                         layers: int, every: int, element_bytes: int) -> int:
     """Predict the bytes saved for backward when every ``every``-th layer of an MLP
-    stack is checkpointed (the chapter's per-layer formula, no measurement).
+    stack is checkpointed (before any measurement).
 
     The workload (the check builds it and measures it): an input ``x`` of shape
     ``(batch, seq, width)``, then ``layers`` blocks, each
@@ -155,10 +155,10 @@ def predict_saved_bytes(batch: int, seq: int, width: int, expansion: int,
 
     What counts (the measurement is a counting-only ``saved_tensors_hooks`` pass,
     ``instruments.counters.SavedBytesCounter.bytes``): the distinct non-parameter
-    storages autograd saves outside the checkpointed regions, each once. A ``Linear``
-    saves its input (and its weight, a parameter: not counted); ``SiLU`` saves its
-    input; a checkpointed layer saves only its input. With ``H`` the bytes of one
-    ``(batch, seq, width)`` tensor that is ``M = sum_l A_l or H``.
+    storages autograd saves for the backward outside the checkpointed regions, each
+    once, in bytes; the parameters are not counted. Work out what each plain layer and
+    each checkpointed layer leave saved from what each operation's backward needs
+    (Part 02 · 09).
 
     Returns:
         The saved bytes, a Python ``int``; the check wants it exact (a tracker's

@@ -157,8 +157,8 @@ def predict_d2h_bytes(batch: int, seq: int, width: int, expansion: int, layers: 
     Linear(expansion * width, width)``, ``element_bytes`` bytes per element; the loss
     is ``out.sum()``. The offload is the package's ``ActivationOffload`` on the CPU
     with ``OffloadConfig(min_bytes=min_bytes)``: the chapter's rules (no parameters,
-    no storage under ``min_bytes``, each storage once). A ``Linear`` saves its input
-    (and its weight, a parameter), ``SiLU`` its input.
+    no storage under ``min_bytes``, each storage once). Work out what the forward
+    saves for the backward from what each operation's backward needs (Part 02 · 09).
 
     Returns:
         ``D``, the bytes copied device -> host in forward, a Python ``int``; the

@@ -143,21 +143,20 @@ def gelu_mlp_saved_bytes(hidden: int, intermediate: int, batch: int, seq: int,
 def predict_forward_bytes(cfg, batch: int, seq: int) -> int:
     """Predict the ledger's "after forward" total of a config (predict, then measure).
 
-    The state of a steady-state float32 training step (plain, AdamW stepped once before)
-    when its forward has returned the loss, by the chapter's lines:
-
-        parameters W + AdamW's two moments 2W + what the L layers save (L x block)
-        + the final RMSNorm's saves 4 n (3C + 1) + the float32 log-probabilities 4 n V
-
-    with W = ``param_bytes(cfg)`` and block = ``block_saved_bytes(cfg, batch, seq)``
-    (use your own answers), n = batch * seq. No gradients yet: ``zero_grad`` freed them.
+    The workload: a steady-state float32 training step of a Qwen2 model built from
+    ``cfg`` (plain, no strategy; AdamW has stepped once before; ``zero_grad`` with
+    ``set_to_none=True`` ran before this forward), on a batch of ``batch`` rows of
+    ``seq`` tokens. The quantity: the bytes the ledger holds when the forward has
+    returned the loss ("after forward"). Decide from the chapter's ledger which lines
+    are alive at that moment and how big each is; your own ``param_bytes`` and
+    ``block_saved_bytes`` may help.
 
     The check runs that step for real on the CPU (``planner.lifecycle.track``: the
     storage tracker of the chapter) at configs the chapter did not show, and accepts the
-    prediction within 2 % of the measured total: the lines the prediction leaves out
-    (the RoPE cos/sin tables, the token ids and targets, AdamW's 4-byte step counters,
-    the loss scalars) are under 1 % there, while leaving out any line it keeps misses by
-    more than 2 % at one of the configs at least.
+    prediction within 2 % of the measured total: the small lines a prediction may leave
+    out (the RoPE cos/sin tables, the token ids and targets, AdamW's 4-byte step
+    counters, the loss scalars) are under 1 % there, while leaving out or adding any
+    large line misses by more than 2 % at one of the configs at least.
 
     Args:
         cfg: a Qwen2Config.

@@ -145,7 +145,7 @@ def predict_first_update_norm(optimizer: str, numel: int, grad_norm: float,
 
     * ``"sgd"``: ``torch.optim.SGD(lr=lr)`` (no momentum);
     * ``"adamw"``: ``torch.optim.AdamW(lr=lr, weight_decay=0)`` with its default
-      betas and eps (1e-8). Use the chapter's math section for its first step.
+      betas and eps (1e-8), on its first step (fresh state).
 
     Args:
         optimizer: "sgd" or "adamw".

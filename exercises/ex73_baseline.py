@@ -85,8 +85,8 @@ def sequence_weights(local_labels, world_size: int, all_reduce) -> list:
     S_s the row's summed token loss, n_s its target count (``labels[s, 1:] != -100``),
     R the number of rows with at least one target in the whole update (every
     micro-batch, every rank). Rank r back-propagates sum_{j, i} w_{j,i} S_{j,i} over
-    its rows; DDP averages over the P ranks, so w_s = P / (R n_s), and w_s = 0 for a
-    row without target. R needs one all-reduce (this rank's count of rows with a
+    its rows and DDP averages the ranks' gradients over the P ranks; return the
+    weights w that make that average the gradient of L_seq (0 for a row without
     target).
 
     Args:

@@ -163,15 +163,13 @@ def predict_logits_line_saving(tokens: int, vocab: int, hidden: int,
     line at the backward's peak of a plain float32 step whose peak is the log-softmax
     backward.
 
-    From the chapter's formulas alone (no ledger is given), n = ``tokens``,
-    V = ``vocab``, C = ``hidden``: the plain line at that moment is what the
-    chapter's known lines put there (the saved log-softmax output and the two (n, V)
-    buffers of its backward); the chunked loss's line is what the rule of
-    ``chunked_loss_changes`` keeps at ``backward_peak`` (per-token bytes, dh, and the
-    larger of its two moments, with c = min(``chunk``, n) and its k). Return the first
-    minus the second. The check measures both lines on small Qwen2 models (every
-    storage tracked) and accepts an error of at most 4 c C + 64 bytes: the (c, C)
-    product of dh's chunk and the loss's scalars, which the formulas leave out.
+    The quantity, in bytes: the plain step's logits & loss line at the backward's
+    peak minus the chunked loss's (``bp_mech.chunked_loss``, ``chunk`` tokens per
+    chunk) line at the same moment, for n = ``tokens``, V = ``vocab``, C = ``hidden``.
+    Predict it from the chapter's formulas alone (no ledger is given). The check
+    measures both lines on small Qwen2 models (every storage tracked) and accepts an
+    error of at most 4 c C + 64 bytes, c = min(``chunk``, n): the (c, C) product of
+    dh's chunk and the loss's scalars, which the formulas leave out.
 
     Args:
         tokens: n, tokens per forward (B T).

@@ -127,8 +127,8 @@ def predict_checkpoint_plan_peak(cfg, batch: int, seq: int) -> int:
     ``bp-mech plan`` traces one steady-state training step under fake tensors with the
     GPU's settings (fused AdamW: no temporaries in the optimizer step). Predict its
     peak for the strategy checkpoint-all without tracing, with the formula ledger of
-    Part 02 · 43 (``bp_mech.ledger.theoretical``: which moment of the step is the peak
-    depends on the config; find out which one it is here, and why).
+    Part 02 · 43 (which moment of the step is the peak depends on the config; find out
+    which one it is here, and why).
 
     The check traces the step at a config the chapter did not show and accepts the
     prediction within 1 % of the traced peak: the formula and the trace count the same

@@ -158,9 +158,8 @@ def predict_recovery_step(overflows: int, growth_interval: int,
     A ``DynamicLossScaler`` (or ``torch.amp.GradScaler``) starts at S0. Steps
     0, 1, ..., ``overflows`` - 1 overflow; every later step is finite. After which
     step's update is the scale back at S0 (or above) for the first time? Work it out
-    from the update rule, with pencil and paper: how many backoffs, how many growths
-    undo them, and how many finite steps each growth takes. The check runs a real
-    GradScaler.
+    from the scaler's update rule with pencil and paper, before you run anything. The
+    check runs a real GradScaler through the same steps and compares exactly.
 
     Args:
         overflows: the number k >= 1 of overflow steps in a row at the start.
