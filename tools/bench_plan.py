@@ -1,15 +1,23 @@
 #!/usr/bin/env python
 """Time ``bp-mech plan`` end to end (the real command, in a subprocess) against the issue's speed targets.
 
-    tools/bench_plan.py [--rows 05b,7b,70b] [--repeats 3] [--workers N]
+    tools/bench_plan.py [--rows tiny,05b,7b,70b] [--repeats 3] [--workers N] [--after "FLAGS"]
 
-Rows (issue 20, "speed on two cores"):
+Each row times two arms side by side, interleaved run by run (before, after, before, ...) so that the shared
+machine's load falls on both alike: ``before`` is today's command (every candidate, the full trace); ``after``
+is the same command with ``--after``'s extra flags (e.g. ``--strategies checkpoint-all,offload``, or a faster
+path's flag), the new path the issue's targets are for. Reported per arm: the median and P95 of its runs,
+and the ratio of the medians (after / before).
 
-* ``05b``: Qwen2.5-0.5B, ``--workload qwen05-b2s512 --budget 16GiB``, every candidate: <= 20 s;
+Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
+
+* ``tiny``: ``--workload tiny-b2s64 --budget 1GiB``, every candidate: <= 3 s;
+
+* ``05b``: Qwen2.5-0.5B, ``--workload qwen05-b2s512 --budget 16GiB``, every candidate: <= 5 s (issue 30; issue 20 asked 20 s);
 * ``7b``: the Qwen2.5-7B architecture (its public config.json shape, written to a temporary directory),
-  batch 2 x seq 512, ``--budget 80GiB``, every candidate: <= 60 s;
+  batch 2 x seq 512, ``--budget 80GiB``, every candidate: <= 10 s (issue 30; was 60 s);
 * ``70b``: Llama-3-70B's public shape, batch 1 x seq 4096, ``--budget 80GiB --gpus 8 --shard fsdp2``:
-  <= 120 s. Where ``bp-mech plan --help`` offers no ``--gpus``/``--shard`` yet, the row runs on one
+  <= 20 s (issue 30; was 120 s). Where ``bp-mech plan --help`` offers no ``--gpus``/``--shard`` yet, the row runs on one
   device and the table says so.
 
 Each row runs ``--repeats`` times, one after the other (the machine is shared: the median is reported,
@@ -17,8 +25,8 @@ every run beside it). A run's wall time is the whole command's: interpreter star
 read, the traces and the printed plan. The command's exit status 0 (something fits) and 1 (nothing
 fits, the plan printed all the same) are both a plan; anything else is an error.
 
-Prints one table (workload, flags, median wall seconds, the runs, target, pass/fail) and exits 1 when a
-target is missed or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this source
+Prints one table (workload, arm, flags, median and P95 wall seconds, the runs, target, pass/fail, the
+ratio) and exits 1 when the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this source
 tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
 """
 
@@ -42,13 +50,15 @@ from bp_mech.planner.shapes import SHAPES  # noqa: E402 (the public shapes the b
 QWEN25_7B, LLAMA3_70B = SHAPES["qwen2.5-7b"], SHAPES["llama-3-70b"]
 # row -> (workload label, config or None, plan arguments, target seconds)
 ROWS = {
-    "05b": ("qwen05-b2s512", None, ["--workload", "qwen05-b2s512", "--budget", "16GiB"], 20.0),
-    "7b": ("qwen2.5-7b b2 s512", QWEN25_7B, ["--batch", "2", "--seq", "512", "--budget", "80GiB"], 60.0),
-    "70b": ("llama-3-70b b1 s4096", LLAMA3_70B, ["--batch", "1", "--seq", "4096", "--budget", "80GiB"], 120.0),
+    "tiny": ("tiny-b2s64", None, ["--workload", "tiny-b2s64", "--budget", "1GiB"], 3.0),
+    "05b": ("qwen05-b2s512", None, ["--workload", "qwen05-b2s512", "--budget", "16GiB"], 5.0),
+    "7b": ("qwen2.5-7b b2 s512", QWEN25_7B, ["--batch", "2", "--seq", "512", "--budget", "80GiB"], 10.0),
+    "70b": ("llama-3-70b b1 s4096", LLAMA3_70B, ["--batch", "1", "--seq", "4096", "--budget", "80GiB"], 20.0),
 }
 SHARDED = ["--gpus", "8", "--shard", "fsdp2"]  # the 70B row's flags, where the command takes them
 PLANNED = (0, 1)  # exit statuses of a plan made: something fits / nothing fits
-TIMEOUT_FACTOR = 3  # a run is stopped after this many times its target (a clear miss)
+TIMEOUT_FACTOR = 3  # an after run is stopped after this many times its target (at least 20 s): a clear miss
+BEFORE_TIMEOUT = 900  # today's command, untargeted: the 70B row took minutes beside other work
 
 
 def command() -> list[str]:
@@ -84,20 +94,27 @@ def time_run(args: list[str], timeout: float) -> tuple[float, int, str]:
     return time.perf_counter() - t0, proc.returncode, (err.strip().splitlines() or [""])[-1][:160]
 
 
+def p95(xs) -> float:
+    """The 95th percentile of ``xs`` (nearest rank: with few runs, the largest)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, -(-95 * len(xs) // 100) - 1))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per row (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per arm and row (median and P95 reported)")
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to the command (default: its own)")
+    ap.add_argument("--after", default="", help="extra flags of the 'after' arm (default: none, the same command)")
     a = ap.parse_args(argv)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     if unknown := [r for r in rows if r not in ROWS]:
         ap.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     sharded = takes_gpus()
-    print(f"bp-mech plan, {a.repeats} run(s) per row, {os.cpu_count()} CPUs visible, "
+    print(f"bp-mech plan, {a.repeats} run(s) per arm and row, {os.cpu_count()} CPUs visible, "
           f"affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}; "
-          f"--gpus/--shard {'accepted' if sharded else 'NOT accepted by this bp-mech: the 70b row runs on one device'}",
-          flush=True)
+          f"--gpus/--shard {'accepted' if sharded else 'NOT accepted by this bp-mech: the 70b row runs on one device'}; "
+          f"after: {a.after or '(the same command)'}", flush=True)
     table, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         for name in rows:
@@ -113,16 +130,27 @@ def main(argv=None) -> int:
                 label += "" if sharded else " (one device)"
             if a.workers:
                 args += ["--workers", str(a.workers)]
-            runs = [time_run(args, TIMEOUT_FACTOR * target) for _ in range(a.repeats)]
-            errors = [f"rc {rc}: {tail}" for _, rc, tail in runs if rc not in PLANNED]
-            median = statistics.median(w for w, _, _ in runs)
-            ok = not errors and median <= target
-            failed |= not ok
+            arms = {"before": args, "after": args + a.after.split()}
+            runs = {arm: [] for arm in arms}
+            for _ in range(a.repeats):  # interleaved: the machine's load falls on both arms alike
+                for arm, flags in arms.items():
+                    runs[arm].append(time_run(flags, TIMEOUT_FACTOR * max(target, 20.0) if arm == "after" else BEFORE_TIMEOUT))
             shown = " ".join(f"{name}/config.json" if x.startswith(tmp) else x for x in args)
-            table.append((label, shown, f"{median:.1f}", " ".join(f"{w:.1f}" for w, _, _ in runs), f"{target:.0f}",
-                          "pass" if ok else "FAIL" + (f" ({errors[0]})" if errors else "")))
-            print(f"  {label}: {table[-1][2]} s (runs {table[-1][3]}; exit {[rc for _, rc, _ in runs]})", flush=True)
-    head = ("workload", "flags", "median s", "runs s", "target s", "result")
+            med = {}
+            for arm, rs in runs.items():
+                errors = [f"rc {rc}: {tail}" for _, rc, tail in rs if rc not in PLANNED]
+                walls = [w for w, _, _ in rs]
+                med[arm] = statistics.median(walls)
+                ok = arm == "before" or (not errors and med[arm] <= target)
+                failed |= bool(errors) or not ok
+                table.append((label, arm, shown + (f" {a.after}" if arm == "after" and a.after else ""),
+                              f"{med[arm]:.1f}", f"{p95(walls):.1f}", " ".join(f"{w:.1f}" for w in walls),
+                              f"{target:.0f}" if arm == "after" else "-",
+                              ("pass" if ok else "FAIL") + (f" ({errors[0]})" if errors else "")
+                              + (f"; x{med['after'] / med['before']:.2f} of before" if arm == "after" else "")))
+                print(f"  {label} {arm}: median {table[-1][3]} s, P95 {table[-1][4]} s (runs {table[-1][5]}; "
+                      f"exit {[rc for _, rc, _ in rs]})", flush=True)
+    head = ("workload", "arm", "flags", "median s", "P95 s", "runs s", "target s", "result")
     widths = [max(len(str(r[i])) for r in [head, *table]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *table]:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))

@@ -121,7 +121,7 @@ def plan_request(a: argparse.Namespace) -> PlanRequest:
     typed = {k: flags[k] for k in ("config", "workload", "device_name", "json", "workers", "keep_outputs", "optimizer",
                                    "optimizer_impl", "freeze", "lora_rank", "gpus", "shard")}
     return PlanRequest.from_flags(budget=flags["budget"], batch=flags["batch"], seq=flags["seq"], dtype=flags["dtype"],
-                                  lora_targets=flags["lora_targets"], **typed)
+                                  lora_targets=flags["lora_targets"], strategies=flags["strategies"], **typed)
 
 
 def cmd_results(a: ResultsRequest) -> int:
@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", required=True, help="device memory, e.g. 8GiB, 80GB")
     pl.add_argument("--device-name", help="use cached GPU records of this device only (e.g. H200)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--strategies", metavar="A,B,C", help="plan only these candidates (plain always), e.g. "
+                    "checkpoint-all,offload; default: every candidate")
     pl.add_argument("--workers", type=int, help="processes tracing the strategies (default: CPUs, at most 4)")
     pl.add_argument("--keep-outputs", action="store_true",
                     help="plan the hand-written loop whose outputs (the logits) stay alive through backward "

@@ -110,3 +110,36 @@ def test_a_step_that_cannot_be_traced_is_a_failed_with_its_reason():
     assert out == Failed("RuntimeError: an op the fake trace cannot run", "offload") and not isinstance(out, Exception)
     assert list(trace.ledgers(None, [parse("plain"), parse("fp16")], 1, lambda sess, s, d: s.name if s.amp else 1 / 0)) \
         == [Failed("ZeroDivisionError: division by zero", "plain"), "fp16"]
+
+
+# --- --strategies: the named candidates only, plain always; their rows as in the full plan, to the byte -----
+
+def test_strategies_names_the_candidates_plain_always():
+    from bp_mech.planner.request import NAMES
+
+    r = PlanRequest.from_flags(budget="1GiB", workload="tiny-b2s32", strategies="offload, checkpoint-all")
+    assert [s.name for s in r.candidates] == ["plain", "checkpoint-all", "offload"]
+    assert [s.name for s in PlanRequest.from_flags(budget="1GiB", workload="tiny-b2s32").candidates] == list(NAMES)
+    with pytest.raises(PlanError, match=r"unknown --strategies 'nope'; valid: plain, checkpoint-all"):
+        PlanRequest.from_flags(budget="1GiB", workload="tiny-b2s32", strategies="offload,nope")
+
+
+def test_unknown_strategies_exit_2_with_one_line(capsys):
+    rc = cli.main(["plan", "--workload", "tiny-b2s32", "--budget", "1GiB", "--strategies", "offlaod"])
+    _, err = capsys.readouterr()
+    said = [line for line in re.split(r"[\r\n]", err) if line.strip()]
+    assert rc == 2 and len(said) == 1 and "unknown --strategies 'offlaod'; valid: " in said[0], err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_named_subsets_rows_equal_the_full_plans_rows():
+    from tests.planner.test_plan import CPU, tiny_config
+
+    config = tiny_config("llama")
+    full = plan.plan(config, 2, 32, 2**30, options=CPU)
+    r = PlanRequest.from_flags(budget="1GiB", workload="tiny-b2s32", strategies="checkpoint-mlp,offload+fp16+chunked-loss")
+    some = plan.plan(config, 2, 32, 2**30, options=CPU, candidates=r.candidates)
+    rows = {x.strategy: x for x in full.rows}
+    assert [x.strategy for x in some.rows] == ["plain", "checkpoint-mlp", "offload+fp16+chunked-loss"]
+    assert all(x == rows[x.strategy] for x in some.rows)  # every field: peaks, stages, ledger, cost
+    assert some.outputs_saving == full.outputs_saving

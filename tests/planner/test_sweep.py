@@ -52,9 +52,11 @@ def test_the_validated_families_are_planned_with_every_mechanism(outcomes):
 def test_most_families_are_planned(outcomes):
     """Transformers 5.17 (pinned) builds 178 causal LMs; the plan takes 151 of them. The rest: 13 default
     configs Transformers itself cannot build or read, and operations fake tensors cannot run (a value read
-    in Python: data-dependent routing, ``nonzero``)."""
+    in Python: data-dependent routing, ``nonzero``). Issue 30: the encoders among them (BERT-style models with
+    ``is_decoder`` false, XLM as an encoder: some 17) are refused now, one line each (``planner.causal``)."""
     planned = sum(kind == "planned" for kind, _ in outcomes.values())
-    assert planned >= 150, planned
+    encoders = sum(kind == "refused" and "does not attend causally" in d for kind, d in outcomes.values())
+    assert planned + encoders >= 150 and planned >= 130, (planned, encoders)
 
 
 def test_a_strategy_that_does_not_apply_is_left_out_with_its_reason():

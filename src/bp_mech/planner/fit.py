@@ -11,6 +11,8 @@ answer fits and one more (one more micro-batch's worth of rows: the batch must s
 prediction is off (a peak held by another operation; the chunked loss's last chunk, smaller while B T
 is under its chunk; the offload's threshold at small sizes), the check steps, then closes in along the line
 through the nearest sizes on either side (regula falsi), to the true answer (tests/planner/test_fit.py).
+The plan's uses: ``largest_sizes`` (``--batch max`` / ``--seq max``, per row) and ``fits_instead`` (what would
+fit when nothing does).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bp_mech.bench.strategy import Strategy
+from bp_mech.bench.strategy import Strategy, parse
+from bp_mech.instruments import anatomy
 
 AXES = ("batch", "seq")
 REFITS = 3  # predictions from the curves at the last traced sizes before it closes in
@@ -128,3 +131,48 @@ def largest(sess, s: Strategy, axis: str, budget: int, other: int, limit: int, n
         trace(mid)
         good, bad = (mid, bad) if traced[mid] <= budget else (good, mid)
     return Fit(s.name, axis, good, traced[good], bad and traced[bad], limit, len(traced), start, traced[start])
+
+
+@dataclass(frozen=True)
+class FitsInstead:
+    """What would fit when nothing does."""
+
+    strategy: str  # the leanest strategy
+    needs: int  # what it needs at the asked shape
+    small_shape: list[int]  # the smallest shape traced: [batch, seq]
+    small_needs: int  # what it needs there
+    model_state: int  # bytes after backward: parameters, gradients, optimizer state (+ the batch)
+    batch: int | None = None  # the largest batch that fits (None: not even the smallest; or a seq answer instead)
+    seq: int | None = None  # at batch 1: the largest sequence that fits
+
+
+BATCH_LIMIT = 2**16  # the largest batch ``largest_sizes`` looks for
+SEQ_LIMIT = 2**20  # the largest sequence, for a model without max_position_embeddings
+
+
+def _eager(sess) -> bool:
+    return anatomy.unwrapped(sess.model).config._attn_implementation == "eager"
+
+
+def largest_sizes(sess, rows, axis: str, batch: int, seq: int, budget: int, needs, step=None) -> list:
+    """Per plan row, the largest ``axis`` ("batch" at ``seq``, "seq" at ``batch``) its strategy fits ``budget`` at
+    (``largest``: from the exact growth of a few traces, checked: it fits, one more does not); ``needs``:
+    ``largest``'s."""
+    text = sess.model.config.get_text_config()
+    positions = getattr(text, "max_position_embeddings", None) or 0  # (XLNet's -1: none)
+    limit = BATCH_LIMIT if axis == "batch" else positions if positions > 0 else SEQ_LIMIT
+    return [largest(sess, parse(r.strategy), axis, budget, seq if axis == "batch" else batch, limit, needs,
+                    quadratic=axis == "seq" and _eager(sess), step=step) for r in rows]
+
+
+def fits_instead(sess, batch: int, seq: int, budget: int, leanest, needs, step=None) -> FitsInstead:
+    """What would fit when nothing does: the leanest plan row's budget, and the largest batch (at batch 1:
+    sequence) its strategy fits at (``largest`` on the plan's fake session: it fits, one more does not)."""
+    s, axis = parse(leanest.strategy), "batch" if batch > 1 else "seq"
+    if axis == "batch" and batch - 1 < s.micro_batches:  # no smaller batch splits: the same without accumulation
+        s = s.replace(micro_batches=1)
+    other = seq if axis == "batch" else batch
+    f = largest(sess, s, axis, budget, other, (batch if axis == "batch" else seq) - 1, needs,
+                quadratic=axis == "seq" and _eager(sess), step=step)
+    small = [f.first, other] if axis == "batch" else [other, f.first]
+    return FitsInstead(s.name, leanest.needs, small, f.first_needs, leanest.stages["backward"], **{axis: f.size})

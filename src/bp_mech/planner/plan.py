@@ -8,6 +8,8 @@ before backward unless ``definition.keep_outputs``) is traced per strategy of ``
 with the storage tracker (``planner.lifecycle.Session``: one fake model for all). For each: the ledger per
 lifecycle stage, the peak, whether it fits, and what it costs in time (``planner.costs``: counted, not
 assumed; the measured ratio of a cached GPU record of the same strategy beside it).
+A model that does not attend causally (an encoder the causal-LM mapping lists: BERT with ``is_decoder``
+false) is refused (``planner.causal``: a ``PlanError``, exit 2).
 
 Decision rule: a strategy fits when ``needs(peak) <= budget``, ``needs`` being the allocator's slack on
 the peak plus the CUDA context (``headroom``); the recommended one is the fitting one with the least
@@ -28,14 +30,14 @@ from dataclasses import dataclass
 import torch
 
 from bp_mech.instruments import anatomy
-from bp_mech.planner import build, lifecycle
+from bp_mech.planner import build, causal, lifecycle
 from bp_mech.planner.definitions import STEADY, StepDefinition
 from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.optimizer import StepOptions
-from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, parse, unsupported
+from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, unsupported
 from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
-from bp_mech.planner.fit import Fit, largest
+from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
@@ -96,19 +98,6 @@ class PlanRow:
     sharded: dict  # sharded plans: the most bytes of gathered parameters and of collective buffers at once
 
 
-@dataclass(frozen=True)
-class FitsInstead:
-    """What would fit when nothing does."""
-
-    strategy: str  # the leanest strategy
-    needs: int  # what it needs at the asked shape
-    small_shape: list[int]  # the smallest shape traced: [batch, seq]
-    small_needs: int  # what it needs there
-    model_state: int  # bytes after backward: parameters, gradients, optimizer state (+ the batch)
-    batch: int | None = None  # the largest batch that fits (None: not even the smallest; or a seq answer instead)
-    seq: int | None = None  # at batch 1: the largest sequence that fits
-
-
 @dataclass
 class Plan:
     """The plan: per strategy a ``PlanRow``, the recommendation, what would fit instead."""
@@ -142,7 +131,12 @@ class Plan:
 def session(config, batch: int, seq: int, options: StepOptions,
             definition: StepDefinition = STEADY, finetune: FineTune | None = None, prepare=None) -> lifecycle.Session:
     """The fake session of ``config`` at (batch, seq), whose steps follow ``definition`` (``prepare``: the
-    Session's, e.g. ``fully_shard``); a ``PlanError`` for a model the plan cannot take."""
+    Session's, e.g. ``fully_shard``); a ``PlanError`` for a model the plan cannot take (Transformers' warnings
+    while it builds one, such as an encoder's advice to set ``is_decoder``, are not the plan's output)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         s = lifecycle.Session(build.ConfigWorkload(config, batch, seq, finetune=finetune), fake=True,
                               options=options, definition=definition, prepare=prepare)
@@ -153,10 +147,14 @@ def session(config, batch: int, seq: int, options: StepOptions,
                         f"({one_line(e)})") from None
     except Exception as e:  # a config Transformers' own classes cannot be built from
         raise PlanError(f"Transformers cannot build {config.model_type!r} from this config: {one_line(e)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     try:
         anatomy.decoder_blocks(s.model), anatomy.output_head(s.model)
     except ValueError as e:
         raise PlanError(f"architecture {config.model_type!r} is not a decoder stack the plan can find: {e}") from None
+    if causal.attends_causally(s.model) is False:  # an encoder the causal-LM mapping lists (BERT, is_decoder false)
+        raise PlanError(causal.refusal(config.model_type))
     return s
 
 
@@ -250,25 +248,10 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
              definition=definition)
     if plain is not None and not isinstance(other, Failed):  # what dropping the outputs saves
         p.outputs_saving = plain.peak - other.peak if definition.keep_outputs else other.peak - plain.peak
-    p.fits = largest_sizes(sess, rows, fit, batch, seq, budget, step) if fit else []
+    p.fits = largest_sizes(sess, rows, fit, batch, seq, budget, needs, step) if fit else []
     if best is None:
-        p.fits_instead = fits_instead(sess, batch, seq, budget, min(rows, key=lambda r: r.needs), step)
+        p.fits_instead = fits_instead(sess, batch, seq, budget, min(rows, key=lambda r: r.needs), needs, step)
     return p
-
-
-BATCH_LIMIT = 2**16  # the largest batch ``largest_sizes`` looks for
-SEQ_LIMIT = 2**20  # the largest sequence, for a model without max_position_embeddings
-
-
-def largest_sizes(sess, rows, axis: str, batch: int, seq: int, budget: int, step=None) -> list:
-    """Per row, the largest ``axis`` ("batch" at ``seq``, "seq" at ``batch``) its strategy fits ``budget`` at
-    (``planner.fit.largest``: from the exact growth of a few traces, checked: it fits, one more does not)."""
-    text = sess.model.config.get_text_config()
-    positions = getattr(text, "max_position_embeddings", None) or 0  # (XLNet's -1: none)
-    limit = BATCH_LIMIT if axis == "batch" else positions if positions > 0 else SEQ_LIMIT
-    eager = anatomy.unwrapped(sess.model).config._attn_implementation == "eager"
-    return [largest(sess, parse(r.strategy), axis, budget, seq if axis == "batch" else batch, limit, needs,
-                    quadratic=axis == "seq" and eager, step=step) for r in rows]
 
 
 def recommend(rows, budget: int) -> str | None:
@@ -283,17 +266,3 @@ def smallest_budget(rows, at_least: int) -> int | None:
     """The smallest budget at which at least ``at_least`` of the rows fit (None: fewer rows)."""
     need = sorted(r.needs for r in rows)
     return need[at_least - 1] if 0 < at_least <= len(need) else None
-
-
-def fits_instead(sess, batch: int, seq: int, budget: int, leanest: PlanRow, step=None) -> FitsInstead:
-    """What would fit when nothing does: the leanest strategy's budget, and the largest batch (at batch 1:
-    sequence) it fits at (``planner.fit.largest`` on the plan's fake session: it fits, one more does not)."""
-    s, axis = parse(leanest.strategy), "batch" if batch > 1 else "seq"
-    if axis == "batch" and batch - 1 < s.micro_batches:  # no smaller batch splits: the same without accumulation
-        s = s.replace(micro_batches=1)
-    other = seq if axis == "batch" else batch
-    eager = anatomy.unwrapped(sess.model).config._attn_implementation == "eager"
-    f = largest(sess, s, axis, budget, other, (batch if axis == "batch" else seq) - 1, needs,
-                quadratic=axis == "seq" and eager, step=step)
-    small = [f.first, other] if axis == "batch" else [other, f.first]
-    return FitsInstead(s.name, leanest.needs, small, f.first_needs, leanest.stages["backward"], **{axis: f.size})

@@ -2,7 +2,7 @@
 stage, the peak, what fits, the counted time cost) or JSON. ``run`` takes the command's typed request
 (``planner.request.PlanRequest``). Exit status: 0 when a candidate fits; 1 when none does (the plan is printed
 all the same, with what would fit instead: ``Plan.fits_instead``, and that line on stderr); 2 for bad input (a
-``PlanError``: one line, no traceback)."""
+``PlanError``: one line, no traceback; a model that does not attend causally, ``planner.causal``, is one)."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def run(r: PlanRequest, progress=None) -> int:
     definition = StepDefinition(keep_outputs=r.keep_outputs, weights=r.weights and r.weights.value)
     p = plan(config, batch, seq, r.budget, r.device_name, options=r.options, progress=progress,
              workers=r.workers or default_workers(), definition=definition, finetune=r.finetune, fit=fit,
-             gpus=r.gpus, shard=r.shard)
+             gpus=r.gpus, shard=r.shard, candidates=r.candidates)
     print(json.dumps(p.to_dict(), indent=1, default=str) if r.json else format_text(p))
     if p.recommended is None:
         print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)

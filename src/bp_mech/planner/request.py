@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bp_mech.bench.optimizer import OPTIMIZERS, StepOptions
-from bp_mech.bench.strategy import FLOAT32, LowPrecision
+from bp_mech.bench.strategy import CANDIDATES, FLOAT32, PLAIN, LowPrecision, Strategy
 from bp_mech.instruments.adamw import torch_default_adamw
 from bp_mech.planner.finetune import FineTune, FineTuneError
 from bp_mech.planner.inputs import PlanError, parse_size
 
 Shape = int | Literal["max"] | None  # --batch / --seq: a number, "max" (the largest that fits), or not given
+NAMES = tuple(s.name for s in CANDIDATES)  # --strategies: the plan's candidates (bench.strategy.CANDIDATES)
 DTYPES = (FLOAT32, *LowPrecision.words())  # --dtype: float32, or a strategy name's word for a 16-bit format
 SHARDS = ("fsdp2", "ddp")  # --shard: planner.shard's ways of spreading the step over --gpus devices
 
@@ -77,6 +78,7 @@ class PlanRequest:
     lora_targets: tuple[str, ...] | None = None  # --lora-targets: the modules LoRA adapts (None: peft's)
     gpus: int = 1  # --gpus: devices the step is spread over
     shard: str | None = None  # --shard: fsdp2 or ddp, with --gpus N > 1
+    strategies: tuple[str, ...] | None = None  # --strategies: the candidates to plan (plain always); None: all
 
     def __post_init__(self):
         if bool(self.config) == bool(self.workload):
@@ -99,11 +101,13 @@ class PlanRequest:
             raise PlanError(f"unknown --shard {self.shard!r}; one of {', '.join(SHARDS)}")
         if (self.gpus > 1) != (self.shard is not None):
             raise PlanError("--gpus N (N > 1) and --shard fsdp2|ddp go together")
+        if unknown := [n for n in self.strategies or () if n not in NAMES]:
+            raise PlanError(f"unknown --strategies {', '.join(map(repr, unknown))}; valid: {', '.join(NAMES)}")
         self.finetune  # noqa: B018 (a --freeze or LoRA setting that cannot be: PlanError now)
 
     @classmethod
     def from_flags(cls, budget: str, batch: str | None = None, seq: str | None = None, dtype: str | None = None,
-                   lora_targets: str | None = None, **fields) -> "PlanRequest":
+                   lora_targets: str | None = None, strategies: str | None = None, **fields) -> "PlanRequest":
         """The request from the command line's flags, as text where the flag is text.
 
         Args:
@@ -112,6 +116,7 @@ class PlanRequest:
             seq: ``--seq``: likewise.
             dtype: ``--dtype``: one of ``DTYPES`` (None: float32).
             lora_targets: ``--lora-targets``: module names joined by commas.
+            strategies: ``--strategies``: candidate names joined by commas (None: every candidate).
             **fields: the other fields, already typed (``config``, ``workers``, ``json``, ...).
 
         Returns:
@@ -129,8 +134,9 @@ class PlanRequest:
             raise PlanError(f"unknown --dtype {dtype!r}; one of {', '.join(DTYPES)}")
         weights = LowPrecision.of_word(dtype) if dtype not in (None, FLOAT32) else None
         targets = tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None
+        names = tuple(n.strip() for n in strategies.split(",") if n.strip()) if strategies is not None else None
         return cls(budget=parse_size(budget), batch=shape_arg(batch, "--batch"), seq=shape_arg(seq, "--seq"),
-                   weights=weights, lora_targets=targets, **fields)
+                   weights=weights, lora_targets=targets, strategies=names, **fields)
 
     @property
     def impl(self) -> str:
@@ -142,6 +148,13 @@ class PlanRequest:
         """The step's optimizer and its implementation, with CUDA's settings (what the plan traces)."""
         impl = self.impl if OPTIMIZERS[self.optimizer] else None
         return StepOptions(adamw=impl, optimizer=self.optimizer).for_device("cuda")
+
+    @property
+    def candidates(self) -> tuple[Strategy, ...]:
+        """The strategies to plan: plain and those ``--strategies`` names, in ``CANDIDATES``' order (all of them
+        when it names none)."""
+        named = set(self.strategies or NAMES) | {PLAIN.name}
+        return tuple(s for s in CANDIDATES if s.name in named)
 
     @property
     def finetune(self) -> FineTune | None:
