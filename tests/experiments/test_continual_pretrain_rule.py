@@ -22,6 +22,8 @@ def test_the_domain_rule_at_its_bounds(gain, drift, verdict):
 
 def test_a_non_finite_run_or_a_nan_difference_never_passes():
     assert decide_domain(0.5, 0.0, False).verdict == "reject"  # a NaN gain comes with all_finite False
+    for gain, drift in ((math.nan, 0.0), (0.5, math.nan), (math.inf, 0.0), (math.nan, math.nan)):
+        assert decide_domain(gain, drift, True).verdict == "reject"  # even when all_finite says otherwise
     for loss, weight in ((math.nan, 0.0), (0.0, math.nan)):
         assert decide_resume(loss, weight, "cuda").verdict == "reject"
 

@@ -1,6 +1,6 @@
 """Part 02 · 56's decision rule (``bp_mech.experiments.continual_pretrain`` applies it):
 
-* domain:  reject if a loss is not finite, or the domain loss fell by less than MIN_DOMAIN_GAIN_REL of the
+* domain:  reject if a loss, the gain or the drift is not finite (a NaN never passes), or the domain loss fell by less than MIN_DOMAIN_GAIN_REL of the
   baseline's; tune if the holdout loss rose by more than MAX_HOLDOUT_DRIFT_REL of the baseline's; accept
   otherwise.
 * resumed: accept if every loss after the saved state and every final weight equal the uninterrupted run's
@@ -11,6 +11,8 @@ Why each threshold has its value: ``bp_mech.book.rules``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,11 +37,14 @@ def decide_domain(domain_gain_rel: float, holdout_drift_rel: float, all_finite: 
         The ``Decision``; its reason names the gain and the drift against their bounds.
 
     Example:
+        >>> decide_domain(float("nan"), 0.0, True).verdict
+        'reject'
         >>> decide_domain(0.003, 0.0, True).reason
         "the domain loss fell by 0.30% of the base's (< MIN_DOMAIN_GAIN_REL 1%)"
     """
-    if not all_finite:
-        return Decision("reject", "a loss is not finite", "lower the LR, check the data")
+    if not (all_finite and math.isfinite(domain_gain_rel) and math.isfinite(holdout_drift_rel)):
+        return Decision("reject", f"a loss is not finite (gain {domain_gain_rel:.2%}, drift {holdout_drift_rel:+.2%})",
+                        "lower the LR, check the data")
     gain, drift = f"the domain loss fell by {domain_gain_rel:.2%} of the base's", f"{holdout_drift_rel:+.2%}"
     if domain_gain_rel < MIN_DOMAIN_GAIN_REL:
         return Decision("reject", f"{gain} (< MIN_DOMAIN_GAIN_REL {MIN_DOMAIN_GAIN_REL:.0%})",
