@@ -107,3 +107,11 @@ def test_a_pipe_in_a_cell_does_not_split_it():
 
 def test_the_summary_is_escaped():
     assert "<summary>a &lt;b&gt; &amp; c</summary>" in report.folded_markdown(ROWS, summary="a <b> & c")
+
+
+def test_a_column_that_is_dash_in_every_row_is_left_out():
+    """A failure column where nothing failed says nothing (issue 29: no table half made of "–")."""
+    rows = [{"candidate": "plain", "peak": "1 MiB", "failure": "–"}, {"candidate": "offload", "peak": "2 MiB", "failure": "–"}]
+    assert "failure" not in report.markdown_table(rows).data
+    rows[1]["failure"] = "OOM"
+    assert "failure" in report.markdown_table(rows).data

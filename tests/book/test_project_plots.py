@@ -26,8 +26,9 @@ def _lines(fig):
 def test_gain_and_drift_per_update():
     evals = [dict(update=0, domain=4.0, holdout=2.0), dict(update=5, domain=3.0, holdout=2.2)]
     lines = _lines(project_plots.plot_gain_drift(evals, "t"))
-    assert list(lines["domain (its held-out part)"].get_ydata()) == [4.0, 3.0]
-    assert list(lines["holdout (general text)"].get_xdata()) == [0, 5]
+    assert list(lines["domain (its held-out part): down = gain"].get_ydata()) == [0.0, -1.0]
+    assert list(lines["holdout (general text): up = drift"].get_xdata()) == [0, 5]
+    assert abs(lines["holdout (general text): up = drift"].get_ydata()[-1] - 0.2) < 1e-12
 
 
 def test_the_resumed_steps_sit_on_the_last_steps_of_the_uninterrupted_run():

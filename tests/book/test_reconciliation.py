@@ -25,3 +25,19 @@ def test_rows_are_the_ledgers_savings_and_flag_only_what_is_within_tolerance():
     assert [r["definition"] for r in shown] == ["a", "c"]
     assert shown[1]["the step it measures"] == meaning("c")
     assert all(r["reference"] == f"{gap.reference_saving:.1%}" for r in shown)
+
+
+def test_a_chapter_shows_only_the_definitions_that_matter():
+    """The book's step, those within the tolerance, the nearest: not every definition in every chapter."""
+    from types import SimpleNamespace as NS
+
+    from bp_mech.book.reconciliation import key_rows
+
+    def row(d, saving, within=False):
+        return NS(definition=d, saving=saving, increment_saving=saving, within=within, increment_within=False)
+
+    rows = [row("a", 0.30), row("b", 0.10), row("c", 0.19, True), row("d", 0.50), row("b+g", 0.05)]
+    gap = NS(rows=rows, reference_saving=0.20, tolerance_pp=2.0)
+    assert [r.definition for r in key_rows(gap)] == ["a", "c"]
+    gap.rows = [row("a", 0.30), row("b", 0.12), row("d", 0.50)]  # none within: the nearest stays
+    assert [r.definition for r in key_rows(gap)] == ["a", "b"]

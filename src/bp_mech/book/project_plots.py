@@ -11,13 +11,20 @@ from bp_mech.projects.step_profile import CATEGORIES, StepProfile
 
 
 def plot_gain_drift(evals: list[dict], title: str):
-    """Domain and holdout loss per token over the domain updates (update 0: the baseline)."""
+    """Each loss's change from the base over the domain updates (nats per token; 0: the base): the domain
+    loss's fall is the gain, the holdout loss's rise the drift; the end values are written beside them."""
     fig, ax = figure(6.4, 3.4)
     x = [e["update"] for e in evals]
-    for name, marker, label in (("domain", "o", "domain (its held-out part)"), ("holdout", "s", "holdout (general text)")):
-        ax.plot(x, [e[name] for e in evals], marker=marker, ms=4, label=label)
+    ax.axhline(0.0, color="grey", lw=1, ls="--", label="the base (update 0)")
+    for name, marker, label, word, sign in (("domain", "o", "domain (its held-out part): down = gain", "gain", -1),
+                                            ("holdout", "s", "holdout (general text): up = drift", "drift", 1)):
+        dy = [e[name] - evals[0][name] for e in evals]
+        line, = ax.plot(x, dy, marker=marker, ms=4, label=label)
+        ax.annotate(f"{word} {sign * dy[-1]:+.3f}", (x[-1], dy[-1]), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=8, color=line.get_color())
+    ax.set_xlim(x[0], x[-1] + 0.2 * (x[-1] - x[0] or 1))
     ax.set_xlabel("domain update")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel("loss − the base's loss (nats per token)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     return fig

@@ -37,23 +37,36 @@ def pct(x: float) -> str:
     return f"{x if round(x, 3) else 0.0:.1%}"
 
 
-def gap_rows(gap: Gap) -> list[dict]:
-    """One row per definition: its meaning, the predicted saving of the peak and of the peak's
-    increment (f), and whether either lies within the tolerance of the reference."""
+def key_rows(gap: Gap) -> list:
+    """The definitions that matter to a chapter, in ``gap.rows``' order: the book's own step ("a"), every
+    one whose peak or increment saving lies within the tolerance of the reference, and the one nearest to
+    the reference (so that a chapter without a match still shows how near it came)."""
+    def miss(r) -> float:
+        return min(abs(r.saving - gap.reference_saving), abs(r.increment_saving - gap.reference_saving))
+
+    nearest = min(gap.rows, key=miss)
+    return [r for r in gap.rows if r.definition == "a" or r.within or r.increment_within or r is nearest]
+
+
+def gap_rows(gap: Gap, rows: list | None = None) -> list[dict]:
+    """One row per definition (``rows``, default every one of ``gap.rows``): its meaning, the predicted
+    saving of the peak and of the peak's increment (f), and whether either lies within the tolerance of
+    the reference."""
     tol = gap.tolerance_pp
-    rows = []
-    for r in gap.rows:
+    shown = []
+    for r in gap.rows if rows is None else rows:
         hit = [x for x, ok in (("peak", r.within), ("increment (f)", r.increment_within)) if ok]
-        rows.append({"definition": r.definition, "the step it measures": meaning(r.definition),
+        shown.append({"definition": r.definition, "the step it measures": meaning(r.definition),
                      "predicted saving": pct(r.saving), "(f) increment saving": pct(r.increment_saving),
                      "reference": pct(gap.reference_saving),
                      f"within ±{tol:g} point{'' if tol == 1 else 's'}": ", ".join(hit) or "no"})
-    return rows
+    return shown
 
 
 def gap_table(gap: Gap):
-    """``gap_rows`` as a Markdown table (renders in the book)."""
-    return markdown_table(gap_rows(gap))
+    """``gap_rows`` of the definitions that matter (``key_rows``) as a Markdown table (renders in the book):
+    a chapter shows its own few, not every definition."""
+    return markdown_table(gap_rows(gap, key_rows(gap)))
 
 
 def reconcile(semantic_id: str) -> Gap:

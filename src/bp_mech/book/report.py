@@ -26,8 +26,11 @@ def fmt(v, spec: str = ".3g") -> str:
 
 
 def _table(rows: list[dict], columns: list[str]) -> list[str]:
-    """Markdown table lines; a "|" inside a cell is escaped, so that it cannot split the cell."""
+    """Markdown table lines; a "|" inside a cell is escaped, so that it cannot split the cell. A column that
+    is "–" in every one of several rows (a failure column where nothing failed) says nothing: it is left out."""
     cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    if len(rows) > 1:
+        columns = [c for c in columns if any(str(row.get(c, "–")) != "–" for row in rows)] or columns
     lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(cell(row.get(c, "–")) for c in columns) + " |" for row in rows]
 
