@@ -256,3 +256,15 @@ def test_git_commit_reads_this_checkout(fresh_git_commit):
         pytest.skip("not a git checkout")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     assert fresh_git_commit() == head and len(head) == 40
+
+
+def test_the_computed_records_folder_is_not_read_as_run_records(tmp_path):
+    """``book/results/computed/`` holds computed records (another schema) beside the run records."""
+    path = save_record(_record(), tmp_path)
+    (tmp_path / "computed").mkdir()
+    (tmp_path / "computed" / "sweep.json").write_text('{"name": "sweep"}')
+    assert [p for p, _ in load_records(tmp_path)] == [path]
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "bad.json").write_text('{"name": "sweep"}')
+    with pytest.raises(RecordError, match="bad.json"):
+        load_records(tmp_path)  # any other folder is still read

@@ -211,7 +211,8 @@ def load_record(path: str | os.PathLike) -> Record:
 
 
 def load_records(directory: str | os.PathLike, semantic_id: str | None = None) -> list[tuple[Path, Record]]:
-    """Every record under ``directory`` (validated), optionally of one experiment."""
+    """Every record under ``directory`` (validated), optionally of one experiment. A ``computed/`` folder
+    holds computed records (``records.computed``), not run records, and is passed over."""
     d = Path(directory)
     if not d.exists():
         return []
@@ -219,6 +220,8 @@ def load_records(directory: str | os.PathLike, semantic_id: str | None = None) -
         raise RecordError(f"{d}: not a directory")
     out = []
     for p in sorted(d.rglob("*.json")):
+        if "computed" in p.relative_to(d).parts[:-1]:
+            continue
         r = load_record(p)
         if semantic_id is None or r.semantic_id == semantic_id:
             out.append((p, r))
