@@ -38,3 +38,15 @@ def test_a_fake_twin_has_the_real_shapes_and_no_memory():
         fake, batch = build(ConfigWorkload(CONFIG, 2, 8), "cpu", fake=True)
         assert all(isinstance(p, FakeTensor) for p in fake.parameters()) and isinstance(batch["input_ids"], FakeTensor)
     assert [(n, p.shape) for n, p in fake.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
+
+
+def test_the_caller_s_config_is_left_as_it_was():
+    """Building sets the model's dtype and ``use_cache`` on the model's config, not on the one passed in:
+    a config planned twice (or keyed by its contents, as the computed records are) stays the same."""
+    config = LlamaConfig(**CONFIG.to_dict())
+    before = config.to_dict()
+    for fake in (False, True):
+        with FakeTensorMode() if fake else torch.no_grad():
+            model, _ = build(ConfigWorkload(config, 1, 8), "cpu", fake=fake, dtype="bfloat16")
+        assert model.config.use_cache is False and model.config is not config
+    assert config.to_dict() == before

@@ -8,6 +8,7 @@ size without memory (the full qwen05 in seconds on any CPU).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -39,7 +40,8 @@ def build(w, device, fake: bool, dtype: str | None = None):
     w = dataclasses.replace(w, dtype=dtype or w.dtype)
     if not fake and not isinstance(w, ConfigWorkload):
         return build_model(w, device), make_batches(w, 1, device=device)[0]
-    config = w.config if isinstance(w, ConfigWorkload) else qwen2_config(w.arch)
+    # a copy: building sets the model's dtype and use_cache on its config, and the caller's stays as it was
+    config = copy.deepcopy(w.config) if isinstance(w, ConfigWorkload) else qwen2_config(w.arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, w.dtype))  # (.to() cannot swap fake parameters)
     try:
