@@ -67,6 +67,19 @@ def test_contract_rejects(check, over, message):
         check(_bad(**over))
 
 
+def _default_bytes(f, default):  # the signature's bytes_per_value default is not 4 (a float32 model)
+    def g(cfg, bytes_per_value=default):
+        return f(cfg, bytes_per_value)
+    return g
+
+
+@pytest.mark.parametrize("name", ["param_bytes", "grad_bytes", "adam_state_bytes"])
+def test_the_default_bytes_per_value_is_checked(name):
+    check = getattr(ex43, f"check_{name}")
+    with pytest.raises(AssertionError, match=rf"^{name}: \d+ bytes, PyTorch allocates \d+ .* left at its default"):
+        check(_bad(**{name: _default_bytes(getattr(state_bytes, name), 2)}))
+
+
 def test_the_fixed_checks_miss_what_the_contract_catches():
     """The explored shapes and dtypes add something: these mutants pass the chapter's fixed cases."""
     ex43.check_param_bytes(_bad(param_bytes=_float64_as_four))
@@ -76,8 +89,8 @@ def test_the_fixed_checks_miss_what_the_contract_catches():
 
 # --- Exercise 43.5 (variant): a GELU MLP -----------------------------------------------------
 
-def _gelu(extra_c=0, extra_i=0, nb=None, cast=int):
-    def f(C, I, B, T, bytes_per_value=4):
+def _gelu(extra_c=0, extra_i=0, nb=None, cast=int, default=4):
+    def f(C, I, B, T, bytes_per_value=default):
         n = B * T
         return cast(n * (C + 2 * I + extra_c * C + extra_i * I) * (nb or bytes_per_value))
     return f
@@ -90,7 +103,8 @@ def _gelu(extra_c=0, extra_i=0, nb=None, cast=int):
     (ex43_contract.check_gelu_mlp_saved_bytes, _gelu(extra_i=1), r"\(\+\d+\) at hidden"),  # GELU(h) counted twice
     (ex43_contract.check_gelu_mlp_saved_bytes, _gelu(nb=4), r"bfloat16, bytes_per_value=2"),  # always float32
     (ex43_contract.check_gelu_mlp_saved_bytes__contract, _gelu(cast=float), r"is a float, expected an int"),
-], ids=["output-saved", "input-forgotten", "h-and-g-one-storage", "g-twice", "always-fp32", "float"])
+    (ex43_contract.check_gelu_mlp_saved_bytes, _gelu(default=2), r"the default bytes_per_value is 4"),
+], ids=["output-saved", "input-forgotten", "h-and-g-one-storage", "g-twice", "always-fp32", "float", "default-2"])
 def test_gelu_mlp_checks_catch_the_classic_mistakes(check, f, message):
     with pytest.raises(AssertionError, match="^gelu_mlp_saved_bytes: .*" + message):
         check(_bad(gelu_mlp_saved_bytes=f))
@@ -112,11 +126,12 @@ def _predict(W=3, saved=1, norm=1, logits=4, cast=int):
     (_predict(W=4), r"\(\+\d+\.\d%"),  # gradients still alive
     (_predict(saved=0), r"\(-\d+\.\d%"),  # no saved activations
     (_predict(norm=0), r"\(-\d+\.\d%"),  # the final norm forgotten
+    (_predict(norm=1.25), r"\(\+\d+\.\d%"),  # the final norm at 5 bytes per value
     (_predict(logits=0), r"\(-\d+\.\d%"),  # no log-probabilities
     (_predict(logits=2), r"\(-\d+\.\d%"),  # log-probabilities in 16 bits
     (_predict(cast=float), r"the byte count is a float, expected an int"),
-], ids=["no-moments", "one-moment", "grads-alive", "no-activations", "no-final-norm", "no-logits", "half-logits",
-        "float"])
+], ids=["no-moments", "one-moment", "grads-alive", "no-activations", "no-final-norm", "norm-5-bytes", "no-logits",
+        "half-logits", "float"])
 def test_prediction_check_catches_the_classic_mistakes(f, message):
     with pytest.raises(AssertionError, match="^predict_forward_bytes: .*" + message):
         ex43_contract.check_predict_forward_bytes(_bad(predict_forward_bytes=f))

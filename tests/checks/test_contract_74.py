@@ -83,7 +83,39 @@ def _nonzero_points(rows, n, V, C, chunk):  # points with no change left out
     return {p: ch for p, ch in rule(rows, n, V, C, chunk).items() if any(ch.values())}
 
 
+PEAK = "backward_peak"
+
+
+def _peak_by_identity(rows, n, V, C, chunk):  # `point is "backward_peak"`: right only for interned names
+    out = rule(rows, n, V, C, chunk)
+    for p, ch in out.items():
+        if p == PEAK and p is not PEAK:
+            ch.pop("gradients", None)
+    return out
+
+
+def _shrinks_by_two(rows, n, V, C, chunk):  # `cut < -1`: a one-byte shrink books no dW
+    out = rule(rows, n, V, C, chunk)
+    if out.get(PEAK, {}).get("logits_loss") == -1:
+        out[PEAK].pop("gradients")
+    return out
+
+
+def _chunks_by_identity(rows, n, V, C, chunk):  # `k = 2 if n is not c`: two chunks' logits when c is n by value
+    c = min(chunk, n)
+    k = 2 if n is not c else 1
+    live = {"forward_peak": k * 4 * c * V, PEAK: max(k * 4 * c * V, 4 * c * V + 4 * V * C) + 4 * n * C}
+    out = {}
+    for p, row in rows.items():
+        cut = min(0, 12 * n + live.get(p, 0) - row["logits_loss"])
+        out[p] = {"logits_loss": cut, **({"gradients": 4 * V * C} if p == PEAK and cut < 0 else {})}
+    return out
+
+
 CHUNKED = [
+    ("peak-by-identity", _peak_by_identity, "expected exactly"),
+    ("one-byte-shrink", _shrinks_by_two, "expected exactly"),
+    ("one-chunk-by-identity", _chunks_by_identity, "the rule's"),
     ("modifies-rows", _writes_rows, "rows was modified in place"),
     ("float", lambda *a: {p: {k: float(v) for k, v in ch.items()} for p, ch in rule(*a).items()}, "expected an int"),
     ("numpy-int", lambda *a: {p: {k: np.int64(v) for k, v in ch.items()} for p, ch in rule(*a).items()},
@@ -155,6 +187,8 @@ LIVE = [
     ("list-not-tuple", lambda e, c: list(replay(e, c)), "expected (a|the) tuple"),
     ("empty-crashes", _first_time, "raised IndexError at no events"),
     ("unknown-action-ignored", _unknown_ignored, "expected ValueError"),
+    ("alloc-read-as-destroy", lambda e, c: replay([x if x[1] != "alloc" else (*x[:1], "destroy", *x[2:]) for x in e], c),
+     "the unknown action 'alloc'"),
     ("increment-keeps-old-version", _version_kept, "the storages alive then"),
 ]
 
@@ -249,7 +283,7 @@ def test_the_unsorted_walk_passes_on_the_given_order():
 def _formula(**kw):
     def f(n, V, C, chunk):
         c = chunk if kw.get("no_min") else min(chunk, n)
-        k = 1 if kw.get("k1") or c >= n else 2
+        k = 1 if kw.get("k1") or (c is n if kw.get("by_identity") else c >= n) else 2
         plain = (16 if kw.get("logits_too") else 12) * n * V
         dh = 0 if kw.get("no_dh") else 4 * n * C
         return plain - (12 * n + dh + max(k * 4 * c * V, 4 * c * V + 4 * V * C))
@@ -261,6 +295,8 @@ PREDICT = [
     (ex74_variant.check_predict_logits_line_saving, "logits-counted", _formula(logits_too=True), "the measured steps"),
     (ex74_variant.check_predict_logits_line_saving, "no-dh", _formula(no_dh=True), "the measured steps"),
     (ex74_variant.check_predict_logits_line_saving__contract, "chunk-not-capped", _formula(no_min=True),
+     "the chapter's formulas give"),
+    (ex74_variant.check_predict_logits_line_saving__contract, "one-chunk-by-identity", _formula(by_identity=True),
      "the chapter's formulas give"),
     (ex74_variant.check_predict_logits_line_saving__contract, "float", lambda *a: float(predict(*a)),
      "expected an int"),

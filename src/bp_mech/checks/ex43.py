@@ -6,7 +6,8 @@ storages, ``.grad`` storages after a backward, AdamW's two moments after one ste
 storages a ``Qwen2DecoderLayer`` hands to ``saved_tensors_hooks``. Byte counts must match
 exactly: a ledger line is a count, not an estimate. Parameters, gradients and AdamW's moments are
 measured in float32 (4 bytes per value) and in bfloat16 and float16 (2 bytes: a model cast with
-``.to(dtype)``, whose gradients and moments take its dtype). The measurements live in ``ex43_measure``;
+``.to(dtype)``, whose gradients and moments take its dtype), and with ``bytes_per_value`` left at its default
+(4, float32). The measurements live in ``ex43_measure``;
 the whole contract on drawn shapes and dtypes (float64 too), the variant and the prediction in
 ``ex43_contract``.
 """
@@ -38,12 +39,15 @@ def _equal(fn, got, want, at):
 
 def _state_line(m, fn: str, index: int, dtypes) -> None:
     """``m.<fn>(cfg, bytes_per_value)`` against line ``index`` (parameters, gradients, moments) of a real model's
-    ``measure_state``, for every shape and each of ``dtypes``."""
+    ``measure_state``, for every shape and each of ``dtypes``; and ``m.<fn>(cfg)``, the signature's default
+    (``bytes_per_value=4``), against the float32 model's."""
     for shape in SHAPES:
         cfg = shape_config(shape)
         for dtype, nb in dtypes:
             at = describe_dtype(shape, dtype, nb)
             _equal(fn, call(fn, getattr(m, fn), cfg, nb, at=at), measure_state(shape, dtype)[index], at)
+        at = describe_shape(shape, "; bytes_per_value left at its default (4: a float32 model)")
+        _equal(fn, call(fn, getattr(m, fn), cfg, at=at), measure_state(shape, torch.float32)[index], at)
 
 
 def check_param_bytes(m):

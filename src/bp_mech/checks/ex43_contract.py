@@ -23,7 +23,8 @@ from bp_mech.checks.properties import assert_type, explore
 
 DTYPES = [(torch.float64, 8), (torch.float32, 4), (torch.bfloat16, 2), (torch.float16, 2)]
 PREDICT_TOL = 0.02  # the lines the prediction leaves out are < 1 % at PREDICT_CASES; each line it keeps is > 2 %
-PREDICT_CASES = [((24, 2, 2, 48, 320, 1, True), 4, 24), ((40, 5, 1, 96, 200, 3, False), 3, 20)]
+PREDICT_CASES = [((24, 2, 2, 48, 320, 1, True), 4, 24), ((40, 5, 1, 96, 200, 3, False), 3, 20),
+                 ((80, 4, 1, 8, 24, 1, True), 16, 8)]  # the last: the final norm's saves are 16 % of the total
 
 
 # (hidden, heads, kv heads, intermediate, vocab, layers, tied), as ``ex43.SHAPES``: one query head, plain
@@ -144,6 +145,11 @@ def check_gelu_mlp_saved_bytes(m):
         want = measure_gelu_mlp_saved_bytes(C, I, B, T, dtype)
         assert got == want, (f"gelu_mlp_saved_bytes: {got} bytes, the torch.nn modules save {want} ({got - want:+d})"
                              f" at {at}")
+    at = _gelu_at(8, 20, 2, 3, torch.float32, 4).replace("bytes_per_value=4", "bytes_per_value left at its default")
+    got = call_int("gelu_mlp_saved_bytes", m.gelu_mlp_saved_bytes, None, 8, 20, 2, 3, at=at)
+    want = measure_gelu_mlp_saved_bytes(8, 20, 2, 3, torch.float32)
+    assert got == want, (f"gelu_mlp_saved_bytes: {got} bytes, the torch.nn modules save {want} ({got - want:+d}); "
+                         f"the default bytes_per_value is 4 (float32) at {at}")
 
 
 def check_gelu_mlp_saved_bytes__contract(m):

@@ -17,6 +17,7 @@ Each function's contract is explored too (``..._contract``, hypothesis): ``predi
 in ``ex74_contract`` (with the real measurements); the variant and the prediction in ``ex74_variant``.
 """
 
+import json
 import random
 
 from bp_mech.checks import ex74_variant as variant
@@ -244,7 +245,16 @@ def check_chunked_loss_changes__contract(m):
                 assert_type(fn, f"the {line} change at {p}", got[p][line], int, at)
                 assert got[p][line] == v, f"{fn}: the {line} change at {p} is {got[p][line]}, the rule's {v} at {at}"
         assert_json(fn, "the changes", got, at)
-    explore(settings(), body)
+    B, T = 2, 300
+    n = B * T  # 600 tokens, computed as a step computes them, and one chunk of exactly n: k = 1
+    one_chunk = ({"forward_peak": {"logits_loss": 20 * n * 50}, "backward_peak": {"logits_loss": 20 * n * 50},
+                  "forward": {"logits_loss": 12 * n}}, n, 50, 8, 600)
+    # a ledger read back from JSON (its point names are new str objects, equal to the literals but not them),
+    # whose backward's peak is one byte over what the chunked loss keeps there: it shrinks, by 1 byte
+    keeps = 12 * 64 + 4 * 64 * 8 + max(2 * 4 * 16 * 100, 4 * 16 * 100 + 4 * 100 * 8)
+    one_byte = (json.loads(json.dumps({"forward": {"logits_loss": 12 * 64, "gradients": 7},
+                                       "backward_peak": {"logits_loss": keeps + 1, "parameters": 5}})), 64, 100, 8, 16)
+    explore(settings(), body, corners=(one_chunk, one_byte))
 
 
 CHECKS = [check_predicted_saving__classic_cases, check_predicted_saving__random, check_predicted_saving__contract,

@@ -182,8 +182,9 @@ def check_live_by_category__contract(m):
     got = call(fn, m.live_by_category, [], {}, at="no events")
     assert got == ([], []) and type(got) is tuple, (
         f"{fn}: returned {short(got, 80)} for no events, expected the tuple ([], [])")
-    raises(fn, m.live_by_category, ([(0, "resize", "s", 0, 8)], {}), ValueError, "the unknown action 'resize'",
-           "events [(0, 'resize', 's', 0, 8)]")
+    for action in ("resize", "alloc"):  # after and before "destroy" in string order
+        raises(fn, m.live_by_category, ([(0, action, "s", 0, 8)], {}), ValueError, f"the unknown action {action!r}",
+               f"events [(0, {action!r}, 's', 0, 8)]")
 
     def body(case):
         events, cats = case

@@ -73,6 +73,12 @@ def check_self_time_by_name__profiled_step(m):
     got = call("self_time_by_name", m.self_time_by_name, toy, at=f"intervals {toy}")
     want = {"step": 7.0, "aten::mm": 4.0, "aten::add": 1.0}
     assert got == want, f"self_time_by_name: returned {short(got)}, expected {want} for the intervals {toy}"
+    # a child that starts with its parent, listed first (the order of the intervals does not matter)
+    toy = [("aten::add", 0, 0.0, 3.0), ("aten::linear", 0, 0.0, 8.0), ("aten::mm", 0, 0.0, 5.0)]
+    got = call("self_time_by_name", m.self_time_by_name, toy, at=f"intervals {toy}")
+    want = {"aten::linear": 3.0, "aten::mm": 2.0, "aten::add": 3.0}
+    assert got == want, (f"self_time_by_name: returned {short(got)}, expected {want} for the intervals {toy} (three "
+                         f"nested intervals with one start, the innermost listed first)")
     ref = profiled()
     at = f"the {len(ref['intervals'])} CPU events of a profiled training step (MLP + AdamW)"
     got = call("self_time_by_name", m.self_time_by_name, list(ref["intervals"]), at=at)
@@ -155,5 +161,7 @@ def check_predict_logits_line_saving__contract(m):
         assert_type(fn, "the prediction", got, int, at)
         want = _line_saving(n, V, C, chunk)
         assert got == want, f"{fn}: predicted {got} bytes, the chapter's formulas give {want} at {at}"
+    B, T = 2, 300
+    n = B * T  # 600 tokens, computed as a step computes them, and one chunk of exactly n (k = 1), c > C
     explore(st.tuples(st.integers(1, 4096), st.integers(1, 200_000), st.integers(1, 4096), st.integers(1, 8192)),
-            body)
+            body, corners=((n, 1000, 64, 600),))
