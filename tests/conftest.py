@@ -140,7 +140,9 @@ def _mutants_unshrunk(monkeypatch):
     monkeypatch.setattr(properties, "SHRINK", False)
 
 
-BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py")
+# the tests that read the build (tools/book_build.current_build): on the worker that builds it, never waiting
+# on the other
+BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py", "tests/test_rendered_pages.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -61,3 +61,12 @@ def test_strict_book_build():
     assert "_sources/book/part02/09-local-backward.ipynb" in page
     nb = json.loads((html / "_sources" / "book" / "part02" / "09-local-backward.ipynb").read_text())
     assert any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def test_every_test_file_that_reads_the_build_runs_on_the_building_worker():
+    """A test file that calls ``current_build()`` outside the book group would block the other xdist worker
+    for the whole build (tests/conftest.py's BOOK_TESTS)."""
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
+    readers = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+               if "current_build()" in p.read_text()}
+    assert readers and all(f'"{r}"' in conftest.split("BOOK_TESTS = ")[1].split(")")[0] for r in readers), readers
