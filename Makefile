@@ -21,7 +21,7 @@ book: $(STAMP)   ## the book, every page executed, warnings as errors; kept whil
 	$(PY) tools/book_build.py
 
 test: $(STAMP)   ## every test on two workers; the book is built once (make book's build when it is current)
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadscope
 
 records: $(STAMP)   ## refresh the cached CPU records and the computed records (fake-tensor traces, the sweep)
 	rm -f book/results/*__cpu-*.json book/results/computed/*.json

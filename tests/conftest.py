@@ -145,15 +145,26 @@ def _mutants_unshrunk(monkeypatch):
 BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py", "tests/test_rendered_pages.py")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (``make test``): each test file runs whole on one worker (its
-    module fixtures are built once), and the book's build with the tests that read it goes first, on one
-    worker, while the other worker takes the rest; run without xdist, the order is pytest's own but for the
-    book first."""
-    def group(item) -> str:
-        path = item.nodeid.split("::")[0]
-        return "book" if path in BOOK_TESTS else path
+def test_group(nodeid: str) -> str:
+    """The unit a worker runs whole: the book's build with the tests that read it, else the test file."""
+    path = nodeid.split("::")[0]
+    return "book" if path in BOOK_TESTS else path
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: group(item) != "book")  # (stable: the rest keeps its order)
+
+def pytest_collection_modifyitems(config, items):
+    """The book's build and the tests that read it first (``make test``'s worker that takes them builds the
+    book while the other worker takes the rest); otherwise pytest's own order."""
+    items.sort(key=lambda item: test_group(item.nodeid) != "book")  # (stable: the rest keeps its order)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n 2`` (``make test``): each test file runs whole on one worker (its module fixtures are
+    built once), and the book group on one worker. (xdist's own ``loadgroup`` no longer groups under pytest 9,
+    whose node ids ignore the group suffix xdist writes: this scheduler does not depend on it.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return ByGroup(config, log)
