@@ -1,6 +1,11 @@
 # bp-mech: `make book` builds the book, `make test` runs every test (including a strict book build).
 # Both create .venv with the TRAIN-CPU profile when it is missing or out of date.
 PYTHON ?= python3
+# make book and make test run torch on one thread per process: two test workers (and the pages' kernel beside
+# them) on two cores; with torch's default of one thread per core each process's OpenMP threads wait on the
+# others' (make test: 19 CPU-minutes and 9.7 min of pytest on a clean clone at the default, 13 and 7.3 at one
+# thread). One thread also makes the pages' live runs the same on every machine, whatever its cores. Tests that
+# measure threads set them themselves; `make records` keeps the default.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-train-cpu
@@ -18,10 +23,10 @@ $(STAMP): $(REQS) pyproject.toml
 	touch $@
 
 book: $(STAMP)   ## the book, every page executed, warnings as errors; kept while the sources are unchanged
-	$(PY) tools/book_build.py
+	OMP_NUM_THREADS=1 $(PY) tools/book_build.py
 
 test: $(STAMP)   ## every test on two workers; the book is built once (make book's build when it is current)
-	$(PY) -m pytest -n 2 --dist loadscope
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadscope
 
 records: $(STAMP)   ## refresh the cached CPU records and the computed records (fake-tensor traces, the sweep)
 	rm -f book/results/*__cpu-*.json book/results/computed/*.json
