@@ -9,13 +9,12 @@ import pytest
 from conftest import load_solution, mutant
 
 from bp_mech import ROOT
-from bp_mech.checks import ex74, ex74_contract, ex74_variant
+from bp_mech.checks import ex74, ex74_contract
 from bp_mech.projects import diagnosis, step_profile
 
 EX = "ex74_profiling"
 ANSWER = load_solution(ROOT / "answers", EX)
 saving, rule, replay = diagnosis.predicted_saving, diagnosis.chunked_loss_changes, step_profile.live_by_category
-self_time, predict = ANSWER.self_time_by_name, ANSWER.predict_logits_line_saving
 
 
 # --- predicted_saving -----------------------------------------------------------------------------------
@@ -197,113 +196,3 @@ LIVE = [
 def test_live_by_category_contract_rejects(name, f, message):
     with pytest.raises(AssertionError, match=message):
         ex74_contract.check_live_by_category__contract(mutant(EX, live_by_category=f))
-
-
-# --- self_time_by_name (variant) ------------------------------------------------------------------------
-
-def _total_time(intervals):  # inclusive time: the children not subtracted
-    out = {}
-    for name, _, s, e in intervals:
-        out[name] = out.get(name, 0.0) + float(e - s)
-    return out
-
-
-def _all_descendants(intervals):  # every contained interval subtracted, grandchildren twice
-    out = {name: 0.0 for name, _, _, _ in intervals}
-    for i, (name, th, s, e) in enumerate(intervals):
-        inner = sum(e2 - s2 for j, (_, th2, s2, e2) in enumerate(intervals)
-                    if j != i and th2 == th and s <= s2 and e2 <= e and s2 < e and (s2, e2) != (s, e))
-        out[name] += float(e - s - inner)
-    return out
-
-
-def _one_thread(intervals):  # nesting read across threads
-    return self_time([(n, 0, s, e) for n, _, s, e in intervals])
-
-
-def _sorts_in_place(intervals):
-    intervals.sort(key=lambda iv: (iv[2], -iv[3]))
-    return self_time(intervals)
-
-
-def _no_sort(intervals):
-    out, by = {n: 0.0 for n, _, _, _ in intervals}, {}
-    for iv in intervals:
-        by.setdefault(iv[1], []).append(iv)
-    for ivs in by.values():
-        stack = []
-        for name, _, s, e in ivs:
-            while stack and (s >= stack[-1][1] or e > stack[-1][1]):
-                done = stack.pop()
-                out[done[0]] += done[2]
-            if stack:
-                stack[-1][2] -= e - s
-            stack.append([name, e, float(e - s)])
-        for name, _, own in stack:
-            out[name] += own
-    return out
-
-
-def _empty_crashes(intervals):
-    min(iv[2] for iv in intervals)
-    return self_time(intervals)
-
-
-SELF = [
-    (ex74_variant.check_self_time_by_name__brute_force, "total-time", _total_time, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "all-descendants", _all_descendants, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "threads-ignored", _one_thread, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "zero-names-dropped",
-     lambda ivs: {k: v for k, v in self_time(ivs).items() if v}, "expected every name"),
-    (ex74_variant.check_self_time_by_name__profiled_step, "total-time-toy", _total_time, "for the intervals"),
-    (ex74_variant.check_self_time_by_name__profiled_step, "whole-microseconds",
-     lambda ivs: self_time([(n, th, float(round(s)), float(round(e))) for n, th, s, e in ivs]), "key_averages"),
-    (ex74_variant.check_self_time_by_name__contract, "sorts-in-place", _sorts_in_place,
-     "intervals was modified in place"),
-    (ex74_variant.check_self_time_by_name__contract, "assumes-sorted", _no_sort, "depends on the order"),
-    (ex74_variant.check_self_time_by_name__contract, "numpy-float",
-     lambda ivs: {k: np.float64(v) for k, v in self_time(ivs).items()}, "expected a float"),
-    (ex74_variant.check_self_time_by_name__contract, "empty-crashes", _empty_crashes, "raised ValueError at no"),
-]
-
-
-@pytest.mark.parametrize("check, name, f, message", SELF, ids=[p[1] for p in SELF])
-def test_self_time_by_name_checks_reject(check, name, f, message):
-    with pytest.raises(AssertionError, match=message):
-        check(mutant(EX, self_time_by_name=f))
-
-
-def test_the_unsorted_walk_passes_on_the_given_order():
-    """The order property is the only one the assumes-sorted mutant breaks."""
-    ex74_variant.check_self_time_by_name__brute_force(mutant(EX, self_time_by_name=_no_sort))
-
-
-# --- predict_logits_line_saving (predict, then measure) -------------------------------------------------
-
-def _formula(**kw):
-    def f(n, V, C, chunk):
-        c = chunk if kw.get("no_min") else min(chunk, n)
-        k = 1 if kw.get("k1") or (c is n if kw.get("by_identity") else c >= n) else 2
-        plain = (16 if kw.get("logits_too") else 12) * n * V
-        dh = 0 if kw.get("no_dh") else 4 * n * C
-        return plain - (12 * n + dh + max(k * 4 * c * V, 4 * c * V + 4 * V * C))
-    return f
-
-
-PREDICT = [
-    (ex74_variant.check_predict_logits_line_saving, "one-chunk-alive", _formula(k1=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving, "logits-counted", _formula(logits_too=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving, "no-dh", _formula(no_dh=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "chunk-not-capped", _formula(no_min=True),
-     "the chapter's formulas give"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "one-chunk-by-identity", _formula(by_identity=True),
-     "the chapter's formulas give"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "float", lambda *a: float(predict(*a)),
-     "expected an int"),
-]
-
-
-@pytest.mark.parametrize("check, name, f, message", PREDICT, ids=[p[1] for p in PREDICT])
-def test_predict_logits_line_saving_checks_reject(check, name, f, message):
-    with pytest.raises(AssertionError, match=message):
-        check(mutant(EX, predict_logits_line_saving=f))
