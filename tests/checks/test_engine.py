@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from bp_mech.checks.common import autograd_grads
-from bp_mech.checks.engine import Contract, check, checks, clean, restore, state
+from bp_mech.checks.engine import Contract, Raises, check, checks
+from bp_mech.checks.global_state import clean, restore, state
 
 
 def _x(c):
@@ -153,3 +154,79 @@ def test_a_check_starts_clean_whatever_the_caller_left_and_gives_the_caller_its_
         assert state({}) == before
     finally:
         restore({**before, "grad mode": True, "default dtype": torch.float32}, {})
+
+
+# --- results that are not tensors, refused inputs, classes ------------------------------------
+
+
+def _weights(c):
+    return {"counts": [torch.tensor(float(n), dtype=torch.float64) for n in c["counts"]], "k": c.get("k", 1)}
+
+
+def _weights_ref(counts, k):
+    if k < 1:
+        return Raises(ValueError, "k < 1")
+    total = sum(float(n) for n in counts)
+    return ([float(n) / total for n in counts], {"total": int(total)})
+
+
+W = Contract("weights", _weights, _weights_ref, ("w", "info"), ref_name="a brute force", dtypes={torch.float32: 1e-6},
+             examples={"": [{"counts": [1, 3]}, {"counts": [2, 2], "k": 0}]})
+
+
+def right_weights(counts, k=1):
+    if k < 1:
+        raise ValueError("k")
+    total = sum(float(n) for n in counts)
+    return [float(n) / total for n in counts], {"total": int(total)}
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda counts, k=1: right_weights(counts, max(k, 1)), "returned a tuple for k < 1, expected ValueError"),
+    (lambda counts, k=1: right_weights(counts, k) if k else [][0], "raised IndexError for k < 1, expected ValueError"),
+    (lambda counts, k=1: (right_weights(counts, k)[0][:1], right_weights(counts, k)[1]), r"w has 1 entries, .* 2"),
+    (lambda counts, k=1: ([w + 1e-3 for w in right_weights(counts, k)[0]], right_weights(counts, k)[1]),
+     r"w\[0\] is 0.251, a brute force gives 0.25"),
+    (lambda counts, k=1: (right_weights(counts, k)[0], {"total": float(right_weights(counts, k)[1]["total"])}),
+     r"info\['total'\] is a float, expected an int"),
+    (lambda counts, k=1: (right_weights(counts, k)[0], {"sum": 4}), r"info has \['sum'\] entries"),
+])
+def test_results_that_are_not_tensors_and_refused_inputs_are_held_element_by_element(wrong, message):
+    (run,) = check(W)
+    run(type("S", (), {"weights": staticmethod(right_weights)}))
+    with pytest.raises(AssertionError, match=f"^weights: .*{message}"):
+        run(type("S", (), {"weights": staticmethod(wrong)}))
+
+
+class Counter:
+    """A class graded through a driver: add(n) then total()."""
+
+    def __init__(self, start=0):
+        self.n = start
+
+    def add(self, n):
+        self.n += n
+
+    def total(self):
+        return self.n
+
+
+def _drive(cls):
+    def run(steps):
+        c = cls()
+        for s in steps:
+            c.add(s)
+        return c.total()
+    return run
+
+
+C = Contract("Counter", lambda c: {"steps": c["steps"]}, lambda steps: (sum(steps),), ("total",), returns=int,
+             use=_drive, ref_name="sum", examples={"": [{"steps": [1, 2]}, {"steps": []}]})
+
+
+def test_a_class_is_graded_through_its_driver():
+    (run,) = check(C)
+    run(type("S", (), {"Counter": Counter}))
+    off_by_one = type("Counter", (Counter,), {"total": lambda self: self.n + 1})
+    with pytest.raises(AssertionError, match=r"^Counter: total is 4, sum gives 3 at steps \[1, 2\]"):
+        run(type("S", (), {"Counter": off_by_one}))

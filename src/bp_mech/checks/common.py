@@ -13,11 +13,16 @@ import torch
 from bp_mech.bench.compare import relative_error
 
 
+class CheckFailed(AssertionError):
+    """A check's own verdict, raised inside ``call`` (a driver of a class, an expected exception): passed on as it is."""
+
+
 def call(fn: str, f, *args, at: str, **kwargs):
-    """``f(*args, **kwargs)``; any exception but ``NotImplementedError`` becomes one AssertionError line."""
+    """``f(*args, **kwargs)``; any exception but ``NotImplementedError`` (and a ``CheckFailed``) becomes one
+    AssertionError line."""
     try:
         return f(*args, **kwargs)
-    except NotImplementedError:
+    except (NotImplementedError, CheckFailed):
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -79,3 +84,26 @@ def assert_value(fn: str, what: str, got, want: float, *, tol: float, ref: str, 
     err = abs(value - want) / (abs(want) if want else 1.0)
     assert err <= tol, (f"{fn}: {what} is {value:.8g}, {ref} gives {want:.8g} (rel error {err:.1e} > {tol:g}) "
                         f"at {at}")
+
+
+def assert_same(fn: str, what: str, got, want, *, tol: float, ref: str, at: str, dtype=None) -> None:
+    """``got`` is ``want`` in kind and value: a tensor within ``tol`` (of ``dtype`` when given and ``want`` is
+    floating), a float within ``tol`` relative (absolute at 0), an int, bool, str or None exactly, each of exactly
+    ``want``'s type (a bool is not an int, a 0-dim tensor not a float); a list, tuple or dict element by element."""
+    if torch.is_tensor(want):
+        return assert_close(fn, what, got, want, tol=tol, ref=ref, at=at,
+                            dtype=dtype if want.is_floating_point() else None)
+    if type(got) is not type(want):
+        kind = type(want).__name__
+        raise AssertionError(f"{fn}: {what} is {describe(got)}, expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+                             f" at {at}")
+    if isinstance(want, (list, tuple, dict)):
+        if len(got) != len(want) or (isinstance(want, dict) and set(got) != set(want)):
+            keys = (lambda d: sorted(map(str, d))) if isinstance(want, dict) else len
+            raise AssertionError(f"{fn}: {what} has {keys(got)} entries, {ref} gives {keys(want)} at {at}")
+        for key, w in (want.items() if isinstance(want, dict) else enumerate(want)):
+            assert_same(fn, f"{what}[{key!r}]", got[key], w, tol=tol, ref=ref, at=at, dtype=dtype)
+    elif isinstance(want, float):
+        assert_value(fn, what, got, want, tol=tol, ref=ref, at=at)
+    elif got != want:
+        raise AssertionError(f"{fn}: {what} is {got!r:.80}, {ref} gives {want!r:.80} at {at}")

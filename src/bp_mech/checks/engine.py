@@ -16,22 +16,28 @@ holds the solution, for every function alike, to:
 - global state restored, also when it raises: grad mode, inference mode, default dtype, autocast, torch's
   RNG (unless ``rng``), the train flags and hooks of modules passed in; the engine puts it back itself, and
   every check starts from one clean state (``clean``): no outcome depends on the order checks run in;
-- ``NotImplementedError`` (an untouched stub) passed through as it is.
+- ``NotImplementedError`` (an untouched stub) passed through as it is;
+- where ``ref`` gives ``Raises(error, why)`` (an input the docstring refuses): that exception, and no other.
+
+Results that are not tensors (a count, a list of weights, a dict of bytes) are compared element by element, each
+of exactly the reference's type (``common.assert_same``); tensors inside lists and dicts are viewed, cast and
+watched as top-level ones are. A class (or a function used through a protocol) is graded through ``use``: a
+driver that builds it, calls its methods in the documented order and returns what a reader would observe.
 
 A failure is one line (``common``): ``<fn>: <what> differs from <ref>, max rel error E > TOL at <input>``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from bp_mech.checks.common import assert_close, call, describe
-from bp_mech.checks.properties import assert_finite, assert_type, call_unmodified, explore, one_thread, strided
+from bp_mech.checks.common import CheckFailed, assert_close, assert_same, call, describe
+from bp_mech.checks.global_state import clean, restore, state
+from bp_mech.checks.properties import assert_finite, assert_type, call_unmodified, explore, strided
 
 DRAWN = 8  # drawn cases per function, after its explicit examples: enough to vary shapes and layouts; fast
 
@@ -58,103 +64,45 @@ class Contract:
     dtypes: dict = field(default_factory=dict)  # lower dtype -> its tolerance against the float64 reference
     defaults: dict = field(default_factory=dict)  # argument -> documented default (left out when equal)
     strides: bool = True  # non-contiguous views of the tensor inputs give the same result
-    returns: type | None = None  # a lone non-tensor result's exact type (int, float, bool)
+    returns: type | None = None  # a lone non-tensor result's exact type (int, float, bool, list, dict)
+    use: Callable | None = None  # the graded object -> the callable the checks call on ``inputs`` (a class's driver)
     keep: tuple[str, ...] = ()  # arguments the docstring lets it modify
     rng: bool = False  # it may draw from torch's global RNG
     note: Callable[[dict], str] | None = None  # case -> what is special about it, for the message
     promise: Callable | None = None  # (case, call, at) -> asserts a promise beyond the values (memory)
 
 
-# --- global state ---------------------------------------------------------------------------
-
-
-def state(args: dict) -> dict:
-    """The global state a graded function must leave as it found it, with the modules among ``args``.
-
-    Args:
-        args: the function's arguments, by name.
-
-    Returns:
-        {what, in words: value}; two calls compare equal when nothing changed.
+@dataclass(frozen=True)
+class Raises:
+    """What ``ref`` gives for an input the docstring refuses: the call must raise ``error`` (not another, not
+    return), with the global state restored.
 
     Example:
-        >>> s = state({})
-        >>> s["grad mode"], s == state({})
-        (True, True)
+        >>> Raises(ValueError, "k = 0").error.__name__
+        'ValueError'
     """
-    s = {"grad mode": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
-         "default dtype": torch.get_default_dtype(),
-         "CPU autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))}
-    s["torch RNG state"] = bytes(torch.random.get_rng_state().numpy())
-    for sub_name, sub, hooks in _modules(args):
-        s[f"{sub_name}.training"] = sub.training
-        s.update({f"{sub_name}'s {h.strip('_').replace('_', ' ')}": tuple(getattr(sub, h)) for h in hooks})
-    return s
+
+    error: type  # the documented exception
+    why: str  # what is wrong with the input, in words
 
 
-HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _modules(args: dict):
-    return [(n, sub, HOOKS) for name, a in args.items() if isinstance(a, torch.nn.Module)
-            for n, sub in a.named_modules(prefix=name)]
-
-
-def restore(before: dict, args: dict) -> None:
-    """Put back the global state ``before`` (``state(args)``): flags, dtypes, RNG, train flags, hooks.
-
-    Args:
-        before: what ``state(args)`` gave before the call.
-        args: the same arguments.
-
-    Returns:
-        None; the process's torch state and the modules in ``args`` are as ``before``.
-
-    Example:
-        >>> s = state({}); _ = torch.set_grad_enabled(False); restore(s, {}); torch.is_grad_enabled()
-        True
-    """
-    torch.set_grad_enabled(before["grad mode"])
-    torch.set_default_dtype(before["default dtype"])
-    torch.set_autocast_enabled("cpu", before["CPU autocast"][0])
-    torch.set_autocast_dtype("cpu", before["CPU autocast"][1])
-    torch.random.set_rng_state(torch.frombuffer(bytearray(before["torch RNG state"]), dtype=torch.uint8))
-    for sub_name, sub, hooks in _modules(args):
-        sub.training = before.get(f"{sub_name}.training", sub.training)
-        for h in hooks:
-            keep = before.get(f"{sub_name}'s {h.strip('_').replace('_', ' ')}", ())
-            for key in [k for k in getattr(sub, h) if k not in keep]:
-                del getattr(sub, h)[key]
-
-
-CLEAN = {"grad mode": True, "default dtype": torch.float32, "CPU autocast": (False, torch.bfloat16)}
-
-
-@contextlib.contextmanager
-def clean():
-    """Run a check from one clean state: grad mode on, float32 default, autocast off, torch's RNG one draw
-    past seed 0, one thread; the caller's state is put back after, whatever happened.
-
-    Yields:
-        None.
-
-    Example:
-        >>> torch.set_default_dtype(torch.float64)
-        >>> with clean():
-        ...     torch.get_default_dtype()
-        torch.float32
-        >>> torch.get_default_dtype()
-        torch.float64
-        >>> torch.set_default_dtype(torch.float32)
-    """
-    caller = state({})
-    with one_thread():
+def _raising(k: Contract, f, expect: Raises):
+    """``f`` made to return None when it raises ``expect.error``, and to fail otherwise."""
+    def g(*args, **kwargs):
         try:
-            torch.manual_seed(0), torch.rand(1)  # one draw past a seed: a function that reseeds changes it
-            restore({**CLEAN, "torch RNG state": bytes(torch.random.get_rng_state().numpy())}, {})
-            yield
-        finally:
-            restore(caller, {})
+            got = f(*args, **kwargs)
+        except expect.error:
+            return None
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the learner's code may raise anything)
+            raise CheckFailed(f"{k.fn}: raised {type(e).__name__} for {expect.why}, expected "
+                              f"{expect.error.__name__}") from e
+        raise CheckFailed(f"{k.fn}: returned {describe(got)} for {expect.why}, expected {expect.error.__name__}")
+    return g
+
+
+# --- the call, guarded ------------------------------------------------------------------------
 
 
 def _guarded(k: Contract, f, args: dict, at: str):
@@ -186,6 +134,24 @@ def _leaks(k: Contract, before: dict, args: dict, at: str) -> None:
                                  f"when raising) at {at}")
 
 
+def _tensors(x):
+    """The tensors in ``x``, also inside lists, tuples and dicts (a module's are its own)."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return [t for v in x.values() for t in _tensors(v)] if isinstance(x, dict) else []
+
+
+def _map(x, fn):
+    """``x`` with every tensor in it (also inside lists, tuples and dicts) replaced by ``fn(tensor)``."""
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x)
+    return {key: _map(v, fn) for key, v in x.items()} if isinstance(x, dict) else x
+
+
 def _same(a, b) -> bool:
     return type(a) is type(b) and a == b  # (an int 1 is not a default of 1.0)
 
@@ -197,22 +163,35 @@ def _words(k: Contract, case: dict, args: dict) -> str:
     def one(name, v):
         if torch.is_tensor(v):
             return f"{name} shape {tuple(v.shape)}"
+        if _tensors(v) or isinstance(v, torch.nn.Module):
+            return f"{name} {_brief(v)}"
         if name in k.defaults and _same(v, k.defaults[name]):
             return f"{name} left out (default {v!r})"
         return f"{name} {v:g}" if isinstance(v, float) else f"{name} {v!r}"
     return ", ".join(one(*kv) for kv in args.items()) + (f" ({k.note(case)})" if k.note and k.note(case) else "")
 
 
+def _brief(v) -> str:
+    if isinstance(v, torch.nn.Module):
+        return f"a {type(v).__name__}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{key!r}: {_brief(x)}" for key, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_brief(x) for x in v) + "]"
+    return f"shape {tuple(v.shape)}" if torch.is_tensor(v) else repr(v)
+
+
 def _compare(k: Contract, got, want, tol: float, at: str, dtype, args: dict) -> None:
     """Value, exact type, dtype, no graph, and no storage shared with an input or another output."""
     if k.returns is not None:
         assert_type(k.fn, k.outs[0], got, k.returns, at)
-        assert got == want[0], f"{k.fn}: {k.outs[0]} is {got!r}, {k.ref_name} gives {want[0]!r} at {at}"
-        return
     if len(k.outs) > 1 and (type(got) is not tuple or len(got) != len(k.outs)):
         raise AssertionError(f"{k.fn}: returned {describe(got)}, expected a tuple ({', '.join(k.outs)}) at {at}")
-    seen = {n: a for n, a in args.items() if torch.is_tensor(a) and a.numel()}
+    seen = {n: t for n, a in args.items() if n not in k.keep for t in _tensors(a) if t.numel()}
     for name, o, w in zip(k.outs, (got,) if len(k.outs) == 1 else got, want):
+        if not torch.is_tensor(w):
+            assert_same(k.fn, name, o, w, tol=tol, ref=k.ref_name, at=at, dtype=dtype)
+            continue
         if torch.is_tensor(o) and o.shape == w.shape and bool(torch.isfinite(w).all()):
             assert_finite(k.fn, name, o, at)
         assert_close(k.fn, name, o, w, tol=tol, ref=k.ref_name, at=at, dtype=dtype)
@@ -229,26 +208,32 @@ def _compare(k: Contract, got, want, tol: float, at: str, dtype, args: dict) -> 
 
 def _hold(k: Contract, m, case: dict) -> None:
     """Every derived property on one case."""
-    f = getattr(m, k.fn)
+    f = k.use(getattr(m, k.fn)) if k.use is not None else getattr(m, k.fn)
     args = k.inputs(case)
     want = k.ref(**args)
     at = _words(k, case, args)
+    if isinstance(want, Raises):  # a refused input: the documented exception, state restored, nothing else
+        try:
+            return _guarded(k, _raising(k, f, want), args, at)
+        except CheckFailed as e:
+            raise CheckFailed(f"{e} at {at}") from e.__cause__
     _compare(k, _guarded(k, f, args, at), want, k.tol, at, _dtype(args), args)
     if k.promise is not None:
         k.promise(case, lambda: call(k.fn, f, *args.values(), at=at), at)  # no snapshots in its measure
-    view, dims = case.get("view", "slice"), [n for n, a in args.items() if torch.is_tensor(a) and a.dim()]
+    view = case.get("view", "slice")
+    dims = [n for n, a in args.items() if any(t.dim() for t in _tensors(a))]
     if k.strides and dims:
-        views = {n: strided(a, view) if n in dims else a for n, a in args.items()}
+        views = {n: _map(a, lambda t: strided(t, view) if t.dim() else t) if n in dims else a for n, a in args.items()}
         at_v = f"{', '.join(dims)} as non-contiguous {view} views, {at}"
         _compare(k, _guarded(k, f, views, at_v), want, k.tol, at_v, _dtype(args), views)
     for dtype, tol in ({} if case.get("float64_only") else k.dtypes).items():
-        low = {n: a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for n, a in args.items()}
+        low = {n: _map(a, lambda t: t.to(dtype) if t.is_floating_point() else t) for n, a in args.items()}
         at_d = f"{str(dtype).removeprefix('torch.')} inputs, {at}"
         _compare(k, _guarded(k, f, low, at_d), want, tol, at_d, dtype, low)
 
 
 def _dtype(args: dict):
-    return next((a.dtype for a in args.values() if torch.is_tensor(a) and a.is_floating_point()), None)
+    return next((t.dtype for a in args.values() for t in _tensors(a) if t.is_floating_point()), None)
 
 
 def check(k: Contract) -> list[Callable]:
