@@ -2,8 +2,6 @@
 kept and rebuilt activations, the copies both ways, the ranks and their all-reduce), and no two of its
 texts overlap or leave the figure, measured with the renderer's bounding boxes."""
 
-import itertools
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -11,6 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from bp_mech.book import diagrams  # noqa: E402
+from book.layout import outside, overlaps  # noqa: E402
 
 PICTURES = {"mlp_graph": (), "attention_graph": (), "checkpoint_stack": (4,), "offload_timeline": (4,),
             "data_parallel": ()}
@@ -33,32 +32,10 @@ def saved(fig) -> set[str]:
             == matplotlib.colors.to_rgb(diagrams.SAVED)}
 
 
-def boxes(fig):
-    """(label, window extent) of every visible text (its box where it has one) and of each legend as a whole."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    out = []
-    for t in [t for ax in fig.axes for t in (*ax.texts, ax.title)] + fig.texts:  # the axes are off: no ticks
-        if not t.get_visible() or not t.get_text().strip():
-            continue
-        patch = t.get_bbox_patch()
-        out.append((t.get_text(), (patch if patch is not None else t).get_window_extent(renderer)))
-    out += [(f"legend {i}", lg.get_window_extent(renderer)) for i, lg in enumerate(fig.legends)]
-    return out
-
-
-def overlaps(fig) -> list[tuple[str, str]]:
-    return [(a, b) for (a, ea), (b, eb) in itertools.combinations(boxes(fig), 2)
-            if min(ea.x1, eb.x1) - max(ea.x0, eb.x0) > 0.5 and min(ea.y1, eb.y1) - max(ea.y0, eb.y0) > 0.5]
-
-
 @pytest.mark.parametrize("name", PICTURES)
 def test_no_text_overlaps_another_or_leaves_the_figure(name):
     fig = getattr(diagrams, name)(*PICTURES[name])
-    assert overlaps(fig) == []
-    w, h = fig.canvas.get_width_height()
-    outside = [label for label, e in boxes(fig) if e.x0 < 0 or e.y0 < 0 or e.x1 > w or e.y1 > h]
-    assert outside == []
+    assert overlaps(fig) == [] and outside(fig) == []
 
 
 def test_the_overlap_check_sees_two_texts_on_top_of_each_other():

@@ -64,3 +64,10 @@ def test_the_frontier_joins_the_pareto_set_and_rings_the_pick():
 
 def test_the_epsilon_line_is_float64_s():
     assert project_plots.torch_eps() == torch.finfo(torch.float64).eps == 2.0 ** -52
+
+
+def test_model_state_per_gpu_one_line_per_stage_and_the_traced_point_on_top():
+    lines = _lines(project_plots.plot_state_per_gpu(2**30, {8: 2 * 2**30}, "t"))
+    assert lines["DDP"].get_ydata().tolist()[0] == lines["ZeRO-3"].get_ydata().tolist()[0] == 16.0  # one GPU: all
+    assert lines["ZeRO-3"].get_ydata().tolist()[3] == 2.0  # 16 Ψ / 8
+    assert list(lines["FSDP2, traced (bp-mech plan)"].get_ydata()) == [2.0]

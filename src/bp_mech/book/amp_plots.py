@@ -111,11 +111,11 @@ def plot_fp16_range(grads: StepGradients, scale: float, title: str):
     ax.axvspan(lo, zero, color="C3", alpha=0.12, label="rounds to 0 in fp16")
     ax.axvspan(zero, math.log2(r.normal), color="grey", alpha=0.12, label="fp16 subnormal")
     ax.axvspan(math.log2(r.max), hi, color="C3", alpha=0.25, label="inf in fp16")
-    for v, name in ((r.subnormal, "smallest subnormal"), (r.normal, "smallest normal"),
-                    (r.max, "largest finite")):
+    for v, name, side, down in ((r.subnormal, "smallest subnormal", "right", 4), (r.normal, "smallest normal", "left", 4),
+                                (r.max, "largest finite", "right", 28)):  # away from its neighbours, in the frame
         ax.axvline(math.log2(v), color="k", lw=0.8, ls="--")
-        ax.annotate(f"{name}\n{v:.3g}", (math.log2(v), 1), xycoords=("data", "axes fraction"),
-                    xytext=(3, -4), textcoords="offset points", va="top", fontsize=7)
+        ax.annotate(f"{name}\n{v:.3g}", (math.log2(v), 1), xycoords=("data", "axes fraction"), ha=side,
+                    xytext=(-3 if side == "right" else 3, -down), textcoords="offset points", va="top", fontsize=7)
     ax.set_xlim(lo, hi)
     ax.set_yscale("log")
     ax.set_xlabel("log2 |gradient element|")

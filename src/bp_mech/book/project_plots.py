@@ -125,7 +125,7 @@ def plot_memory_timeline(p: StepProfile, title: str):
     ax.set_xlabel("time since the first profiled step (ms, under the profiler)")
     ax.set_ylabel("live bytes (MiB)")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8, frameon=False)
     return fig
 
 
@@ -164,8 +164,10 @@ def plot_cross_check(rows: dict, profiled: dict, title: str):
     ax.set_xticks(range(len(points)), [POINT_LABELS[p].replace("in the ", "").replace(" ", "\n", 1) for p in points],
                   fontsize=7)
     ax.set_ylabel("live bytes (MiB): ledger | profiler")
+    ax.set_ylim(0, 1.06 * ax.get_ylim()[1])  # the tallest bar below the frame's top
     ax.set_title(title)
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.set_size_inches(7.5, 5.0)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
 
 
@@ -219,4 +221,25 @@ def plot_frontier(points: dict[str, tuple[int, float, float]], front: list[str],
     ax.legend(fontsize=8, loc="upper right")
     if key:
         ax.text(1.02, 1.0, "dominated:\n" + "\n".join(key), transform=ax.transAxes, fontsize=7, va="top")
+    return fig
+
+
+def plot_state_per_gpu(params: int, traced: dict[int, float], title: str, unit: float = 2**30):
+    """Per-GPU model state (weights, gradients, AdamW's moments; float32) against the number of GPUs, one line per
+    stage of ``data_parallel_state``, log-log, with the traced values (``{gpus: bytes}``) as points on top."""
+    from bp_mech.projects.data_parallel_state import STAGES, model_state_per_gpu
+
+    fig, ax = figure(6.4, 3.6)
+    ns = [1, 2, 4, 8, 16, 32, 64]
+    for stage, style in zip(STAGES, ("-", "--", "-.", ":")):
+        ax.plot(ns, [model_state_per_gpu(params, n, stage) / unit for n in ns], style, marker=".", label=stage)
+    ax.plot(list(traced), [b / unit for b in traced.values()], "k*", ms=12, ls="none",
+            label="FSDP2, traced (bp-mech plan)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("GPUs N")
+    ax.set_ylabel("model state per GPU (GiB)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     return fig

@@ -37,6 +37,18 @@ def phase_spans(timeline) -> list[tuple[str, int, int]]:
     return spans
 
 
+def _visible(spans: list, least: float) -> list:
+    """The phases' spans with each at least ``least`` operators wide, laid out from the step's end backwards: a phase
+    of a few operators (the optimizer's, zero_grad's) is shaded over the end of the one before it, not hidden."""
+    out, cursor = [], spans[-1][2] if spans else 0
+    for phase, a, b in reversed(spans):
+        b = min(b, cursor)
+        a = min(a, b - least)
+        out.append((phase, max(a, 0), b))
+        cursor = a
+    return out[::-1]
+
+
 def plot_memory_over_step(timelines: dict, title: str, baseline: str = "plain", unit: int = MIB,
                           unit_name: str = "MiB"):
     """One panel per strategy: live device bytes after each operator, its phases shaded, the
@@ -45,21 +57,24 @@ def plot_memory_over_step(timelines: dict, title: str, baseline: str = "plain", 
     fig, axes = plt.subplots(1, len(names), figsize=(3.0 * len(names) + 0.6, 3.4), sharey=True,
                              layout="constrained", squeeze=False)
     base_peak = max(b for _, b in timelines[baseline]) / unit if baseline in timelines else None
+    top_all = max(b for tl in timelines.values() for _, b in tl) / unit
     for ax, name in zip(axes[0], names):
         tl = timelines[name]
         ys = [b / unit for _, b in tl]
-        for phase, a, b in phase_spans(tl):
+        for phase, a, b in _visible(phase_spans(tl), least=0.025 * len(ys)):
             ax.axvspan(a, b, color=_SHADE.get(phase, "#ffffff"), lw=0)
         ax.plot(range(len(ys)), ys, color="black", lw=1.0)
         top = max(range(len(ys)), key=ys.__getitem__)
         ax.plot([top], [ys[top]], "v", color="crimson")
+        side = "right" if top > 0.75 * len(ys) else "left" if top < 0.25 * len(ys) else "center"
         ax.annotate(f"peak {ys[top]:.1f}", (top, ys[top]), textcoords="offset points", xytext=(0, 6),
-                    ha="center", fontsize=8, color="crimson")
+                    ha=side, fontsize=8, color="crimson")  # inside the panel, whichever end the peak is at
         if base_peak is not None and name != baseline:
             ax.axhline(base_peak, ls="--", lw=0.8, color="grey")
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("operator of the step")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.18 * top_all)  # room for the label above the highest peak, below the panel's title
+        ax.set_xlim(0, len(ys))
     axes[0][0].set_ylabel(f"live device memory ({unit_name})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=_SHADE[p]) for p in PHASES]
     fig.legend(handles, [p.replace("_", " ") for p in PHASES], loc="outside lower center", ncols=4,
