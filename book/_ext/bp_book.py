@@ -202,12 +202,28 @@ def drop_duplicate_scripts(app: Sphinx, pagename: str, templatename: str, contex
     scripts[:] = kept
 
 
+# Two extensions jupyter-book loads declare nothing about parallel reading, so Sphinx would read one page at a time
+# (and warn): sphinx_jupyterbook_latex (its transforms edit each page's own doctree; the rest acts for LaTeX builds
+# only) and sphinx_multitoc_numbering (it numbers sections in the main process, after every page is read). Both are
+# safe to read side by side; ``tools/book_build.py`` asks for two pages at a time.
+PARALLEL_SAFE = ("sphinx_jupyterbook_latex", "sphinx_multitoc_numbering")
+
+
+def declare_parallel_safe(app: Sphinx) -> None:
+    """Mark ``PARALLEL_SAFE``'s extensions as safe to read pages in parallel (``builder-inited``)."""
+    for name in PARALLEL_SAFE:
+        ext = app.extensions.get(name)
+        if ext is not None and ext.parallel_read_safe is None:
+            ext.parallel_read_safe = True
+
+
 def setup(app: Sphinx) -> dict:
     app.add_config_value("bp_book_results_dir", None, "env")  # the records the evidence reads (None: bp_mech.RESULTS_DIR)
     app.add_config_value("bp_book_evidence_doc", "book/registry", "env")  # "evidence" links there, when built
     app.add_directive("experiment-header", ExperimentHeader)
     app.add_role("evidence", Evidence())
     app.connect("config-inited", use_local_mathjax)
+    app.connect("builder-inited", declare_parallel_safe)
     app.connect("html-page-context", drop_duplicate_scripts)
     app.connect("build-finished", copy_mathjax)
     app.connect("env-get-outdated", always_read)
