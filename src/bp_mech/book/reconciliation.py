@@ -79,12 +79,12 @@ def tolerance_text(gap: Gap) -> str:
     >>> from types import SimpleNamespace as NS
     >>> t = NS(pp=0.42, book_saving=0.14, memtracker_saving=0.1358, borrowed_from=(), measured=True)
     >>> tolerance_text(NS(tolerance_pp=1.42, allocator_pp=1.0, tracer=t))  # doctest: +NORMALIZE_WHITESPACE
-    "1.4 points: 1 point for what the allocator adds to the live bytes, plus 0.4 points for the tracer itself
+    "1.4 points in all: 1 point for what the allocator adds to the live bytes, plus 0.4 points for the tracer itself
     (definition (a)'s saving is 14.0% by the book's tracker and 13.6% by PyTorch's MemTracker, tracing the
     same fake step)"
     """
     t = gap.tracer
-    head = f"{points(gap.tolerance_pp)}: {points(gap.allocator_pp)} for what the allocator adds to the live bytes"
+    head = f"{points(gap.tolerance_pp)} in all: {points(gap.allocator_pp)} for what the allocator adds to the live bytes"
     if t is None:
         return head + " (the tracer's own term was not measured)"
     if t.measured:
