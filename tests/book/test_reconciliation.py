@@ -105,3 +105,12 @@ def test_a_chapter_shows_only_the_definitions_that_matter():
     assert [r.definition for r in key_rows(gap)] == ["a", "b"]
     gap.rows = [row("a", 0.30), row("b", 0.12), row("c+e", 0.20, True)]  # c+e cannot hold together
     assert [r.definition for r in key_rows(gap)] == ["a", "b"]
+
+
+def test_memtracker_cannot_see_the_offload_leave_the_device():
+    """Why offload borrows its tracer term: under fake tensors the host copies are CPU tensors like every
+    device tensor, so MemTracker counts them on the device (no saving), while the book's tracker does not."""
+    options = dataclasses.replace(StepOptions().for_device("cuda"), offload_min_bytes=1)  # offload every storage
+    s = Session(parse_workload("tiny-b2s64"), fake=True, options=options)
+    plain, offload = s.step(parse("plain")).peak, s.step(parse("offload")).peak
+    assert offload < plain <= memtracker_peak(s, "offload") and memtracker_peak(s, "plain") == plain

@@ -46,7 +46,7 @@ def key_rows(gap: Gap) -> list:
         return min(abs(r.saving - gap.reference_saving), abs(r.increment_saving - gap.reference_saving))
 
     ranked = [r for r in gap.rows if holds_together(r.definition)]
-    nearest = min(ranked, key=miss)
+    nearest = min(ranked, key=lambda r: round(miss(r), 4))  # ties to the earlier row, as ``verdict`` breaks them
     return [r for r in gap.rows if r.definition == "a" or r is nearest
             or (r in ranked and (r.within or r.increment_within))]
 
@@ -105,8 +105,9 @@ def plausible_reading(gap: Gap) -> str:
     label = v.closest.removesuffix(" (f)")
     what = meaning(label) + (", the saving of the peak's increment" if v.closest.endswith("(f)") else "")
     where = "within" if v.closest in v.reproduced_by else "outside"
-    return (f"the most plausible reading is {v.closest} ({what}): it predicts {pct(v.closest_saving)} against "
-            f"the reference's {pct(gap.reference_saving)}, {where} the tolerance of {points(gap.tolerance_pp)}")
+    return (f"the most plausible reading is {v.closest} — {what} — which predicts {pct(v.closest_saving)} "
+            f"against the reference's {pct(gap.reference_saving)}, {where} the tolerance of "
+            f"{points(gap.tolerance_pp)}")
 
 
 def adamw_effect(gap: Gap) -> str | None:
