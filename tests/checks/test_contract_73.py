@@ -196,7 +196,27 @@ def _div_local_only(counts, P, all_reduce):  # n_r P: right only when the ranks 
     return torch.stack(list(counts)).sum().double() * P
 
 
+def _shard_past_the_last_rank(batch, rank, P):  # `rank != P` for `rank < P`: a rank past P gets no rows
+    E = next(iter(batch.values())).shape[0]
+    if P < 1 or E % P or rank < 0 or rank == P:
+        raise ValueError("bad rank")
+    return {k: v[rank * (E // P):(rank + 1) * (E // P)] for k, v in batch.items()}
+
+
+def _seq_one_target_rows_dropped(local, P, all_reduce):  # n > 1 for n > 0: rows with one target weigh 0
+    counts = [(y[:, 1:] != -100).sum(1) for y in local]
+    R = int(all_reduce(torch.tensor(sum(int((n > 1).sum()) for n in counts))))
+    if R == 0:
+        raise ValueError("no row")
+    return [torch.where(n > 1, P / (R * n.clamp(min=1).double()), torch.zeros((), dtype=torch.float64))
+            for n in counts]
+
+
 DERIVED = {
+    "shard: rank past P accepted": (ex73.check_shard_rows, {"shard_rows": _shard_past_the_last_rank},
+                                    "returned a dict for rank 5 of 4 processes over 4 rows, expected ValueError"),
+    "weights: rows with one target dropped": (ex73.check_sequence_weights, {
+        "sequence_weights": _seq_one_target_rows_dropped}, r"the ranks' averaged gradient\[\d\] differs"),
     "shard: float64 out": (ex73.check_shard_rows, {"shard_rows": lambda b, r, P: {
         k: v.double() if v.is_floating_point() else v for k, v in shard_rows(b, r, P).items()}},
         "has dtype torch.float64, expected torch.float32"),

@@ -55,7 +55,7 @@ def _shard_ref(batch, rank, world_size):
 
 def _shard_cases(P, b):
     return st.fixed_dictionaries({"seed": SEEDS, "E": st.just(P * b), "P": st.just(P), "view": VIEWS,
-                                  "rank": st.sampled_from([*range(P)] * 2 + [P, -1])})
+                                  "rank": st.sampled_from([*range(P)] * 2 + [P, P + 1, -1])})
 
 
 def _scase(seed, E, P, rank):
@@ -67,7 +67,7 @@ SHARD = Contract(
     ref_name="Accelerate's split_batches=True rows (BatchSamplerShard)",
     draw=st.tuples(st.integers(1, 4), st.integers(1, 3)).flatmap(lambda pb: _shard_cases(*pb)),
     examples={"": [_scase(3, 8, P, r) for P in (1, 2, 4, 8) for r in range(P)][::2] + [
-        _scase(4, 4, P, r) for r, P in ((0, 3), (2, 2), (-1, 2), (0, 0), (0, -2), (4, 4), (-1, 4))]})
+        _scase(4, 4, P, r) for r, P in ((0, 3), (2, 2), (-1, 2), (0, 0), (0, -2), (4, 4), (5, 4), (-1, 4))]})
 
 
 # --- the simulated ranks -------------------------------------------------------------------------
@@ -226,8 +226,10 @@ def _ddp(f):
     return run
 
 
+# padded tails of a micro-batch of 8 rows (micro-batch j rotates them by j): uneven ranks, rows with one target
+# (a tail of T - 2), rows without target (T - 1 or T), a rank without any target
 _PADS = ([0] * 8, [0, 7, 1, 6, 0, 0, 2, 1], [T, T, 0, 3, T - 1, 1, 0, 2], [T, T, T, T, 0, 1, 2, 3],
-         [1, 3, 5, 0, 0, 0, T, 2])  # micro-batch j rotates them by j: uneven ranks, rows and a rank without target
+         [1, 3, 5, 0, 0, 0, T, 2], [T - 2, 0, T - 2, 4, T, 1, T - 2, T - 2])
 
 
 SEQUENCE = Contract(
@@ -238,7 +240,8 @@ SEQUENCE = Contract(
         "seed": SEEDS, "P": st.sampled_from((1, 2, 4)), "k": st.integers(1, 3), "pads": st.sampled_from(_PADS),
         "view": VIEWS}),
     examples={"": [{"seed": s, "P": P, "k": k, "pads": p} for s, P, k, p in (
-        (1, 2, 2, _PADS[1]), (2, 4, 1, _PADS[2]), (3, 2, 3, _PADS[3]), (4, 1, 2, _PADS[4]), (5, 4, 2, [T] * 8))]})
+        (1, 2, 2, _PADS[1]), (2, 4, 1, _PADS[2]), (3, 2, 3, _PADS[3]), (4, 1, 2, _PADS[4]), (6, 2, 2, _PADS[5]),
+        (5, 4, 2, [T] * 8))]})
 
 
 # --- the prediction ----------------------------------------------------------------------------------
