@@ -1,5 +1,6 @@
-"""Part 02 · 11: every property the contract checks hold (``checks/ex11.py``, derived by ``checks.engine``) rejects a solution
-that breaks exactly it, and the variant's and the prediction's checks reject the classic mistakes."""
+"""Part 02 · 11: every property the exercise checks hold (``checks/ex11.py``'s declarations, derived by
+``checks.engine``) rejects a solution that breaks exactly it, and the variant's and the prediction's checks reject
+the classic mistakes."""
 
 import numpy as np
 import pytest

@@ -46,7 +46,8 @@ def _shard_zero_division(batch, rank, P):
     (_shard_modifies, r"shard_rows: batch\['input_ids'\] was modified in place"),
     (_shard_flattens, r"shard_rows: raised RuntimeError at .*views"),
     (_shard_2d_only, r"shard_rows: the shard\['(weights|hidden)'\] has shape"),
-    (_shard_zero_division, r"shard_rows: raised ZeroDivisionError for rank 0 of 0 processes over \d+ rows, expected ValueError"),
+    (_shard_zero_division,
+     r"shard_rows: raised ZeroDivisionError for rank 0 of 0 processes over \d+ rows, expected ValueError"),
 ], ids=["modifies-batch", "flattens", "two-dims-only", "zero-processes"])
 def test_shard_rows_contract_rejects(bad, needle):
     with pytest.raises(AssertionError, match=needle):
@@ -151,13 +152,17 @@ def test_sequence_weights_without_any_target_must_raise():
 
 # --- predict_rank_tokens ------------------------------------------------------------------------------
 
+MEASURED = r"the prediction\[\d\] is .* the count after Accelerate's sharding gives"
+
+
 @pytest.mark.parametrize("bad, needle", [
     (lambda pads, T, P: [sum(T - p for p in pads[r * (len(pads) // P):(r + 1) * (len(pads) // P)])
-                         for r in range(P)], r"the prediction\[\d\] is .* the count after Accelerate's sharding gives"),  # no shift: the first token counted
-    (lambda pads, T, P: [sum(max(0, T - 1 - p) for p in pads[r::P]) for r in range(P)], r"the prediction\[\d\] is .* the count after Accelerate's sharding gives"),
+                         for r in range(P)], MEASURED),  # no shift: the first token counted
+    (lambda pads, T, P: [sum(max(0, T - 1 - p) for p in pads[r::P]) for r in range(P)], MEASURED),
     (lambda pads, T, P: [sum(T - 1 - p for p in pads[r * (len(pads) // P):(r + 1) * (len(pads) // P)])
-                         for r in range(P)], r"the prediction\[\d\] is .* the count after Accelerate's sharding gives"),  # a fully padded row counts -1
-    (lambda pads, T, P: [float(x) for x in A.predict_rank_tokens(pads, T, P)], r"the prediction\[0\] is a float, expected an int"),
+                         for r in range(P)], MEASURED),  # a fully padded row counts -1
+    (lambda pads, T, P: [float(x) for x in A.predict_rank_tokens(pads, T, P)],
+     r"the prediction\[0\] is a float, expected an int"),
 ], ids=["no-shift", "interleaved", "negative-for-fully-padded", "float"])
 def test_predict_rank_tokens_rejects(bad, needle):
     with pytest.raises(AssertionError, match=needle):

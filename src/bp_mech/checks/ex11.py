@@ -122,9 +122,10 @@ def _differentiated(f):
 
 
 def _loss_cases(**more):
-    return st.fixed_dictionaries({"seed": SEEDS, "B": st.integers(1, 3), "T": st.integers(1, 6), "view": VIEWS,
-                                  "V": st.integers(2, 9), "p": st.sampled_from((0.0, 0.4, 1.0)), "extra": st.sampled_from(
-                                      (0, 3)), "as_tensor": st.booleans(), "scale": st.sampled_from((1.0, 1e3)), **more})
+    return st.fixed_dictionaries({
+        "seed": SEEDS, "B": st.integers(1, 3), "T": st.integers(1, 6), "view": VIEWS, "V": st.integers(2, 9),
+        "p": st.sampled_from((0.0, 0.4, 1.0)), "extra": st.sampled_from((0, 3)), "as_tensor": st.booleans(),
+        "scale": st.sampled_from((1.0, 1e3)), **more})
 
 
 def _lcase(seed, B, T, V, **more):

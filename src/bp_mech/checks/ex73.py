@@ -139,8 +139,9 @@ def _each_rank(f):
         out, calls = ranks(f, local_counts, collective)
         for r, d in enumerate(out):
             if not (torch.is_tensor(d) and d.dim() == 0 and d.is_floating_point()):
+                counts = [[int(x) for x in c] for c in local_counts]
                 raise CheckFailed(f"loss_divisor: rank {r} returned {describe(d)}, expected a 0-dim floating-point "
-                                  f"tensor at P={world_size}, rank counts {[[int(x) for x in c] for c in local_counts]}")
+                                  f"tensor at P={world_size}, rank counts per micro-batch {counts}")
         return out, calls
     return run
 
