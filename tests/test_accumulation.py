@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from bp_mech import accumulation, chunked_loss
 from bp_mech.update_dynamics import global_grad_norm
 from bp_mech.instruments.workload import PAD_ID, build_model, parse_workload
-from bp_mech.checks import ex11, ex11_contract
+from bp_mech.checks import ex11
 
 W = parse_workload("tiny-b2s16")
 UPDATES, MICRO_MAX, MAX_PAD = 2, 4, 0.75  # the experiment's padding, two batches
@@ -131,7 +131,7 @@ def _unscaled_backward(model, batch, k):  # plain micro-batch means, no 1/k at a
 
 
 def _input_mask_backward(model, batch, k):  # N counted from the inputs (not PAD), not from the labels
-    n = (batch["input_ids"][:, 1:] != ex11_contract.PAD).sum()
+    n = (batch["input_ids"][:, 1:] != ex11.PAD).sum()
     total = 0.0
     for mb in accumulation.split(batch, k):
         loss = accumulation.token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"]) / n

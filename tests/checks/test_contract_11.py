@@ -1,5 +1,6 @@
-"""Part 02 · 11: every property the contract checks hold (``checks/ex11_contract.py``) rejects a solution
-that breaks exactly it, and the variant's and the prediction's checks reject the classic mistakes."""
+"""Part 02 · 11: every property the exercise checks hold (``checks/ex11.py``'s declarations, derived by
+``checks.engine``) rejects a solution that breaks exactly it, and the variant's and the prediction's checks reject
+the classic mistakes."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from conftest import mutant
 
 from bp_mech import accumulation, chunked_loss
-from bp_mech.checks import ex11, ex11_contract
+from bp_mech.checks import ex11
 from checks.mutants import (
     attached,
     contiguous_only,
@@ -18,8 +19,6 @@ from checks.mutants import (
 
 ANS = mutant("ex11_gradient_accumulation")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny steps: more threads only spin on a shared machine
-
-
 
 
 def _split_mutating(batch, k):  # a "clean-up" of the caller's batch: the ids shifted in place
@@ -126,28 +125,28 @@ def _weights(kind):
 
 A = ANS
 CASES = [
-    (ex11_contract.check_split__contract, {"split": _split_mutating}, r"batch\['input_ids'\] was modified in place"),
-    (ex11_contract.check_split__contract, {"split": _split_by_view}, "raised RuntimeError at .*non-contiguous"),
-    (ex11_contract.check_split__contract, {"split": lambda b, k: tuple(accumulation.split(b, k))}, "the result is a tuple"),
-    (ex11_contract.check_count_targets__contract,
+    (ex11.check_split, {"split": _split_mutating}, r"batch\['input_ids'\] was modified in place"),
+    (ex11.check_split, {"split": _split_by_view}, "raised RuntimeError at .*non-contiguous"),
+    (ex11.check_split, {"split": lambda b, k: tuple(accumulation.split(b, k))}, "the result is a tuple"),
+    (ex11.check_count_targets,
      {"count_targets": modifies_input(A.count_targets, 0, how=lambda t: t.masked_fill_(t == -100, 0))},
      "labels was modified in place"),
-    (ex11_contract.check_count_targets__contract, {"count_targets": storage_order_only(A.count_targets)}, "non-contiguous"),
-    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": _naive_log_softmax}, "non-finite values"),
-    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": modifies_input(A.micro_batch_loss, 0)},
+    (ex11.check_count_targets, {"count_targets": storage_order_only(A.count_targets)}, "non-contiguous"),
+    (ex11.check_micro_batch_loss, {"micro_batch_loss": _naive_log_softmax}, "non-finite values"),
+    (ex11.check_micro_batch_loss, {"micro_batch_loss": modifies_input(A.micro_batch_loss, 0)},
      "logits was modified in place"),
-    (ex11_contract.check_micro_batch_loss__contract,
+    (ex11.check_micro_batch_loss,
      {"micro_batch_loss": modifies_input(A.micro_batch_loss, 1, how=lambda t: t.masked_fill_(t == -100, 0))},
      "labels was modified in place"),
-    (ex11_contract.check_micro_batch_loss__contract, {"micro_batch_loss": contiguous_only(A.micro_batch_loss)},
+    (ex11.check_micro_batch_loss, {"micro_batch_loss": contiguous_only(A.micro_batch_loss)},
      "raised RuntimeError at .*view"),
-    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(mutate=True)},
+    (ex11.check_accumulated_backward, {"accumulated_backward": _backward(mutate=True)},
      r"batch\['labels'\] was modified in place"),
-    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(zero_first=True)},
+    (ex11.check_accumulated_backward, {"accumulated_backward": _backward(zero_first=True)},
      "grad already holding"),
-    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": _backward(swallow=True)},
-     "did not propagate"),
-    (ex11_contract.check_accumulated_backward__contract, {"accumulated_backward": attached(A.accumulated_backward)},
+    (ex11.check_accumulated_backward, {"accumulated_backward": _backward(swallow=True)},
+     "propagate it"),
+    (ex11.check_accumulated_backward, {"accumulated_backward": attached(A.accumulated_backward)},
      "attached to the autograd graph"),
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": A.accumulated_backward},
      "returned loss"),
@@ -156,22 +155,23 @@ CASES = [
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": _per_sequence("all")},
      "returned loss"),
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": _per_sequence(clamp=False)},
-     "returned loss is nan"),
+     "the returned loss has .* non-finite values"),
     (ex11.check_accumulated_backward_per_sequence, {"accumulated_backward_per_sequence": _no_value_error},
-     r"for R = 0 \(the per-sequence mean is undefined\), expected ValueError"),
-    (ex11_contract.check_accumulated_backward_per_sequence__contract,
+     r"for a batch without any target \(R = 0\), expected ValueError"),
+    (ex11.check_accumulated_backward_per_sequence,
      {"accumulated_backward_per_sequence": attached(A.accumulated_backward_per_sequence)}, "attached"),
-    (ex11_contract.check_accumulated_backward_per_sequence__contract,
+    (ex11.check_accumulated_backward_per_sequence,
      {"accumulated_backward_per_sequence": _per_seq_wrapped("zero-first")}, "grad already holding"),
-    (ex11_contract.check_accumulated_backward_per_sequence__contract,
-     {"accumulated_backward_per_sequence": _per_seq_wrapped("swallow")}, "did not propagate"),
-    (ex11_contract.check_accumulated_backward_per_sequence__contract,
+    (ex11.check_accumulated_backward_per_sequence,
+     {"accumulated_backward_per_sequence": _per_seq_wrapped("swallow")}, "propagate it"),
+    (ex11.check_accumulated_backward_per_sequence,
      {"accumulated_backward_per_sequence": _per_seq_wrapped("mutate")}, r"batch\['labels'\] was modified in place"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("no-k")}, "measured ratio"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("inverted")}, "measured ratio"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("sorts")}, "counts was modified in place"),
     (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("tuple")}, "the prediction is a tuple"),
-    (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("numpy")}, "expected a list of .* floats"),
+    (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights("numpy")},
+     r"the prediction\[0\] is a float64, expected a float"),
 ]
 
 
@@ -186,3 +186,113 @@ def test_contract_check_rejects(check, over, message):
     function = check.__name__.removeprefix("check_").split("__")[0]
     with pytest.raises(AssertionError, match=f"^{function}: .*{message}"):
         check(mutant("ex11_gradient_accumulation", **over))
+
+
+# --- the properties the engine derives (ex11's declarations), and an outsider's wrong solutions ---------------
+
+
+def _leaks(f, leak):  # right values, a global switch left flipped
+    def g(*args, **kwargs):
+        out = f(*args, **kwargs)
+        leak(*args)
+        return out
+    return g
+
+
+def _sgd_step(model, batch, k):  # "one update": the parameters moved (the docstring says no optimizer step)
+    out = A.accumulated_backward(model, batch, k)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+    return out
+
+
+def _no_shift(z, y, n):  # every position a target of its own logits
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]).float() if z.dtype in (torch.float16, torch.bfloat16) else
+                           z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum") / n
+
+
+def _mean_times_count(z, y, n):  # F.cross_entropy's mean, rescaled: NaN on a micro-batch without targets
+    c = (y[:, 1:] != -100).sum()
+    return F.cross_entropy(z[:, :-1].reshape(-1, z.shape[-1]), y[:, 1:].reshape(-1)) * c / n
+
+
+def _first_always_target(y):  # n = #(labels != -100) - one per row: wrong when a row starts masked
+    return (y != -100).sum() - y.shape[0]
+
+
+def _split_interleaved(b, k):
+    e = b["input_ids"].shape[0]
+    if k < 1 or e % k:
+        raise ValueError("bad k")
+    return [{key: v[j::k] for key, v in b.items()} for j in range(k)]
+
+
+def _split_no_remainder_check(b, k):
+    if k < 1:
+        raise ValueError("k < 1")
+    return [dict(zip(b, vs)) for vs in zip(*(torch.tensor_split(v, k) for v in b.values()))]
+
+
+def _weights_floor(counts):
+    if not counts or min(counts) < 1:
+        raise ValueError("bad")
+    return [sum(counts) // (len(counts) * c) for c in counts]
+
+
+DERIVED = {
+    "split: float64 out": (ex11.check_split, {"split": lambda b, k: [{key: v.double() if v.is_floating_point() else v
+                           for key, v in p.items()} for p in accumulation.split(b, k)]}, "expected torch.float32"),
+    "split: interleaved rows": (ex11.check_split, {"split": _split_interleaved}, "differs from the rows"),
+    "split: tensor_split, no ValueError": (ex11.check_split, {"split": _split_no_remainder_check},
+                                           "expected ValueError"),
+    "count: a float tensor": (ex11.check_count_targets, {"count_targets": lambda y: A.count_targets(y).float()},
+                              "returned a float32 tensor, expected a 0-dim integer tensor"),
+    "count: shifted the wrong way": (ex11.check_count_targets,
+                                     {"count_targets": lambda y: (y[:, :-1] != -100).sum()}, "the count differs"),
+    "count: a Python int": (ex11.check_count_targets, {"count_targets": lambda y: int(A.count_targets(y))},
+                            "the count is an int, expected a tensor"),
+    "count: first position assumed a target": (ex11.check_count_targets__prompt_masked,
+                                               {"count_targets": _first_always_target}, "the count differs"),
+    "loss: float64 out": (ex11.check_micro_batch_loss, {"micro_batch_loss": lambda z, y, n: A.micro_batch_loss(
+        z.double(), y, n)}, "the share has dtype torch.float64, expected torch.float32 at float32 inputs"),
+    "loss: always float32": (ex11.check_micro_batch_loss, {"micro_batch_loss": lambda z, y, n: A.micro_batch_loss(
+        z.float(), y, n)}, "has dtype torch.float32, expected torch.float64"),
+    "loss: grad mode left off": (ex11.check_micro_batch_loss, {"micro_batch_loss": _leaks(
+        A.micro_batch_loss, lambda *a: torch.set_grad_enabled(False))}, "left the grad mode changed"),
+    "loss: no shift": (ex11.check_micro_batch_loss, {"micro_batch_loss": _no_shift}, "the share differs"),
+    "loss: mean times count": (ex11.check_micro_batch_loss, {"micro_batch_loss": _mean_times_count},
+                               "non-finite values"),
+    "loss: 16-bit out": (ex11.check_micro_batch_loss__half_precision, {"micro_batch_loss": lambda z, y, n: (
+        A.micro_batch_loss(z, y, n).to(z.dtype))}, "the share's dtype is 'torch.(bfloat|float)16'"),
+    "backward: model left in eval mode": (ex11.check_accumulated_backward, {"accumulated_backward": _leaks(
+        A.accumulated_backward, lambda model, *a: model.eval())}, "left the model.training changed"),
+    "backward: a hook left registered": (ex11.check_accumulated_backward, {"accumulated_backward": _leaks(
+        A.accumulated_backward, lambda model, *a: model.register_forward_hook(lambda *h: None))},
+        "left the model's forward hooks changed"),
+    "backward: an optimizer step": (ex11.check_accumulated_backward, {"accumulated_backward": _sgd_step},
+                                    r"model\.\w+ was modified in place"),
+    "backward: a Python float": (ex11.check_accumulated_backward, {"accumulated_backward": lambda *a: float(
+        A.accumulated_backward(*a))}, "the returned loss is a float, expected a tensor"),
+    "backward: divided by k again": (ex11.check_accumulated_backward, {"accumulated_backward": lambda m, b, k: (
+        A.accumulated_backward(m, b, k) / k)}, "the returned loss differs"),
+    "per-seq: default dtype left float64": (ex11.check_accumulated_backward_per_sequence, {
+        "accumulated_backward_per_sequence": _leaks(A.accumulated_backward_per_sequence,
+                                                    lambda *a: torch.set_default_dtype(torch.float64))},
+        "left the default dtype changed"),
+    "predict: reseeds torch": (ex11.check_predict_naive_weights, {"predict_naive_weights": _leaks(
+        A.predict_naive_weights, lambda *a: torch.manual_seed(0))}, "left the torch RNG state changed"),
+    "predict: integer division": (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights_floor},
+                                  r"the prediction\[0\] is an int, expected a float"),
+    "predict: no ValueError": (ex11.check_predict_naive_weights, {"predict_naive_weights": lambda c: [
+        sum(c) / (len(c) * x) for x in c]}, "expected ValueError"),
+}
+
+
+@pytest.mark.parametrize("name", list(DERIVED))
+def test_the_derived_properties_and_an_outsider_s_mistakes_are_rejected(name):
+    check, over, message = DERIVED[name]
+    with pytest.raises(AssertionError, match=f"^{next(iter(over))}: .*{message}"):
+        check(mutant("ex11_gradient_accumulation", **over))
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32  # put back for the next test

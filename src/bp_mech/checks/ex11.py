@@ -1,220 +1,265 @@
-"""Checks of exercises/ex11_gradient_accumulation.py (never against the answer file).
+"""Checks of exercises/ex11_gradient_accumulation.py: one declaration per function (``engine.Contract``).
 
-The references are PyTorch's own: ``F.cross_entropy(..., reduction="mean", ignore_index=-100)``
-over the *whole* effective batch (its mean is token-weighted by definition) and float64 autograd
-of that full-batch loss. The batches are right-padded unevenly, so the micro-batches hold
-different numbers of target tokens and a mean of micro-batch means gives wrong numbers; the
-supervised fine-tuning batches also mask prompt tokens in the labels only (the inputs there are
-real tokens, so a count taken from the inputs is wrong), hold token id 0 as a real target, and put
-a micro-batch with no target at all. Logits come in float64, float32, bfloat16 and float16.
-The contract checks (drawn by hypothesis) and the shared cases are in ``ex11_contract``; the
-variant's values and the prediction's measurement are checked here.
+References: PyTorch's own ``F.cross_entropy(..., ignore_index=-100)`` over the *whole* effective batch (its
+mean is token-weighted by definition), float64 autograd of it, and for the prediction a measurement of the
+naive to the token-weighted gradient; never the answer file. The domains are the docstrings': batches
+right-padded unevenly (micro-batches with different target counts: a mean of means is wrong), prompts masked
+in the labels only (a count from the inputs is wrong), token id 0 as a real target, a micro-batch and rows
+without any target, labels of shape (1, 1), a frozen parameter, a ``.grad`` already holding a gradient, a
+model that raises on micro-batch 2, logits of magnitude 1000 (a log of a softmax underflows) in four dtypes,
+``n_total`` an int or a 0-dim tensor, any keys and trailing shapes in ``split``, k < 1 and E % k != 0. The
+engine derives the rest: inputs unchanged, strided views, dtypes, exact types, state restored.
 """
 
 import torch
 from hypothesis import strategies as st
 
-from bp_mech.checks.common import assert_close, assert_value, call, describe
-from bp_mech.checks.ex11_contract import (  # the shared cases live there (it must not import this module)
-    PAD,
-    PADS,
-    PROMPTS,
-    REF,
-    TOL,
-    TOL_HALF,
-    E,
-    T,
-    ToyLM,
-    V,
-    backward_contract,
-    torch_count,
-    check_accumulated_backward__contract,
-    check_accumulated_backward_per_sequence__contract,
-    check_count_targets__contract,
-    check_micro_batch_loss__contract,
-    check_split__contract,
-    full_batch_loss,
-    measure_naive_weights,
-    one_thread,
-    padded_batch,
-    per_sequence_loss,
-)
-from bp_mech.checks.properties import assert_raises, assert_type, explore
+from bp_mech.checks.common import CheckFailed
+from bp_mech.checks.engine import Contract, Raises, check, checks
+from bp_mech.checks.ex11_measure import (  # noqa: F401  (PAD, ToyLM: the tests build batches and models alike)
+    E, PAD, PADS, PROMPTS, REF, T, V, Raising, ToyLM, full_batch_loss, measure_naive_weights, padded_batch,
+    per_sequence_loss, torch_count)
+
+SEEDS, VIEWS = st.integers(0, 2**16), st.sampled_from(("slice", "transpose"))
 
 
-@one_thread
-def check_split(m):
-    b = padded_batch(1)
-    b = {**b, "attention_mask": (b["input_ids"] != PAD).long(), "row_id": torch.arange(E),
-         "extra": torch.randn(E, T, 2)}  # keys of other shapes: (E, T), (E,), (E, T, 2)
-    for k in (1, 2, 4, 8):
-        at = f"k={k}, a batch of {E} rows with keys {list(b)}"
-        parts = call("split", m.split, b, k, at=at)
-        assert isinstance(parts, list) and len(parts) == k, (
-            f"split: returned {describe(parts)} of length {len(parts) if hasattr(parts, '__len__') else '?'}, "
-            f"expected a list of {k} micro-batches at {at}")
-        for key in b:
-            assert all(key in p for p in parts), f"split: key {key!r} missing from a micro-batch at {at}"
-            sizes = [p[key].shape[0] for p in parts]
-            assert sizes == [E // k] * k, f"split: {key!r} split into rows {sizes}, expected {[E // k] * k} at {at}"
-            assert torch.equal(torch.cat([p[key] for p in parts]), b[key]), (
-                f"split: {key!r} rows lost or reordered (concatenated micro-batches differ from the batch) at {at}")
-    for bad in (3, 0, -2):
-        assert_raises("split", m.split, (b, bad), ValueError, f"k={bad} (k < 1 or E % k != 0 must raise)",
-                      f"{E} rows")
+# --- split -----------------------------------------------------------------------------------
 
 
-def _count_case(m, labels, at):
-    got = call("count_targets", m.count_targets, labels.clone(), at=at)
-    if not (torch.is_tensor(got) and got.dim() == 0 and not got.is_floating_point()):
-        raise AssertionError(f"count_targets: returned {describe(got)}, expected a 0-dim integer tensor at {at}")
-    want = torch_count(labels)
-    assert int(got) == want, (f"count_targets: {int(got)} targets, torch's cross_entropy counts {want} "
-                              f"(labels[:, 1:] != -100) at {at}")
+def _split(c):
+    g, e = torch.Generator().manual_seed(c["seed"]), c["E"]
+    ids = torch.randint(0, V, (e, T), generator=g)
+    return {"batch": {"input_ids": ids, "labels": torch.randint(0, V, (e, T), generator=g),
+                      "attention_mask": (ids != PAD).long(), "row_id": torch.arange(e),
+                      "extra": torch.randn(e, T, 2, generator=g, dtype=torch.float64)}, "k": c["k"]}
 
 
-@one_thread
-def check_count_targets(m):
-    for seed, pads in ((2, PADS), (3, [0] * E), (4, [T - 2] * E)):
-        labels = padded_batch(seed, pads)["labels"]
-        labels[0, 3] = -100  # an ignored position inside a row counts as not a target
-        _count_case(m, labels, f"labels shape {tuple(labels.shape)}, padding {pads}")
+def _split_ref(batch, k):
+    e = batch["input_ids"].shape[0]
+    if k < 1 or e % k:
+        return Raises(ValueError, f"k={k} over {e} rows (k < 1 or E % k != 0)")
+    b = e // k
+    return ([{key: v[j * b:(j + 1) * b] for key, v in batch.items()} for j in range(k)],)
 
 
-@one_thread
-def check_count_targets__prompt_masked(m):
-    b = padded_batch(5, PADS, PROMPTS)
-    _count_case(m, b["labels"], f"labels with prompts {PROMPTS} masked (inputs there are real tokens), "
-                                f"padding {PADS}, token id 0 as a target")
-    _count_case(m, b["labels"][6:], "2 rows with every label -100")
-    _count_case(m, b["labels"][:1, :1], "labels shape (1, 1): no position has a predecessor")
+def _split_cases(e):
+    return st.fixed_dictionaries({"seed": SEEDS, "E": st.just(e), "view": VIEWS, "k": st.sampled_from(
+        [d for d in range(1, e + 1) if e % d == 0] * 2 + [0, e + 1])})
 
 
-def _shares(m, z, labels, n, k, at):
-    rows = range(0, E, E // k)
-    parts = [call("micro_batch_loss", m.micro_batch_loss, z[r:r + E // k], labels[r:r + E // k], n, at=at)
-             for r in rows]
-    for p in parts:
-        if not (torch.is_tensor(p) and p.dim() == 0):
-            raise AssertionError(f"micro_batch_loss: returned {describe(p)}, expected a 0-dim tensor at {at}")
-    return parts
+SPLIT = Contract(
+    "split", _split, _split_ref, ("the result",), returns=list, ref_name="the rows j E/k ... (j+1) E/k - 1",
+    dtypes={torch.float32: 1e-7, torch.bfloat16: 1e-2}, draw=st.integers(1, 8).flatmap(_split_cases),
+    examples={"": [{"seed": 1, "E": E, "k": k} for k in (1, 2, 4, 8, 3, 0, -2)]})
 
 
-@one_thread
-def check_micro_batch_loss(m):
-    for seed, prompts in ((5, None), (6, PROMPTS)):
-        g = torch.Generator().manual_seed(seed)
-        b = padded_batch(seed, PADS, prompts)
-        z = (torch.randn(E, T, V, generator=g, dtype=torch.float64) * 2).requires_grad_()
-        want = full_batch_loss(z, b["labels"])
-        want_grad = torch.autograd.grad(want, z)[0]
-        n = torch_count(b["labels"])
-        for k, n_arg in ((2, n), (4, torch.tensor(n))):
-            at = (f"k={k}, n_total={n} as {type(n_arg).__name__}, float64 logits "
-                  f"{'with prompts masked' if prompts else 'padded'}")
-            total = sum(_shares(m, z, b["labels"], n_arg, k, at))
-            assert_value("micro_batch_loss", "the sum of the shares", total, want.item(), tol=TOL,
-                         ref=f"the full-batch mean ({REF})", at=at + " (divide by the whole batch's count)")
-            if not total.requires_grad:
-                raise AssertionError(f"micro_batch_loss: the share is not differentiable (no grad_fn) at {at}")
-            grad = torch.autograd.grad(total, z)[0]
-            assert_close("micro_batch_loss", "d(sum of shares)/dlogits", grad, want_grad, tol=TOL,
-                         ref="float64 autograd of the full-batch mean", at=at)
+# --- count_targets ---------------------------------------------------------------------------
 
 
-@one_thread
-def check_micro_batch_loss__half_precision(m):
-    b = padded_batch(7, PADS, PROMPTS)
-    g = torch.Generator().manual_seed(7)
-    z64 = torch.randn(E, T, V, generator=g, dtype=torch.float64) * 3
-    n = torch_count(b["labels"])
-    for dtype, want_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                              (torch.float32, torch.float32)):
-        z = z64.to(dtype)
-        want = full_batch_loss(z.double(), b["labels"]).item()  # the same 16-bit values, in float64
-        at = f"{str(dtype)[6:]} logits shape {tuple(z.shape)}, k=2"
-        parts = _shares(m, z, b["labels"], n, 2, at)
-        for p in parts:
-            if p.dtype != want_dtype:
-                raise AssertionError(f"micro_batch_loss: returned {p.dtype}, expected {want_dtype} "
-                                     f"(compute the loss in float32, as transformers does) at {at}")
-        assert_value("micro_batch_loss", "the sum of the shares", sum(parts), want, tol=TOL_HALF,
-                     ref="the float64 full-batch mean of the same logits", at=at + " (upcast before the softmax)")
+def _count(c):
+    if "pads" in c:
+        labels = padded_batch(c["seed"], c["pads"], c.get("prompts"))["labels"][c.get("rows", slice(None))]
+        if c.get("hole"):
+            labels[0, 3] = -100  # an ignored position inside a row counts as not a target
+        return {"labels": labels[: c.get("cut", T)][:, : c.get("cut", T)]}
+    g = torch.Generator().manual_seed(c["seed"])
+    y = torch.randint(0, V - 1, (c["B"], c["T"]), generator=g)
+    return {"labels": y.masked_fill(torch.rand(c["B"], c["T"], generator=g) < c["p"], -100)}
 
 
-def _accumulation_case(m, seed, b, label, freeze=False):
-    ref = ToyLM(seed, freeze)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    want_loss = full_batch_loss(ref(b["input_ids"]).logits, b["labels"])
-    names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    want = dict(zip(names, torch.autograd.grad(want_loss, trainable)))
-    for k in (1, 2, 4):
-        at = f"k={k}, {label}"
-        model = ToyLM(seed, freeze)
-        loss = call("accumulated_backward", m.accumulated_backward, model, b, k, at=at)
-        if not torch.is_tensor(loss) or loss.dim() != 0 or loss.requires_grad:
-            raise AssertionError(f"accumulated_backward: returned {describe(loss)}, expected a detached 0-dim "
-                                 f"tensor (the accumulated loss) at {at}")
-        assert_value("accumulated_backward", "the returned loss", loss, want_loss.item(), tol=TOL,
-                     ref=f"the full-batch mean ({REF})", at=at)
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                assert p.grad is None, f"accumulated_backward: frozen {name} got a .grad at {at}"
-                continue
-            assert_close("accumulated_backward", f"{name}.grad", p.grad, want[name], tol=TOL,
-                         ref="float64 autograd of the full-batch mean", at=at)
+def _integer(case, call, at):
+    got = call()
+    if got.is_floating_point() or got.is_complex() or got.dtype == torch.bool:
+        raise AssertionError(f"count_targets: returned a {str(got.dtype)[6:]} tensor, expected a 0-dim integer "
+                             f"tensor at {at}")
 
 
-@one_thread
-def check_accumulated_backward(m):
-    for seed in (6, 7):
-        _accumulation_case(m, seed, padded_batch(seed), f"uneven right padding {PADS}")
+COUNT = Contract(
+    "count_targets", _count, lambda labels: (torch.tensor(torch_count(labels)),), ("the count",),
+    ref_name="torch's cross_entropy count (labels[:, 1:] != -100)", promise=_integer,
+    draw=st.fixed_dictionaries({"seed": SEEDS, "B": st.integers(1, 5), "T": st.integers(1, 9), "view": VIEWS,
+                                "p": st.sampled_from((0.0, 0.3, 1.0))}),
+    examples={"": [{"seed": s, "pads": p, "hole": True} for s, p in ((2, PADS), (3, [0] * E), (4, [T - 2] * E))],
+              "prompt_masked": [{"seed": 5, "pads": PADS, "prompts": PROMPTS}, {"seed": 5, "pads": PADS,
+                                "prompts": PROMPTS, "rows": slice(6, None)}, {"seed": 5, "pads": PADS, "cut": 1}]},
+    note=lambda c: ("prompts masked in the labels only, token id 0 a target" if c.get("prompts") else
+                    c.get("pads") and "right-padded rows, -100 inside row 0"))
 
 
-@one_thread
-def check_accumulated_backward__prompt_masked(m):
-    b = padded_batch(8, PADS, PROMPTS)
-    _accumulation_case(m, 8, b, f"prompts {PROMPTS} masked in the labels only, padding {PADS}, the last "
-                                f"micro-batch (k=4) without any target, embedding frozen", freeze=True)
+# --- micro_batch_loss ------------------------------------------------------------------------
 
 
-@one_thread
-def check_accumulated_backward_per_sequence(m):
-    fn = "accumulated_backward_per_sequence"
-    for seed, k, prompts in ((6, 2, None), (7, 4, None), (8, 4, PROMPTS)):  # the last: a micro-batch w/o target
-        backward_contract(m, fn, per_sequence_loss, (seed, k, PADS, prompts, False))
-    b = padded_batch(9, [T] * E)
-    assert_raises(fn, m.accumulated_backward_per_sequence, (ToyLM(9), b, 2), ValueError,
-                  "R = 0 (the per-sequence mean is undefined)", f"a batch of {E} rows without any target")
+def _loss(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    z = torch.randn(c["B"], c["T"], c["V"], generator=g, dtype=torch.float64) * c.get("scale", 1.0)
+    y = torch.randint(0, c["V"], (c["B"], c["T"]), generator=g)
+    if c.get("scale", 1.0) >= 100:  # targets far from the argmax: a softmax underflows to exactly 0 there
+        y[:, 1:] = z[:, :-1].argmin(-1)
+    y = y.masked_fill(torch.rand(c["B"], c["T"], generator=g) < c["p"], -100)
+    n = max(int((y[:, 1:] != -100).sum()) + c.get("extra", 3), 1)  # the whole batch's count: more targets
+    return {"logits": z.to(c.get("dtype", torch.float64)), "labels": y,
+            "n_total": torch.tensor(n) if c.get("as_tensor") else n}
 
 
-@one_thread
-def check_predict_naive_weights(m):
-    fn = "predict_naive_weights"
+def _loss_ref(logits, labels, n_total):
+    z = logits.detach().double().requires_grad_()
+    share = full_batch_loss(z, labels, "sum") / int(n_total)
+    return share.detach(), torch.autograd.grad(share, z)[0]
 
-    def body(counts):
-        at = f"counts {counts}"
+
+def _differentiated(f):
+    """The driver: the share, and its gradient w.r.t. the logits (None where autograd cannot give one)."""
+    def run(logits, labels, n_total):
+        z = logits.detach().requires_grad_()
+        share = f(z, labels, n_total)
+        if not (torch.is_tensor(share) and share.requires_grad):
+            return share, None
+        try:
+            return share.detach(), torch.autograd.grad(share, z)[0]
+        except RuntimeError:  # (an input modified in place after its use: reported as such)
+            return share.detach(), None
+    return run
+
+
+def _loss_cases(**more):
+    return st.fixed_dictionaries({
+        "seed": SEEDS, "B": st.integers(1, 3), "T": st.integers(1, 6), "view": VIEWS, "V": st.integers(2, 9),
+        "p": st.sampled_from((0.0, 0.4, 1.0)), "extra": st.sampled_from((0, 3)), "as_tensor": st.booleans(),
+        "scale": st.sampled_from((1.0, 1e3)), **more})
+
+
+def _lcase(seed, B, T, V, **more):
+    return {"seed": seed, "B": B, "T": T, "V": V, "p": 0.3, **more}
+
+
+def _loss_note(c):
+    return ", ".join(w for w in (c.get("scale", 1) >= 100 and "logits of magnitude 1000: a softmax underflows to 0",
+                                 c.get("p") == 1.0 and "no target: the share is 0, not NaN",
+                                 c.get("dtype") and "16-bit logits: compute the loss in float32, as transformers' "
+                                                    "ForCausalLMLoss does") if w)
+
+
+LOSS = Contract(
+    "micro_batch_loss", _loss, _loss_ref, ("the share", "d(share)/d(logits)"), use=_differentiated,
+    ref_name=f"float64 {REF}, divided by n_total", dtypes={torch.float32: 1e-4}, draw=_loss_cases(), note=_loss_note,
+    examples={"": [_lcase(5, 4, 10, 29), _lcase(6, 4, 10, 29, as_tensor=True, extra=0), _lcase(7, 2, 5, 7, p=1.0),
+                   _lcase(8, 3, 6, 9, scale=1e3), _lcase(9, 1, 1, 2, p=0.0)]})
+
+
+def _upcast(f):
+    """The driver of 16-bit logits: the share's dtype, and its value."""
+    def run(logits, labels, n_total):
+        share = f(logits, labels, n_total)
+        return (str(share.dtype), share.item()) if torch.is_tensor(share) and share.dim() == 0 else (share, None)
+    return run
+
+
+HALF = Contract(
+    "micro_batch_loss", _loss, lambda logits, labels, n_total: ("torch.float32", _loss_ref(logits, labels, n_total)[
+        0].item()), ("the share's dtype", "the share"), use=_upcast, tol=1e-5, note=_loss_note,
+    ref_name=f"float64 {REF} of the same 16-bit logits (in float32)",
+    examples={"half_precision": [_lcase(s, 8, 10, 29, dtype=d, scale=x) for s, d, x in (
+        (7, torch.bfloat16, 3.0), (8, torch.float16, 3.0), (9, torch.bfloat16, 1e3), (10, torch.float16, 1e3))]})
+
+
+# --- accumulated_backward and the per-sequence variant ---------------------------------------
+
+
+def _backward(c):
+    model = ToyLM(c["seed"], c.get("freeze", False))
+    if c.get("pre"):  # .grad already holding a gradient: the function adds to it
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(c["seed"] + i))
+    model = Raising(model, 2) if c.get("raising") else model
+    return {"model": model, "batch": padded_batch(c["seed"], c["pads"], c.get("prompts")), "k": c["k"]}
+
+
+def _backward_ref(loss):
+    def ref(model, batch, k):
+        if isinstance(model, Raising):
+            return Raises(RuntimeError, "a model that raised on micro-batch 2 (propagate it; skip no micro-batch)")
+        n = (batch["labels"][:, 1:] != -100).sum(1)
+        if not (n > 0).any():
+            return Raises(ValueError, "a batch without any target (R = 0)")
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        want = torch.autograd.grad(loss(model(input_ids=batch["input_ids"]).logits, batch["labels"]),
+                                   [p for _, p in named])
+        grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+        for (name, _), g in zip(named, want):
+            grads[name] = g if grads[name] is None else grads[name] + g
+        return loss(model(input_ids=batch["input_ids"]).logits, batch["labels"]).detach(), grads
+    return ref
+
+
+def _grads(f):
+    """The driver: the returned loss and every parameter's ``.grad`` after the call; the ``.grad`` are put back
+    as they were after (each call starts from the same model)."""
+    def run(model, batch, k):
+        before = {name: p.grad for name, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = None if p.grad is None else p.grad.clone()
+        try:
+            loss = f(model, batch, k)
+            return loss, {name: None if p.grad is None else p.grad.detach().clone()
+                          for name, p in model.named_parameters()}
+        finally:
+            for name, p in model.named_parameters():
+                p.grad = before[name]
+    return run
+
+
+def _bcase(seed, k, pads=PADS, **more):
+    return {"seed": seed, "k": k, "pads": pads, **more}
+
+
+_PADDINGS = st.lists(st.integers(0, T), min_size=E, max_size=E).map(lambda p: [0] + p[1:])  # row 0 keeps targets
+BACKWARD_CASES = st.fixed_dictionaries({"seed": SEEDS, "k": st.sampled_from((1, 2, 4)), "pads": _PADDINGS,
+                                        "prompts": st.sampled_from((None, PROMPTS)), "pre": st.booleans(),
+                                        "view": VIEWS})
+
+
+def _backward_note(c):
+    return ", ".join(w for w in (f"padding {c['pads']}", c.get("prompts") and f"prompts {PROMPTS} masked in the labels",
+                                 c.get("freeze") and "embedding frozen", c.get("pre") and
+                                 ".grad already holding a gradient (add to it, never zero it)") if w)
+
+
+ACCUMULATED = Contract(
+    "accumulated_backward", _backward, _backward_ref(full_batch_loss), ("the returned loss", "the gradients"),
+    use=_grads, ref_name=f"float64 autograd of the full-batch mean ({REF})", draw=BACKWARD_CASES, note=_backward_note,
+    examples={"": [_bcase(s, k) for s in (6, 7) for k in (1, 2, 4)] + [_bcase(9, 2, pre=True),
+                                                                      _bcase(6, 4, raising=True)],
+              "prompt_masked": [_bcase(8, k, prompts=PROMPTS, freeze=True) for k in (1, 2, 4)]})
+
+PER_SEQUENCE = Contract(
+    "accumulated_backward_per_sequence", _backward, _backward_ref(per_sequence_loss),
+    ("the returned loss", "the gradients"), use=_grads, draw=BACKWARD_CASES, note=_backward_note,
+    ref_name="float64 autograd of the full batch's per-sequence mean",
+    examples={"": [_bcase(6, 2), _bcase(7, 4), _bcase(8, 4, prompts=PROMPTS), _bcase(9, 2, pre=True),
+                   _bcase(6, 2, raising=True), _bcase(9, 2, pads=[T] * E)]})
+
+
+# --- the prediction: how the mean of micro-batch means re-weights micro-batches ---------------
+
+
+def _unmodified(f):
+    """The driver: a list of ints modified in place is reported (the engine compares tensors only)."""
+    def run(counts):
         before = list(counts)
-        got = call(fn, m.predict_naive_weights, counts, at=at)
-        assert counts == before, f"{fn}: counts was modified in place (now {counts}) at counts {before}"
-        assert_type(fn, "the prediction", got, list, at)
-        assert len(got) == len(counts) and all(type(w) is float for w in got), (
-            f"{fn}: returned {got!r}, expected a list of {len(counts)} Python floats at {at}")
-        want = measure_naive_weights(counts)
-        for j, (w, x) in enumerate(zip(got, want)):
-            assert abs(w - x) <= 1e-9 * x, (f"{fn}: predicted w_{j} = {w:.6g}, the measured ratio of the naive to "
-                                            f"the token-weighted gradient is {x:.6g} at {at}")
-        for bad in ([], [3, 0]):
-            try:
-                m.predict_naive_weights(bad)
-            except ValueError:
-                continue
-            raise AssertionError(f"{fn}: no ValueError at counts {bad}")
-    explore(st.lists(st.integers(1, 9), min_size=1, max_size=5), body)
+        out = f(counts)
+        if counts != before:
+            raise CheckFailed(f"predict_naive_weights: counts was modified in place (now {counts}) at counts {before}")
+        return out
+    return run
 
 
-CHECKS = [check_split, check_split__contract, check_count_targets, check_count_targets__prompt_masked,
-          check_count_targets__contract, check_micro_batch_loss, check_micro_batch_loss__half_precision,
-          check_micro_batch_loss__contract, check_accumulated_backward, check_accumulated_backward__prompt_masked,
-          check_accumulated_backward__contract, check_accumulated_backward_per_sequence,
-          check_accumulated_backward_per_sequence__contract, check_predict_naive_weights]
+PREDICT = Contract(
+    "predict_naive_weights", lambda c: {"counts": list(c["counts"])},
+    lambda counts: (measure_naive_weights(counts),) if counts and min(counts) >= 1 else Raises(
+        ValueError, "an empty list or a count < 1"), ("the prediction",), returns=list, tol=1e-9, use=_unmodified,
+    ref_name="the measured ratio of the naive to the token-weighted gradient",
+    draw=st.fixed_dictionaries({"counts": st.lists(st.integers(1, 9), min_size=1, max_size=5)}),
+    examples={"": [{"counts": c} for c in ((3, 1, 2), (5,), (1, 1, 1, 1), (), (3, 0))]})
+
+CHECKS = checks(SPLIT, COUNT, LOSS) + check(HALF)[1:] + checks(ACCUMULATED, PER_SEQUENCE, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex11.check_micro_batch_loss__half_precision, ...
