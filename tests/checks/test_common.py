@@ -61,3 +61,8 @@ def test_the_reference_gradients_are_autograd_s_on_fresh_leaves():
     x = torch.tensor([1.0, 2.0], dtype=torch.float64)
     (dx,) = autograd_grads(lambda t: t ** 3, [x], torch.ones(2, dtype=torch.float64))
     assert dx.tolist() == [3.0, 12.0] and not x.requires_grad
+
+
+def test_a_floating_result_where_the_reference_counts_integers_is_refused():
+    with pytest.raises(AssertionError, match="n has dtype torch.float32, expected integers"):
+        assert_close("f", "n", torch.tensor(3.0), torch.tensor(3), tol=0.0, ref="a count", at="here")

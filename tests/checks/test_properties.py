@@ -89,3 +89,19 @@ def test_assert_raises_wants_the_documented_error_neither_swallowed_nor_replaced
         P.assert_raises("f", raises(KeyError), (1,), ValueError, "x = 1", "a")
     with pytest.raises(NotImplementedError):
         P.assert_raises("f", raises(NotImplementedError), (1,), ValueError, "x = 1", "a")
+
+
+def test_numbers_inside_a_list_or_dict_are_watched_too():
+    def sorts(xs, d):
+        xs.sort()
+        return sum(xs)
+
+    def grows(xs, d):
+        d["extra"] = 1
+        return 0
+
+    with pytest.raises(AssertionError, match=r"xs\[0\] was modified in place"):
+        P.call_unmodified("f", sorts, [3, 1, 2], {"a": 1}, names=("xs", "d"), at="here")
+    with pytest.raises(AssertionError, match=r"d \(its length or keys\) was modified in place"):
+        P.call_unmodified("f", grows, [1], {"a": 1}, names=("xs", "d"), at="here")
+    assert P.call_unmodified("f", lambda xs, d: 1, [float("nan")], {"a": "s"}, names=("xs", "d"), at="here") == 1

@@ -63,6 +63,8 @@ def assert_close(fn: str, what: str, got, want: torch.Tensor, *, tol: float, ref
         raise AssertionError(f"{fn}: {what} has shape {tuple(got.shape)}, {ref} gives {tuple(want.shape)} at {at}")
     if dtype is not None and got.dtype != dtype:
         raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected {dtype} at {at}")
+    if got.is_floating_point() and not (want.is_floating_point() or want.is_complex()):
+        raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected integers ({want.dtype}) at {at}")
     err = relative_error(got, want)
     assert err <= tol, f"{fn}: {what} differs from {ref}, max rel error {err:.1e} > {tol:g} at {at}"
 

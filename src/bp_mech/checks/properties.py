@@ -100,10 +100,10 @@ def _snapshot(x):
     if isinstance(x, torch.nn.Module):
         return ("module", {k: v.detach().clone() for k, v in x.state_dict().items()})
     if isinstance(x, (list, tuple)):
-        return ("seq", [_snapshot(v) for v in x])
+        return ("seq", [_snapshot(v) for v in x], len(x))
     if isinstance(x, dict):
-        return ("dict", {k: _snapshot(v) for k, v in x.items()})
-    return None
+        return ("dict", {k: _snapshot(v) for k, v in x.items()}, len(x))
+    return ("value", x) if isinstance(x, (int, float, str, bool)) and not isinstance(x, torch.Tensor) else None
 
 
 def max_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -131,6 +131,10 @@ def _changes(name: str, snap, x) -> list[tuple[str, float]]:
     if kind == "module":
         state = x.state_dict()
         return [(f"{name}.{k}", max_change(v, state[k]) if k in state else math.inf) for k, v in snap[1].items()]
+    if kind == "value":  # a number or a string inside a list or dict (a top-level one cannot change)
+        return [(name, 0.0 if snap[1] == x or (snap[1] != snap[1] and x != x) else math.inf)]
+    if len(x) != snap[2] or (kind == "dict" and set(x) != set(snap[1])):
+        return [(f"{name} (its length or keys)", math.inf)]
     if kind == "seq":
         return [c for i, (s, v) in enumerate(zip(snap[1], x)) for c in _changes(f"{name}[{i}]", s, v)]
     return [c for k, s in snap[1].items() for c in _changes(f"{name}[{k!r}]", s, x[k])]
