@@ -127,8 +127,8 @@ PREDICT = Contract(
                                                 c["args"])),
     _measured_recovery, ("the step",), returns=int, defaults={"backoff_factor": 0.5, "growth_factor": 2.0},
     ref_name="a real torch.amp.GradScaler (the step after which it is back at S0)",
-    draw=st.fixed_dictionaries({"args": st.tuples(st.integers(1, 5), st.integers(1, 4),
-                                                  st.sampled_from([0.5, 0.25, 0.125]), st.sampled_from([2.0, 4.0, 8.0]))}),
+    draw=st.fixed_dictionaries({"args": st.tuples(st.integers(1, 5), st.integers(1, 4), st.sampled_from(
+        [0.5, 0.25, 0.125]), st.sampled_from([2.0, 4.0, 8.0]))}),
     examples={"": [{"args": a} for a in ((1, 1, 0.5, 2.0), (3, 2, 0.5, 2.0), (2, 3, 0.25, 2.0), (3, 2, 0.5, 4.0),
                                          (5, 4, 0.25, 4.0), (4, 1, 0.5, 4.0),
                                          (3, 2, 0.5, 8.0), (3, 1, 0.0625, 8.0))]})
