@@ -188,7 +188,7 @@ def _clock(configs, flags, resume=None):
 
 CLOCK = Contract(
     "UpdateClock", lambda c: {"cfg": c["cfg"], "applied": c["applied"], "resume": c["resume"]}, _clock_reference,
-    ("the observations",), tol=TOL, use=_drive_clock, ref_name=f"{WSD} at the applied count",
+    ("the clock",), tol=TOL, use=_drive_clock, ref_name=f"{WSD} at the applied count",
     draw=st.fixed_dictionaries({"cfg": DRAWN_CONFIGS, "applied": st.lists(st.booleans(), max_size=24),
                                 "resume": st.none() | st.lists(st.booleans(), min_size=1, max_size=12)}),
     examples={"": _clock(CONFIGS + ZERO_LENGTH, lambda i, cfg: [True] * (cfg.total + 3)),

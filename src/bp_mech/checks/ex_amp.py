@@ -135,7 +135,7 @@ def _scaler_cases(patterns, resume=None):
 
 SCALER = Contract(
     "DynamicLossScaler", lambda c: {"kw": c["kw"], "pattern": c["pattern"], "resume": c["resume"]}, _scaler_ref,
-    ("the observations",), tol=1e-6, use=_drive_scaler, ref_name=f"{GRADSCALER} (a float32 scale)",
+    ("the scaler",), tol=1e-6, use=_drive_scaler, ref_name=f"{GRADSCALER} (a float32 scale)",
     draw=st.fixed_dictionaries({
         "kw": st.fixed_dictionaries({"init_scale": st.integers(0, 24).map(lambda k: 2.0**k),
                                      "growth_factor": st.sampled_from([2.0, 3.0, 1.5]),
