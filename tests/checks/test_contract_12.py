@@ -3,6 +3,7 @@ rejects a solution that breaks exactly it, and the variant's and the prediction'
 mistakes; the schedule's and the clock's off-by-ones are in tests/test_scheduler.py."""
 
 import math
+import operator
 from typing import ClassVar
 
 import numpy as np
@@ -116,6 +117,15 @@ def _wsd_leaves_float64(k, cfg):  # computes in torch and leaves the default dty
     return float(torch.tensor(wsd_lr(k, cfg)))
 
 
+def _wsd_decay_type_by_identity(k, cfg):  # `decay_type is "linear"`: right for the literal only
+    W, S, D, m = cfg.warmup, cfg.stable, cfg.decay, cfg.min_lr_ratio
+    if not W + S <= k < W + S + D:
+        return wsd_lr(k, cfg)
+    p = (k - W - S) / D
+    f = 1 - p if operator.is_(cfg.decay_type, "linear") else (1 + math.cos(math.pi * p)) / 2
+    return float(cfg.base_lr * (m + (1 - m) * f))
+
+
 def _restarts_mult_default(update, base_lr, cycle, mult=2, min_lr=0.0):  # the docstring's default is 1
     return _restarts()(update, base_lr, cycle, mult, min_lr)
 
@@ -130,6 +140,7 @@ CASES = [
     (ex12.check_wsd_lr, {"wsd_lr": lambda k, c: float(c.base_lr * wsd_factor(k, c))},
      r"for update -1 \(negative\), expected ValueError"),
     (ex12.check_wsd_lr, {"wsd_lr": _wsd_leaves_float64}, "left the default dtype changed"),
+    (ex12.check_wsd_lr, {"wsd_lr": _wsd_decay_type_by_identity}, r"lr is .* at update 3, .*decay_type='linear'"),
     (ex12.check_UpdateClock, {"UpdateClock": SharedClock}, "a second clock.*keep the counts on self"),
     (ex12.check_UpdateClock, {"UpdateClock": FloatCounts}, r"\['(updates|skipped)'\] is a float, expected an int"),
     (ex12.check_UpdateClock, {"UpdateClock": NumpyLr}, "is a float64, expected a float"),
@@ -156,8 +167,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("check, over, message", CASES, ids=[
-    "wsd-numpy-float", "wsd-int-for-int-base", "wsd-negative-accepted", "wsd-default-dtype", "clock-shared-state",
-    "clock-float-counts", "clock-numpy-lr", "state-forgets-skipped", "state-aliased", "state-load-trusts",
+    "wsd-numpy-float", "wsd-int-for-int-base", "wsd-negative-accepted", "wsd-default-dtype", "wsd-decay-type-is",
+    "clock-shared-state", "clock-float-counts", "clock-numpy-lr", "state-forgets-skipped", "state-aliased", "state-load-trusts",
     "state-half-load",
     "restarts-off-by-one", "restarts-ignores-mult", "restarts-reaches-min", "restarts-log-closed-form",
     "restarts-no-valueerror", "restarts-numpy-float", "restarts-mult-default", "restarts-min-lr-default",

@@ -30,7 +30,8 @@ CONFIGS = [
     WSDConfig(base_lr=1.0, warmup=3, stable=2, decay=1, decay_type="cosine", min_lr_ratio=0.05),
     WSDConfig(base_lr=0.5, warmup=0, stable=2, decay=5, decay_type="cosine", min_lr_ratio=0.2),
     WSDConfig(base_lr=1, warmup=1, stable=1, decay=1, min_lr_ratio=0),  # ints: the floor must still be a float
-]
+    WSDConfig(base_lr=0.1, warmup=1, stable=1, decay=3, decay_type="".join(["lin", "ear"]), min_lr_ratio=0.1),
+]  # the last: "linear" read from a file, not the literal (compare strings with ==, not is)
 ZERO_LENGTH = [  # W = 0 or D = 0 use max(1, .) as the denominator; D = 0 goes from base straight to the floor
     WSDConfig(base_lr=1e-3, warmup=3, stable=2, decay=0, decay_type="linear", min_lr_ratio=0.1),
     WSDConfig(base_lr=2e-3, warmup=4, stable=0, decay=0, decay_type="cosine", min_lr_ratio=0.5),
