@@ -11,13 +11,14 @@ import torch
 from bp_mech import amp
 from bp_mech.loss_scaling import DynamicLossScaler
 from bp_mech.amp import unscale_and_clip_
-from bp_mech.checks import ex_amp, ex_amp_contract
+from bp_mech.checks import ex_amp
 from checks.mutants import caught_by
+from conftest import mutant
 
 
 def test_scaler_model_matches_gradscaler():
     pattern = [False, False, True, False, False, False, True, True, False, False, False, False]
-    ref = ex_amp_contract.GradScalerReference(init_scale=2.0**16, growth_interval=3)
+    ref = ex_amp.GradScalerReference(init_scale=2.0**16, growth_interval=3)
     ours = DynamicLossScaler(2.0**16, growth_interval=3)
     trace = []
     for f in pattern:
@@ -32,7 +33,7 @@ def test_scaler_model_stops_where_gradscalers_float32_scale_does():
     take 2^128); a factor of 1.5 still fits once (1.5 * 2^127 < 3.4e38), then no more."""
     for kw, top in ((dict(init_scale=2.0**126, growth_interval=1), 2.0**127),
                     (dict(init_scale=2.0**127, growth_factor=1.5, growth_interval=1), 1.5 * 2.0**127)):
-        ours, ref = DynamicLossScaler(**kw), ex_amp_contract.GradScalerReference(**kw)
+        ours, ref = DynamicLossScaler(**kw), ex_amp.GradScalerReference(**kw)
         for _ in range(3):
             skipped, scale, tracker = ref.step(False)
             assert ours.update(False) is skipped is False and ours.scale == scale and ours.growth_tracker == tracker
@@ -176,7 +177,8 @@ def test_scaler_check_catches(cls):
 
 @pytest.mark.parametrize("cls", TOP_OF_RANGE_MUTANTS, ids=lambda c: c.__name__)
 def test_top_of_range_check_catches(cls):
-    m = types.SimpleNamespace(DynamicLossScaler=cls)
+    answer = mutant("ex_amp_backward").DynamicLossScaler  # its state_dict: the main check's drawn cases save and load
+    m = types.SimpleNamespace(DynamicLossScaler=type(cls.__name__, (cls, answer), {}))
     ex_amp.check_DynamicLossScaler(m)  # right away from the top of the range ...
     with pytest.raises(AssertionError, match="^DynamicLossScaler: "):  # ... wrong at it
         ex_amp.check_DynamicLossScaler__top_of_range(m)

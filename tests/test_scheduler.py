@@ -154,8 +154,8 @@ def _wsd_floor_by_clamp(k, cfg):
 
 def test_zero_length_phase_check_catches_a_floor_reached_by_clamping():
     mutant = types.SimpleNamespace(wsd_lr=_wsd_floor_by_clamp)
-    ex12.check_wsd_lr(mutant)  # every phase has a length there: the clamp is right
-    with pytest.raises(AssertionError, match=r"^wsd_lr: lr is .* at update 5 \(the end of decay boundary\)"):
+    with pytest.raises(AssertionError, match=r"^wsd_lr: lr is .* at update 5, cfg .*decay=0.* \(the end of decay "
+                                             r"boundary\)"):
         ex12.check_wsd_lr__zero_length_phases(mutant)
 
 

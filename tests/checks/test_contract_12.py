@@ -1,20 +1,21 @@
-"""Part 02 · 12: every property the contract checks hold (``checks/ex12_contract.py``) rejects a solution
-that breaks exactly it, and the variant's and the prediction's checks reject the classic mistakes."""
+"""Part 02 · 12: every property the exercise checks hold (``ex12``'s declarations, derived by ``checks.engine``)
+rejects a solution that breaks exactly it, and the variant's and the prediction's checks reject the classic
+mistakes; the schedule's and the clock's off-by-ones are in tests/test_scheduler.py."""
 
 import math
+import operator
 from typing import ClassVar
 
 import numpy as np
 import pytest
+import torch
 from conftest import mutant
 
-from bp_mech.checks import ex12, ex12_contract
+from bp_mech.checks import ex12
 from bp_mech.scheduler import UpdateClock, wsd_factor, wsd_lr
 
 ANS = mutant("ex12_scheduler_clock")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny steps: more threads only spin on a shared machine
-
-
 
 
 def _bad(**over):
@@ -111,37 +112,67 @@ def _predict(no_overflows=False, no_periodic=False, period_off=False, as_list=Fa
     return f
 
 
+def _wsd_leaves_float64(k, cfg):  # computes in torch and leaves the default dtype changed
+    torch.set_default_dtype(torch.float64)
+    return float(torch.tensor(wsd_lr(k, cfg)))
+
+
+def _wsd_decay_type_by_identity(k, cfg):  # `decay_type is "linear"`: right for the literal only
+    W, S, D, m = cfg.warmup, cfg.stable, cfg.decay, cfg.min_lr_ratio
+    if not W + S <= k < W + S + D:
+        return wsd_lr(k, cfg)
+    p = (k - W - S) / D
+    f = 1 - p if operator.is_(cfg.decay_type, "linear") else (1 + math.cos(math.pi * p)) / 2
+    return float(cfg.base_lr * (m + (1 - m) * f))
+
+
+def _restarts_mult_default(update, base_lr, cycle, mult=2, min_lr=0.0):  # the docstring's default is 1
+    return _restarts()(update, base_lr, cycle, mult, min_lr)
+
+
+def _restarts_min_default(update, base_lr, cycle, mult=1, min_lr=1e-5):  # the docstring's default is 0.0
+    return _restarts()(update, base_lr, cycle, mult, min_lr)
+
+
 CASES = [
-    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": lambda k, c: np.float64(wsd_lr(k, c))}, "lr is a float64"),
-    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": _wsd_unconverted}, "lr is an int"),
-    (ex12_contract.check_wsd_lr__contract, {"wsd_lr": lambda k, c: float(c.base_lr * wsd_factor(k, c))},
+    (ex12.check_wsd_lr, {"wsd_lr": lambda k, c: np.float64(wsd_lr(k, c))}, "lr is a float64, expected a float"),
+    (ex12.check_wsd_lr, {"wsd_lr": _wsd_unconverted}, "lr is an int, expected a float"),
+    (ex12.check_wsd_lr, {"wsd_lr": lambda k, c: float(c.base_lr * wsd_factor(k, c))},
      r"for update -1 \(negative\), expected ValueError"),
-    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": SharedClock}, "state shared between instances"),
-    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": FloatCounts}, "(updates|skipped) is a float,"),
-    (ex12_contract.check_UpdateClock__contract, {"UpdateClock": NumpyLr}, "lr is a float64"),
-    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": ForgetsSkipped}, r"load_state_dict\(state_dict\(\)\) gives"),
-    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": AliasedState}, "return a copy"),
-    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": TrustingLoad}, "expected ValueError"),
-    (ex12_contract.check_UpdateClock__state_dict, {"UpdateClock": HalfLoad}, "a rejected load_state_dict"),
-    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(off_by_one=True)}, "CosineAnnealingWarmRestarts"),
-    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(no_mult=True)}, "mult=2"),
-    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(to_min=True)}, "CosineAnnealingWarmRestarts"),
-    (ex12_contract.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_by_log}, "update 111, .*mult=10"),
-    (ex12_contract.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(check=False)}, "expected ValueError"),
-    (ex12_contract.check_cosine_restarts_lr__contract, {"cosine_restarts_lr": _restarts(cast=np.float64)},
-     "the learning rate is a float64"),
-    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(no_overflows=True)}, "measured"),
-    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(no_periodic=True)}, "measured"),
-    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(period_off=True)}, "measured"),
-    (ex12_contract.check_predict_decay_entry, {"predict_decay_entry": _predict(as_list=True)}, "the prediction is a list"),
+    (ex12.check_wsd_lr, {"wsd_lr": _wsd_leaves_float64}, "left the default dtype changed"),
+    (ex12.check_wsd_lr, {"wsd_lr": _wsd_decay_type_by_identity}, r"lr is .* at update 3, .*decay_type='linear'"),
+    (ex12.check_UpdateClock, {"UpdateClock": SharedClock}, "a second clock.*keep the counts on self"),
+    (ex12.check_UpdateClock, {"UpdateClock": FloatCounts}, r"\['(updates|skipped)'\] is a float, expected an int"),
+    (ex12.check_UpdateClock, {"UpdateClock": NumpyLr}, "is a float64, expected a float"),
+    (ex12.check_UpdateClock__state_dict, {"UpdateClock": ForgetsSkipped},
+     r"\['state_dict\(\)'\] has \['updates'\] entries"),
+    (ex12.check_UpdateClock__state_dict, {"UpdateClock": AliasedState}, "return a copy"),
+    (ex12.check_UpdateClock__state_dict, {"UpdateClock": TrustingLoad},
+     r"raised'\] is 'nothing \(it must raise ValueError"),
+    (ex12.check_UpdateClock__state_dict, {"UpdateClock": HalfLoad}, "refused state.*the clock after"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(off_by_one=True)}, "CosineAnnealingWarmRestarts"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(no_mult=True)}, "mult 2"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(to_min=True)}, "CosineAnnealingWarmRestarts"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_by_log}, "update 111, .*mult 10"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(check=False)}, "expected ValueError"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts(cast=np.float64)}, "lr is a float64"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_mult_default}, r"mult left out \(default 1\)"),
+    (ex12.check_cosine_restarts_lr, {"cosine_restarts_lr": _restarts_min_default}, r"min_lr left out \(default 0"),
+    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(no_overflows=True)}, "measurement"),
+    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(no_periodic=True)}, "measurement"),
+    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(period_off=True)}, "measurement"),
+    (ex12.check_predict_decay_entry, {"predict_decay_entry": _predict(as_list=True)},
+     r"returned a list, expected a tuple \(call, naive_updates\)"),
 ]
 
 
 @pytest.mark.parametrize("check, over, message", CASES, ids=[
-    "wsd-numpy-float", "wsd-int-for-int-base", "wsd-negative-accepted", "clock-shared-state", "clock-float-counts",
-    "clock-numpy-lr", "state-forgets-skipped", "state-aliased", "state-load-trusts", "state-half-load",
+    "wsd-numpy-float", "wsd-int-for-int-base", "wsd-negative-accepted", "wsd-default-dtype", "wsd-decay-type-is",
+    "clock-shared-state", "clock-float-counts", "clock-numpy-lr", "state-forgets-skipped", "state-aliased", "state-load-trusts",
+    "state-half-load",
     "restarts-off-by-one", "restarts-ignores-mult", "restarts-reaches-min", "restarts-log-closed-form",
-    "restarts-no-valueerror", "restarts-numpy-float", "predict-no-overflows", "predict-no-periodic-skips",
+    "restarts-no-valueerror", "restarts-numpy-float", "restarts-mult-default", "restarts-min-lr-default",
+    "predict-no-overflows", "predict-no-periodic-skips",
     "predict-period-off-by-one", "predict-list"])
 def test_contract_check_rejects(check, over, message):
     function = check.__name__.removeprefix("check_").split("__")[0]
@@ -149,7 +180,6 @@ def test_contract_check_rejects(check, over, message):
         check(_bad(**over))
 
 
-@pytest.mark.parametrize("check", [c for c in ex12.CHECKS if "contract" in c.__name__ or "state_dict" in c.__name__
-                                   or "restarts" in c.__name__ or "predict" in c.__name__])
-def test_new_checks_pass_on_the_answers(check):
+@pytest.mark.parametrize("check", ex12.CHECKS, ids=lambda c: c.__name__)
+def test_checks_pass_on_the_answers(check):
     check(ANS)

@@ -1,5 +1,5 @@
-"""Mutant tests of the mixed-precision contract checks (``bp_mech.checks.ex_amp_contract``): each wrong
-solution breaks one documented property, and is otherwise right."""
+"""Mutant tests of the mixed-precision checks (``ex_amp``'s declarations, derived by ``checks.engine``): each
+wrong solution breaks one documented property, and is otherwise right."""
 
 import math
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 from conftest import mutant
 
-from bp_mech.checks import ex_amp_contract as c
-from bp_mech.checks import ex_amp_variant as v
+from bp_mech.checks import ex_amp
 from bp_mech.update_dynamics import global_grad_norm
 
 pytestmark = pytest.mark.amp
@@ -80,19 +79,19 @@ class PopsFromGivenDict(Base):
         state.pop("_growth_tracker")
 
 
-@pytest.mark.parametrize("cls, match", [
-    (SharedState, "updating one instance changed another"),
-    (TrackerAsFloat, "growth_tracker is a float, expected an int"),
-    (AliasedStateDict, "changing the dict state_dict.. returned changed the scaler"),
-    (WrongKeys, "state_dict.. has keys"),
-    (TensorScale, r"state_dict\(\)\['scale'\] is a float32 tensor"),
-    (RestoresScaleOnly, "state not restored"),
-    (SwallowsMissingKey, "accepted a state without 'scale' silently"),
-    (PopsFromGivenDict, "load_state_dict.. modified the dict it was given"),
+@pytest.mark.parametrize("cls, check, match", [
+    (SharedState, ex_amp.check_DynamicLossScaler, r"while a second one backed off \(no state shared\)"),
+    (TrackerAsFloat, ex_amp.check_DynamicLossScaler, r"\['growth_tracker'\] is a float, expected an int"),
+    (AliasedStateDict, ex_amp.check_DynamicLossScaler__state_dict, r"edited \(return a new dict\)"),
+    (WrongKeys, ex_amp.check_DynamicLossScaler__state_dict, r"\['state_dict\(\)'\] has \[.*\] entries"),
+    (TensorScale, ex_amp.check_DynamicLossScaler__state_dict, r"\['scale'\] is a float32 tensor"),
+    (RestoresScaleOnly, ex_amp.check_DynamicLossScaler__state_dict, "a fresh scaler after load_state_dict"),
+    (SwallowsMissingKey, ex_amp.check_DynamicLossScaler__state_dict, "accepted it silently; expected KeyError"),
+    (PopsFromGivenDict, ex_amp.check_DynamicLossScaler__state_dict, r"after it \(not modified\)"),
 ], ids=lambda x: x.__name__ if isinstance(x, type) else "")
-def test_scaler_contract_catches(cls, match):
+def test_scaler_contract_catches(cls, check, match):
     with pytest.raises(AssertionError, match="^DynamicLossScaler: .*" + match):
-        c.check_DynamicLossScaler__contract(mutant(NAME, DynamicLossScaler=cls))
+        check(mutant(NAME, DynamicLossScaler=cls))
 
 
 unscale = _answers().unscale_and_clip_
@@ -138,13 +137,13 @@ def norm_in_fp16_before_unscale(grads, scale, max_norm, eps=1e-6):
 
 
 @pytest.mark.parametrize("fn, check, match", [
-    (norm_as_tensor, c.check_unscale_and_clip___contract, "total_norm is a .* tensor .*, expected a float"),
-    (found_as_tensor, c.check_unscale_and_clip___contract, "found_inf is a bool tensor .*, expected a bool"),
-    (works_on_copies, c.check_unscale_and_clip___contract, "was not modified in place through the tensor given"),
-    (contiguous_only, c.check_unscale_and_clip___contract, "raised RuntimeError"),
-    (replaces_tensors, c.check_unscale_and_clip___contract, "the list of gradients was changed"),
-    (nan_reported_as_inf, c.check_unscale_and_clip___inf_or_nan, "inf and NaN told apart"),
-    (norm_in_fp16_before_unscale, c.check_unscale_and_clip___contract, "total_norm is"),
+    (norm_as_tensor, ex_amp.check_unscale_and_clip_, "total_norm is a .* tensor .*, expected a float"),
+    (found_as_tensor, ex_amp.check_unscale_and_clip_, "found_inf is a bool tensor .*, expected a bool"),
+    (works_on_copies, ex_amp.check_unscale_and_clip_, "the gradients after the call.* differs"),
+    (contiguous_only, ex_amp.check_unscale_and_clip_, "raised RuntimeError"),
+    (replaces_tensors, ex_amp.check_unscale_and_clip_, "the same tensors in the list is False"),
+    (nan_reported_as_inf, ex_amp.check_unscale_and_clip___overflow, "total_norm is 'inf', .* gives 'nan'"),
+    (norm_in_fp16_before_unscale, ex_amp.check_unscale_and_clip_, "total_norm is"),
 ], ids=["norm-tensor", "found-inf-tensor", "copies", "contiguous-only", "list-replaced", "nan-as-inf",
         "fp16-scaled-norm"])
 def test_clip_contract_catches(fn, check, match):
@@ -194,13 +193,13 @@ def always_bf16(grads, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("fn, check, match", [
-    (subnormal_is_underflow, v.check_cast_report, "underflow is"),
-    (isinf_only, v.check_cast_report, "found_inf is False"),
-    (counts_input_inf, v.check_cast_report, "overflow is"),
-    (counts_as_tensors, v.check_cast_report__contract, "underflow is a int64 tensor"),
-    (casts_in_place, v.check_cast_report__contract, "grads.* was modified in place"),
-    (always_bf16, v.check_cast_report, "float16"),
-    (storage_order, v.check_cast_report__contract, "(underflow|overflow|found_inf) is"),
+    (subnormal_is_underflow, ex_amp.check_cast_report, "underflow is"),
+    (isinf_only, ex_amp.check_cast_report, "found_inf is False"),
+    (counts_input_inf, ex_amp.check_cast_report, "overflow is"),
+    (counts_as_tensors, ex_amp.check_cast_report, "underflow is a int64 tensor"),
+    (casts_in_place, ex_amp.check_cast_report, "grads.* was modified in place"),
+    (always_bf16, ex_amp.check_cast_report, "float16"),
+    (storage_order, ex_amp.check_cast_report, "(underflow|overflow|found_inf) is"),
 ], ids=["subnormal-underflow", "isinf-only", "input-inf-overflow", "tensor-counts", "in-place-cast", "dtype-ignored",
         "storage-order"])
 def test_cast_report_checks_catch(fn, check, match):
@@ -213,16 +212,52 @@ def _growths(k, backoff, growth):
 
 
 @pytest.mark.parametrize("fn, match", [
-    (lambda k, n, b=0.5, g=2.0: k + _growths(k, b, g) * n, "predicted step"),  # one late
-    (lambda k, n, b=0.5, g=2.0: _growths(k, b, g) * n, "predicted step"),  # forgets the overflow steps
-    (lambda k, n, b=0.5, g=2.0: k - 1 + k * n, "predicted step"),  # one growth per backoff, whatever the factors
+    (lambda k, n, b=0.5, g=2.0: k + _growths(k, b, g) * n, "the step is"),  # one late
+    (lambda k, n, b=0.5, g=2.0: _growths(k, b, g) * n, "the step is"),  # forgets the overflow steps
+    (lambda k, n, b=0.5, g=2.0: k - 1 + k * n, "the step is"),  # one growth per backoff, whatever the factors
     (lambda k, n, b=0.5, g=2.0: float(k - 1 + _growths(k, b, g) * n), "the step is a float, expected an int"),
 ], ids=["one-late", "no-overflow-steps", "factors-ignored", "float"])
 def test_prediction_check_catches(fn, match):
     with pytest.raises(AssertionError, match="^predict_recovery_step: .*" + match):
-        v.check_predict_recovery_step(mutant(NAME, predict_recovery_step=fn))
+        ex_amp.check_predict_recovery_step(mutant(NAME, predict_recovery_step=fn))
 
 
-def test_contract_checks_pass_on_the_answers():
-    for check in c.CHECKS + v.CHECKS:
-        check(_answers())
+@pytest.mark.parametrize("check", ex_amp.CHECKS, ids=lambda c: c.__name__)
+def test_checks_pass_on_the_answers(check):
+    check(_answers())
+
+
+class DefaultScale2To15(Base):  # GradScaler's default init_scale is 2^16
+    def __init__(self, init_scale=2.0**15, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval)
+
+
+def _clip_eps_1e8(grads, scale, max_norm, eps=1e-8):  # clip_grad_norm_'s eps is 1e-6
+    return unscale(grads, scale, max_norm, eps)
+
+
+def _report_fp16_default(grads, dtype=torch.float16):
+    return report(grads, dtype)
+
+
+def _report_grad_mode_off(grads, dtype=torch.bfloat16):  # no_grad left on: the caller's grad mode changed
+    torch.set_grad_enabled(False)
+    return report(grads, dtype)
+
+
+def _predict_growth_4(overflows, growth_interval, backoff_factor=0.5, growth_factor=4.0):
+    return _answers().predict_recovery_step(overflows, growth_interval, backoff_factor, growth_factor)
+
+
+@pytest.mark.parametrize("over, check, match", [
+    ({"DynamicLossScaler": DefaultScale2To15}, ex_amp.check_DynamicLossScaler, r"is 32768, .* at kw \{\}"),
+    ({"unscale_and_clip_": _clip_eps_1e8}, ex_amp.check_unscale_and_clip_, r"eps left out \(default 1e-06\)"),
+    ({"cast_report": _report_fp16_default}, ex_amp.check_cast_report, r"dtype left out \(default torch.bfloat16\)"),
+    ({"cast_report": _report_grad_mode_off}, ex_amp.check_cast_report, "left the grad mode changed"),
+    ({"predict_recovery_step": _predict_growth_4}, ex_amp.check_predict_recovery_step,
+     r"growth_factor left out \(default 2.0\)"),
+], ids=["scaler-init-default", "clip-eps-default", "cast-dtype-default", "cast-grad-mode", "predict-growth-default"])
+def test_derived_checks_catch(over, check, match):
+    function = check.__name__.removeprefix("check_").split("__")[0]
+    with pytest.raises(AssertionError, match=f"^{function}: .*{match}"):
+        check(mutant(NAME, **over))

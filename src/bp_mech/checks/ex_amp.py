@@ -1,36 +1,33 @@
-"""Checks of exercises/ex_amp_backward.py against torch.amp.GradScaler and clip_grad_norm_.
+"""Checks of exercises/ex_amp_backward.py: one declaration per function (``engine.Contract``).
 
-The loss-scaler checks drive a real ``torch.amp.GradScaler("cpu")`` with the same pattern of
-overflow steps (a gradient that is inf or finite) and compare, step by step, its scale, its growth
-tracker (``state_dict()["_growth_tracker"]``) and whether it skipped ``optimizer.step()`` (the
-parameter did not move) with the solution's. The patterns put an overflow exactly on the step where
-the growth interval would complete, so growing the scale on an overflow step is caught; others start
-near float32's largest value, where GradScaler (a float32 scale) refuses a growth that a Python float
-would take. The clipping checks compare with ``torch.nn.utils.clip_grad_norm_`` applied, in float64,
-to the unscaled gradients, also where its eps decides (tiny and zero gradients) and at a non-default
-eps (then with the documented formula on float64 norms).
+References: a real ``torch.amp.GradScaler("cpu")`` driven through the same overflow patterns (its scale, its
+``_growth_tracker``, whether the parameter moved, its ``state_dict``) for the scaler; ``clip_grad_norm_`` (and
+``get_total_norm`` with the documented formula at another eps) on float64 unscaled gradients for the clipping.
+Never the answer file. The domains: an overflow exactly where the growth interval would complete, torch's
+defaults, growth factors other than 2, scales near float32's largest value (a growth past it is refused);
+gradients where eps decides (tiny and zero), a non-default eps, ``inf``, ``-inf`` and NaN (told apart), fp16
+gradients whose scaled norm overflows though no element does. ``DynamicLossScaler`` and ``unscale_and_clip_`` are
+graded through drivers (the scaler's protocol; the gradients as the caller's tensors hold them after the call).
+The variant and the prediction: ``ex_amp_variant``. The engine derives the rest.
 """
 
+import copy
 import math
-import random
 
 import torch
+from hypothesis import strategies as st
 
-from bp_mech.checks import ex_amp_contract as _contract
-from bp_mech.checks import ex_amp_variant as _variant
-from bp_mech.checks.common import assert_close, assert_value, call, describe
-from bp_mech.checks.ex_amp_contract import GradScalerReference
+from bp_mech.checks.common import CheckFailed, randn64
+from bp_mech.checks.engine import Contract, checks
+from bp_mech.checks.ex_amp_variant import CAST, PREDICT, GradScalerReference
 
-SCALE_TOL = 1e-6  # GradScaler keeps S in a float32 tensor; a float32-rounded S differs by < 6e-8
-GRAD_TOL = 1e-5  # float32 gradients against a float64 reference
-
-
-# (GradScaler kwargs, found_inf pattern)
+GRADSCALER = "torch.amp.GradScaler"
 PATTERNS = [
     (dict(init_scale=2.0**16, growth_interval=3), [False, False, True, False, False, False, False, False, False,
                                                    True, True, False, False, False]),
     (dict(init_scale=2.0**10, growth_interval=1), [False, False, True, False, True, True, False]),
     (dict(init_scale=2.0**16), [True, True, True, False, False]),  # torch's defaults
+    ({}, [False, True, False]),  # every argument left out
     (dict(init_scale=4.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=2),
      [False, True, False, False, False, True, False, False, False, False]),
 ]
@@ -42,124 +39,201 @@ TOP_OF_RANGE = [  # growths that would pass float32's largest value (about 3.4e3
 
 
 def _random_patterns():
-    rng = random.Random(7)
-    for interval in (2, 4, 5):
-        yield dict(init_scale=2.0**12, growth_interval=interval), [rng.random() < 0.25 for _ in range(30)]
+    g = torch.Generator().manual_seed(7)
+    return [(dict(init_scale=2.0**12, growth_interval=n), (torch.rand(30, generator=g) < 0.25).tolist())
+            for n in (2, 4, 5)]
 
 
-def _drive(m, kw, pattern, label):
-    fn = "DynamicLossScaler"
-    ref = GradScalerReference(**kw)
-    ours = call(fn, m.DynamicLossScaler, **kw, at=f"DynamicLossScaler({kw})")
-    for i, found_inf in enumerate(pattern):
-        skipped, scale, tracker = ref.step(found_inf)
-        at = f"step {i} ({'overflow' if found_inf else 'finite'}) of {label}, pattern {pattern}"
-        got = call(fn, ours.update, found_inf, at=at)
-        if not isinstance(got, bool):
-            raise AssertionError(f"{fn}: update() returned {describe(got)}, expected a bool at {at}")
-        assert got == skipped, (f"{fn}: update() says skip={got}, torch.amp.GradScaler "
-                                f"{'skipped' if skipped else 'stepped'} at {at}")
-        if not isinstance(ours.scale, float):
-            raise AssertionError(f"{fn}: scale is {describe(ours.scale)}, expected a Python float at {at}")
-        assert_value(fn, "scale", ours.scale, scale, tol=SCALE_TOL, ref="torch.amp.GradScaler (a float32 scale)",
-                     at=at)
-        assert ours.growth_tracker == tracker, (f"{fn}: growth_tracker is {ours.growth_tracker}, "
-                                                f"torch.amp.GradScaler has {tracker} at {at}")
+def _scaler_obs(s) -> dict:
+    return {"scale": s.scale, "growth_tracker": s.growth_tracker}
 
 
-def check_DynamicLossScaler(m):
-    for i, (kw, pattern) in enumerate(PATTERNS):
-        _drive(m, kw, pattern, f"pattern #{i} {kw}")
+def _step_obs(s, found_inf) -> dict:
+    return {"update()": s.update(found_inf), **_scaler_obs(s)}
 
 
-def check_DynamicLossScaler__random_patterns(m):
-    for i, (kw, pattern) in enumerate(_random_patterns()):
-        _drive(m, kw, pattern, f"random pattern #{i} {kw}")
+def _ref_step(ref, found_inf) -> dict:
+    skipped, scale, tracker = ref.step(found_inf)
+    return {"update()": skipped, "scale": scale, "growth_tracker": tracker}
 
 
-def check_DynamicLossScaler__top_of_range(m):
-    for i, (kw, pattern) in enumerate(TOP_OF_RANGE):
-        _drive(m, kw, pattern, f"top-of-range pattern #{i} {kw} (a growth past float32's largest value is refused)")
+def _label(i, found_inf):
+    return f"step {i} ({'overflow' if found_inf else 'finite'})"
+
+
+def _load_missing(s, state) -> str:
+    try:
+        s.load_state_dict({k: v for k, v in state.items() if k != "scale"})
+    except KeyError:
+        return "KeyError"
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 (the learner's code may raise anything)
+        return type(e).__name__
+    return "nothing (it accepted it silently; expected KeyError)"
+
+
+def _drive_scaler(cls):
+    """The driver of ``DynamicLossScaler``: ``run(kw, pattern, resume)`` -> what a loop and a checkpoint observe:
+    a scaler built from ``kw`` while a second one backs off; after each step of ``pattern`` update()'s result,
+    scale and growth_tracker; then (``resume`` not None) the state_dict() returned, the scaler after that dict was
+    edited, the dicts given to load_state_dict after it, two fresh scalers loaded from ours and from GradScaler's
+    state_dict stepped through ``resume``, and load_state_dict of a state without 'scale'."""
+    def run(kw, pattern, resume):
+        ours, other = cls(**kw), cls(**kw)
+        other.update(True)  # a backoff: always a new scale
+        out = {"the scaler while a second one backed off (no state shared)": _scaler_obs(ours),
+               "after each step": {_label(i, f): _step_obs(ours, f) for i, f in enumerate(pattern)}}
+        if resume is None:
+            return out
+        state = ours.state_dict()
+        kept = copy.deepcopy(state)
+        out["state_dict()"] = kept
+        if isinstance(state, dict):
+            state["scale"], state["_growth_tracker"] = -1.0, 10**6
+        out["the scaler after the dict state_dict() returned was edited (return a new dict)"] = _scaler_obs(ours)
+        ref = GradScalerReference(**kw)
+        for f in pattern:
+            ref.step(f)
+        for name, source in (("ours", kept), ("GradScaler's", ref.scaler.state_dict())):
+            given, loaded = copy.deepcopy(source), cls()
+            try:
+                loaded.load_state_dict(given)
+                after = {_label(i, f): _step_obs(loaded, f) for i, f in enumerate(resume)}
+            except (NotImplementedError, CheckFailed):
+                raise
+            except Exception as e:  # noqa: BLE001 (named in the observation; an earlier one may say why)
+                after = f"load_state_dict raised {type(e).__name__}: {e}"
+            out[f"the dict given to load_state_dict({name} state_dict()), after it (not modified)"] = given
+            out[f"a fresh scaler after load_state_dict({name} state_dict())"] = after
+        out["load_state_dict of a state without 'scale'"] = _load_missing(cls(), kept)
+        return out
+    return run
+
+
+def _scaler_ref(kw, pattern, resume) -> tuple:
+    ref, init = GradScalerReference(**kw), kw.get("init_scale", 2.0**16)
+    out = {"the scaler while a second one backed off (no state shared)": {"scale": init, "growth_tracker": 0},
+           "after each step": {_label(i, f): _ref_step(ref, f) for i, f in enumerate(pattern)}}
+    if resume is None:
+        return (out,)
+    state = ref.scaler.state_dict()
+    out["state_dict()"] = state
+    out["the scaler after the dict state_dict() returned was edited (return a new dict)"] = {
+        "scale": state["scale"], "growth_tracker": state["_growth_tracker"]}
+    after = {_label(i, f): _ref_step(ref, f) for i, f in enumerate(resume)}
+    for name in ("ours", "GradScaler's"):
+        out[f"the dict given to load_state_dict({name} state_dict()), after it (not modified)"] = state
+        out[f"a fresh scaler after load_state_dict({name} state_dict())"] = after
+    out["load_state_dict of a state without 'scale'"] = "KeyError"
+    return (out,)
+
+
+def _scaler_cases(patterns, resume=None):
+    return [{"kw": kw, "pattern": p, "resume": resume} for kw, p in patterns]
+
+
+SCALER = Contract(
+    "DynamicLossScaler", lambda c: {"kw": c["kw"], "pattern": c["pattern"], "resume": c["resume"]}, _scaler_ref,
+    ("the scaler",), tol=1e-6, use=_drive_scaler, ref_name=f"{GRADSCALER} (a float32 scale)",
+    draw=st.fixed_dictionaries({
+        "kw": st.fixed_dictionaries({"init_scale": st.integers(0, 24).map(lambda k: 2.0**k),
+                                     "growth_factor": st.sampled_from([2.0, 3.0, 1.5]),
+                                     "backoff_factor": st.sampled_from([0.5, 0.25]),
+                                     "growth_interval": st.integers(1, 4)}),
+        "pattern": st.lists(st.booleans(), max_size=8),
+        "resume": st.none() | st.lists(st.booleans(), min_size=1, max_size=8)}),
+    examples={"": _scaler_cases(PATTERNS), "random_patterns": _scaler_cases(_random_patterns()),
+              "top_of_range": _scaler_cases(TOP_OF_RANGE),
+              "state_dict": _scaler_cases(PATTERNS[:1] + PATTERNS[3:] + TOP_OF_RANGE[2:], [False, True, False, False])
+              + _scaler_cases([(dict(init_scale=2.0**8, growth_interval=2), [])], [True])})
+
+
+# --- unscale_and_clip_ ------------------------------------------------------------------
+
+
+def _word(x):
+    """A non-finite Python float as its name ('inf', 'nan'): the engine's relative error of inf to inf is NaN."""
+    return repr(x) if type(x) is float and not math.isfinite(x) else x
+
+
+def _drive_clip(f):
+    """The driver of ``unscale_and_clip_``: its three results (a non-finite norm named), whether the list still
+    holds the tensors given, and the gradients as those tensors (of the layout given: views stay views) hold
+    them after the call (an element that was inf or NaN before it zeroed: the contract says nothing of it)."""
+    def run(grads, scale, max_norm, *eps, **kw):
+        # the engine reuses its inputs for the views and dtypes calls: f updates copies of the same layout instead
+        grads = [torch.empty_strided(g.shape, g.stride(), dtype=g.dtype).copy_(g) for g in grads]
+        held, finite = list(grads), [torch.isfinite(g) for g in grads]
+        out = f(grads, scale, max_norm, *eps, **kw)
+        if not (type(out) is tuple and len(out) == 3):
+            return out  # the engine names what came back
+        same = len(grads) == len(held) and all(a is b for a, b in zip(grads, held))
+        return (_word(out[0]), *out[1:], same, [torch.where(m, g, 0) for g, m in zip(held, finite)])
+    return run
+
+
+def _clip_ref(grads, scale, max_norm, eps=1e-6):
+    unscaled = [g / scale for g in grads]
+    norm = float(torch.nn.utils.get_total_norm(unscaled))
+    finite = [torch.isfinite(g) for g in grads]
+    if not math.isfinite(norm):
+        return _word(norm), 1.0, True, True, [torch.where(m, u, 0) for u, m in zip(unscaled, finite)]
+    if eps == 1e-6:  # clip_grad_norm_ itself
+        params = [torch.zeros_like(u, requires_grad=True) for u in unscaled]
+        for p, u in zip(params, unscaled):
+            p.grad = u.clone()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return norm, min(1.0, max_norm / (norm + eps)), False, True, [p.grad for p in params]
+    coef = min(1.0, max_norm / (norm + eps))
+    return norm, coef, False, True, [u * coef for u in unscaled]
+
+
+def _clip_case(c):
+    """Gradients times S (float64; the engine casts them to each dtype). "top": the largest S at which no element
+    passes float16's 65504 while the scaled norm does; max_norm ``ratio`` times the true norm, or ``max_norm``."""
+    g = torch.Generator().manual_seed(c["seed"])
+    shapes = list(c["shapes"]) + ([(5, 6)] if c.get("log2") == "top" else [])
+    true = [randn64(g, *s) * c.get("spread", 1.0) for s in shapes]
+    if c.get("zero"):
+        true = [torch.zeros_like(t) for t in true]
+    log2 = c["log2"]
+    if log2 == "top":
+        log2 = math.floor(math.log2(65504 / max(t.abs().max().item() for t in true)))
+    scale = 2.0 ** log2
+    grads = [t * scale for t in true]
+    for j, v in enumerate(c.get("bad", ())):  # inf, -inf, NaN planted
+        flat = grads[j % len(grads)].view(-1)
+        flat[(3 * j) % flat.numel()] = v
+    norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in true])))
+    max_norm = c["max_norm"] if "max_norm" in c else c["ratio"] * norm
+    return {"grads": grads, "scale": scale, "max_norm": max_norm, "eps": c.get("eps", 1e-6)}
 
 
 SHAPES = [(4, 5), (7,), (3, 2, 2)]
+F64 = {"shapes": SHAPES, "float64_only": True}  # S up to 2^24: past float16's range
+CLIP = Contract(
+    "unscale_and_clip_", _clip_case, _clip_ref, ("total_norm", "clip_coef", "found_inf", "the same tensors in the list",
+                                                 "the gradients after the call"),
+    use=_drive_clip, defaults={"eps": 1e-6}, ref_name="unscale_ then clip_grad_norm_ in float64",
+    dtypes={torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2},
+    note=lambda c: c.get("bad") and f"gradients holding {list(c['bad'])}",
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "view": st.sampled_from(["slice", "transpose"]),
+                                "shapes": st.lists(st.tuples(st.integers(1, 5), st.integers(1, 6)), min_size=1,
+                                                   max_size=3),
+                                "log2": st.sampled_from([0, 4, 12, "top"]), "ratio": st.sampled_from([0.3, 3.0])}),
+    examples={"": [{**F64, "seed": 1, "log2": 16, "max_norm": 1.0}, {**F64, "seed": 2, "spread": 0.01, "log2": 16,
+                                                                    "max_norm": 1.0},  # clipped, unclipped
+                   {**F64, "seed": 3, "spread": 3.0, "log2": 24, "max_norm": 0.5},  # a huge scale
+                   {"shapes": SHAPES, "seed": 4, "spread": 0.5, "log2": 0, "max_norm": 2.0},  # no scale
+                   {"seed": 1, "shapes": [(3, 4)], "log2": "top", "ratio": 3.0}],  # fp16: a scaled norm past 65504
+              "eps": [{**F64, "seed": 5, "spread": 1e-7, "log2": 16, "max_norm": 1e-6},  # norm < max_norm, coef < 1
+                      {**F64, "seed": 6, "spread": 4e-7, "log2": 16, "max_norm": 1e-6},  # with eps ~0.29, not 0.4
+                      {"shapes": SHAPES, "seed": 7, "spread": 0.2, "log2": 10, "max_norm": 0.5, "eps": 0.1},
+                      {"shapes": SHAPES, "seed": 8, "log2": 16, "max_norm": 1.0, "zero": True}],  # coefficient 1
+              "overflow": [{"shapes": SHAPES, "seed": s, "log2": 4, "max_norm": 1.0, "bad": b} for s, b in (
+                  (5, (math.inf,)), (6, (math.nan,)), (7, (-math.inf,)), (8, (math.inf, math.nan)),
+                  (9, (-math.inf, math.inf, 2.0)))]})
 
-
-def _reference(scaled: list[torch.Tensor], scale: float, max_norm: float, eps: float = 1e-6):
-    """clip_grad_norm_ on float64 copies of the unscaled gradients -> (norm, coef, grads). clip_grad_norm_'s
-    eps is 1e-6; for another eps, its total norm and the documented min(1, max_norm / (norm + eps))."""
-    params = [torch.zeros(s.shape, dtype=torch.float64, requires_grad=True) for s in scaled]
-    for p, g in zip(params, scaled):
-        p.grad = g.double() / scale
-    if eps == 1e-6:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return norm, min(1.0, max_norm / (norm + eps)), [p.grad for p in params]
-    norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
-    coef = min(1.0, max_norm / (norm + eps))
-    return norm, coef, [p.grad * coef for p in params]
-
-
-def _grads(seed: int, spread: float, scale: float):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(s, generator=g, dtype=torch.float64) * spread * scale).float() for s in SHAPES]
-
-
-def _clip_case(m, seed, spread, scale, max_norm, eps=None, zero=False):
-    fn = "unscale_and_clip_"
-    scaled = _grads(seed, spread, scale)
-    if zero:
-        scaled = [torch.zeros_like(t) for t in scaled]
-    norm, coef, want = _reference(scaled, scale, max_norm, 1e-6 if eps is None else eps)
-    grads = [t.clone() for t in scaled]
-    at = (f"gradients of shapes {SHAPES}, true norm {norm:.3g}, scale {scale:g}, max_norm {max_norm:g}"
-          + ("" if eps is None else f", eps {eps:g}"))
-    args = (grads, scale, max_norm) + (() if eps is None else (eps,))
-    out = call(fn, m.unscale_and_clip_, *args, at=at)
-    if not (isinstance(out, tuple) and len(out) == 3):
-        raise AssertionError(f"{fn}: returned {describe(out)}, expected (total_norm, clip_coef, found_inf) at {at}")
-    got_norm, got_coef, found_inf = out
-    assert not found_inf, f"{fn}: found_inf is {found_inf!r} for finite gradients, expected False at {at}"
-    ref = "clip_grad_norm_ after unscale_"
-    assert_value(fn, "total_norm", got_norm, norm, tol=GRAD_TOL, ref=ref + " (the UNSCALED norm)", at=at)
-    assert_value(fn, "clip_coef", got_coef, coef, tol=GRAD_TOL, ref="min(1, max_norm / (norm + eps))", at=at)
-    for i, (a, b) in enumerate(zip(grads, want)):
-        assert_close(fn, f"gradient {i}", a, b, tol=GRAD_TOL, ref=ref, at=at)
-
-
-def check_unscale_and_clip_(m):
-    # (seed, true-gradient spread, loss scale, max_norm): clipped, unclipped, a huge scale, no scale
-    for seed, spread, scale, max_norm in ((1, 1.0, 2.0**16, 1.0), (2, 0.01, 2.0**16, 1.0), (3, 3.0, 2.0**24, 0.5),
-                                          (4, 0.5, 1.0, 2.0)):
-        _clip_case(m, seed, spread, scale, max_norm)
-
-
-def check_unscale_and_clip___eps(m):
-    _clip_case(m, 5, 1e-7, 2.0**16, 1e-6)  # norm ~ 4.7e-7 < max_norm, yet eps makes the coefficient ~0.68 < 1
-    _clip_case(m, 6, 4e-7, 2.0**16, 1e-6)  # norm ~ 2.5e-6: max_norm / norm would be 0.4, with eps it is ~0.29
-    _clip_case(m, 7, 0.2, 2.0**10, 0.5, eps=0.1)  # a non-default eps
-    _clip_case(m, 8, 1.0, 2.0**16, 1.0, zero=True)  # all gradients zero: coefficient 1, nothing NaN
-
-
-def check_unscale_and_clip___overflow(m):
-    fn = "unscale_and_clip_"
-    for seed, bad in ((5, math.inf), (6, math.nan), (7, -math.inf)):
-        scale = 2.0**16
-        scaled = _grads(seed, 1.0, scale)
-        scaled[1][3] = bad
-        grads = [t.clone() for t in scaled]
-        at = f"gradients of shapes {SHAPES} with one {bad} element, scale {scale:g}, max_norm 1.0"
-        out = call(fn, m.unscale_and_clip_, grads, scale, 1.0, at=at)
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise AssertionError(f"{fn}: returned {describe(out)}, expected (total_norm, clip_coef, found_inf) at {at}")
-        _, coef, found_inf = out
-        assert found_inf, f"{fn}: found_inf is {found_inf!r}, expected True at {at}"
-        assert coef == 1.0, f"{fn}: clip_coef is {coef!r}, expected 1.0 (nothing clipped on an overflow step) at {at}"
-        for i, (a, s) in enumerate(zip(grads, scaled)):
-            fin = torch.isfinite(s)
-            assert_close(fn, f"gradient {i} (its finite elements)", a[fin], s[fin].double() / scale, tol=GRAD_TOL,
-                         ref="the unscaled, unclipped gradient", at=at)
-
-
-CHECKS = [check_DynamicLossScaler, check_DynamicLossScaler__random_patterns, check_DynamicLossScaler__top_of_range,
-          _contract.check_DynamicLossScaler__contract, check_unscale_and_clip_, check_unscale_and_clip___eps,
-          check_unscale_and_clip___overflow, *_contract.CHECKS[1:], *_variant.CHECKS]
+CHECKS = checks(SCALER, CLIP, CAST, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex_amp.check_unscale_and_clip___overflow, ...
