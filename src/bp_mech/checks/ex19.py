@@ -137,7 +137,7 @@ BLOCK = Contract(
      "calls after a second step", "block runs after a second step", "calls after a no_grad forward",
      "block runs after a no_grad forward", "a second block's calls after its forward",
      "the first block's calls after a second block ran"),
-    tol=TOL, use=_drive_block, promise=_keeps_its_output_only, ref_name="plain float64 autograd and real block runs",
+    tol=TOL, use=_drive_block, promise=_keeps_its_output_only, ref_name="a plain run of the block",
     draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "x_grad": st.booleans(), "frozen": st.booleans(),
                                 "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
                                 "view": st.sampled_from(("slice", "transpose"))}),
