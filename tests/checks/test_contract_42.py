@@ -180,6 +180,14 @@ class _PerTensor(Budget):  # forgets the storages it saw: each view is a new sto
         return super().pack(t)
 
 
+class _KeepsResidentBytes(Budget):  # a new forward forgets the storages it saw, but not the budget they used
+    def __enter__(self):
+        resident = self.resident_bytes
+        out = super().__enter__()
+        self.resident_bytes = resident
+        return out
+
+
 class _ParamsUseBudget(Budget):
     def __init__(self, params, budget):
         super().__init__([], budget)
@@ -213,6 +221,7 @@ class _UnpacksIntoHostCopy(Budget):  # the host copy itself comes back: backward
     (_KeepsOriginal, ex42.check_BudgetOffload__rules,
      r"the run\[.a moved tensor's storage freed after pack.\] is False"),
     (_PerTensor, ex42.check_BudgetOffload, r"(d2h|resident)_bytes'\] is \d+, .* the budget rule replayed"),
+    (_KeepsResidentBytes, ex42.check_BudgetOffload__contract, r"d2h_bytes after two forwards'\] is 344064"),
 ])
 def test_budget_offload_mistakes_are_caught(cls, check, match):
     with pytest.raises(AssertionError, match=f"^BudgetOffload: .*{match}"):
