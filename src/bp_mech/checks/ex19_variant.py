@@ -156,7 +156,11 @@ CHOOSE = Contract(
                    _fixed([100, 90, 50], [95, 10, 5], 120, "A - H decides, not A"),
                    _fixed([2**60 + 3, 5], [0, 0], 2**60 + 7, "byte counts above 2**53"),
                    _fixed([100, 100], [50, 50], 100, "exactly at the budget, every layer"),
-                   _fixed([100, 100], [50, 51], 100, "one byte over with every layer checkpointed")],
+                   _fixed([100, 100], [50, 51], 100, "one byte over with every layer checkpointed"),
+                   _fixed([7], [7], 6, "one layer whose checkpoint saves nothing, over budget"),
+                   _fixed([0, 0, 0], [0, 0, 0], 0, "nothing saved, budget 0"),
+                   _fixed([40, 30, 20, 10], [0, 0, 0, 0], 59, "three layers needed, the largest three"),
+                   _fixed([2**60, 2**60, 2**60], [1, 2**59, 3], 2**61 + 5, "large counts: A - H decides")],
               "measured": [{"expansions": (1, 8, 2, 6, 3), "budget": b} for b in ("plain", "plain - 1", "plain // 2",
                                                                                    "sum(H)")]})
 
