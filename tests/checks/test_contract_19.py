@@ -245,11 +245,12 @@ def test_brute_force_agrees_with_the_answer_on_every_small_instance():
 # --- the prediction: classic mistakes ---------------------------------------------------
 
 
-def _predict(off_by_one=False, no_input=False, four_bytes=False, as_float=False):
+def _predict(off_by_one=False, no_input=False, four_bytes=False, as_float=False, nonzero_every=False):
     def f(b, t, c, e, layers, every, nbytes):
         H = b * t * c * (4 if four_bytes else nbytes)
         A = (0 if no_input else H) + 2 * e * H
-        ck = sum(1 for i in range(layers) if every and i % every == (every - 1 if off_by_one else 0))
+        on = every != 0 if nonzero_every else every > 0  # every != 0: a negative every checkpoints every layer
+        ck = sum(1 for i in range(layers) if on and i % every == (every - 1 if off_by_one else 0))
         out = ck * H + (layers - ck) * A
         return float(out) if as_float else out
     return f
@@ -259,7 +260,7 @@ PREDICTED = "the prediction is .* counting-only saved_tensors_hooks gives"
 
 
 @pytest.mark.parametrize("kw, match", [({"off_by_one": True}, PREDICTED), ({"no_input": True}, PREDICTED),
-                                       ({"four_bytes": True}, PREDICTED),
+                                       ({"four_bytes": True}, PREDICTED), ({"nonzero_every": True}, PREDICTED),
                                        ({"as_float": True}, "the prediction is a float, expected an int")])
 def test_predict_saved_bytes_mistakes_are_caught(kw, match):
     with pytest.raises(AssertionError, match=f"^predict_saved_bytes: {match}"):

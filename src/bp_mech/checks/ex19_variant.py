@@ -182,7 +182,7 @@ def measured_saved_bytes(batch, seq, width, expansion, layers, every, element_by
     dtype = {4: torch.float32, 8: torch.float64}[element_bytes]
     stack = _stack([expansion] * layers, width).to(dtype)
     x = torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(1), dtype=dtype, requires_grad=True)
-    return _measure(stack, x, {i for i in range(layers) if every and i % every == 0})
+    return _measure(stack, x, {i for i in range(layers) if every > 0 and i % every == 0})
 
 
 PREDICT = Contract(
@@ -191,4 +191,5 @@ PREDICT = Contract(
     lambda **a: (measured_saved_bytes(**a),), ("the prediction",), returns=int,
     ref_name="counting-only saved_tensors_hooks", note=lambda c: "exact: a tracker's byte count has no noise",
     examples={"": [{"args": a} for a in ((2, 3, 4, 4, 7, 3, 4), (1, 5, 4, 3, 5, 3, 8), (3, 2, 8, 2, 4, 3, 4),
-                                         (2, 2, 4, 4, 6, 1, 4), (1, 3, 4, 2, 5, 2, 8), (2, 1, 4, 3, 3, 0, 4))]})
+                                         (2, 2, 4, 4, 6, 1, 4), (1, 3, 4, 2, 5, 2, 8), (2, 1, 4, 3, 3, 0, 4),
+                                         (1, 2, 4, 2, 3, -1, 4))]})  # every <= 0: none (the rule: every > 0 and ...)
