@@ -212,6 +212,18 @@ def _as_tuple(A, H, budget):
     return tuple(ANSWERS.choose_checkpoint_layers(A, H, budget))
 
 
+def _xor_savings(A, H, budget):  # A ^ H for A - H: the same where H's bits are A's, more elsewhere
+    if sum(H) > budget:
+        raise ValueError("nothing fits")
+    need, chosen = sum(A) - budget, []
+    for i in sorted(range(len(A)), key=lambda i: A[i] - H[i], reverse=True):
+        if need <= 0:
+            break
+        chosen.append(i)
+        need -= A[i] ^ H[i]
+    return sorted(chosen)
+
+
 def _reseeds_choice(A, H, budget):
     torch.manual_seed(0)
     return ANSWERS.choose_checkpoint_layers(A, H, budget)
@@ -223,6 +235,7 @@ def _reseeds_choice(A, H, budget):
     (_strict, "layers checkpointed is"), (_float_sums, "bytes over the budget is|layers checkpointed is"),
     (_sorts_in_place, "saved_bytes was modified in place"), (_unsorted, "the layers' order is '\\[2, 1\\]'"),
     (_as_tuple, "the result is 'a tuple'"), (_reseeds_choice, "left the torch RNG state changed"),
+    (_xor_savings, "bytes over the budget is 2, .* both needed"),
 ])
 def test_choose_checkpoint_layers_mistakes_are_caught(f, match):
     with pytest.raises(AssertionError, match=f"^choose_checkpoint_layers: .*{match}"):

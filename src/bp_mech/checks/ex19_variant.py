@@ -158,6 +158,7 @@ CHOOSE = Contract(
                    _fixed([100, 100], [50, 50], 100, "exactly at the budget, every layer"),
                    _fixed([100, 100], [50, 51], 100, "one byte over with every layer checkpointed"),
                    _fixed([7], [7], 6, "one layer whose checkpoint saves nothing, over budget"),
+                   _fixed([5, 5], [3, 3], 6, "each saves 2 B: both needed"),
                    _fixed([0, 0, 0], [0, 0, 0], 0, "nothing saved, budget 0"),
                    _fixed([40, 30, 20, 10], [0, 0, 0, 0], 59, "three layers needed, the largest three"),
                    _fixed([2**60, 2**60, 2**60], [1, 2**59, 3], 2**61 + 5, "large counts: A - H decides")],
