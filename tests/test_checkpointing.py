@@ -229,9 +229,9 @@ class _SavesACopyOfTheInput(_NotCheckpointing):  # checkpoints, but keeps x.clon
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant mutant's own warning
 @pytest.mark.parametrize("cls,check", [
     (_NotCheckpointing, ex19.check_CheckpointedBlock__memory),
-    (_NotCheckpointing, ex19.check_CheckpointedBlock__counts),
-    (_AssumedCount, ex19.check_CheckpointedBlock__counts),
-    (_CountsOnlyForward, ex19.check_CheckpointedBlock__counts),
+    (_NotCheckpointing, ex19.check_CheckpointedBlock),
+    (_AssumedCount, ex19.check_CheckpointedBlock),
+    (_CountsOnlyForward, ex19.check_CheckpointedBlock),
     (_ReentrantInputOnly, ex19.check_CheckpointedBlock),
     (_GradsForFrozenParams, ex19.check_CheckpointedBlock),
     (_PlainWhenInputFrozen, ex19.check_CheckpointedBlock__memory),
@@ -243,8 +243,9 @@ def test_ex19_checks_catch_checkpoint_mistakes(cls, check):
 
 
 def test_the_frozen_input_mutant_is_right_in_value():
-    """What the memory check with a frozen input rejects is memory only: its gradients pass."""
-    ex19.check_CheckpointedBlock(_with(block_cls=_PlainWhenInputFrozen))
+    """What the memory check rejects is memory (and, with a frozen input, the missing recompute): the values pass."""
+    with pytest.raises(AssertionError, match="^CheckpointedBlock: calls after its backward is 1, .* gives 2"):
+        ex19.check_CheckpointedBlock(_with(block_cls=_PlainWhenInputFrozen))
     ex19.check_CheckpointedBlock(_with(block_cls=_SavesACopyOfTheInput))
 
 

@@ -116,7 +116,7 @@ def test_the_check_sees_a_re_export_a_private_name_and_lets_a_submodule_pass():
     assert "STAGES" in defined("bp_mech.ledger_table") and "theoretical" in defined("bp_mech.ledger")
     bad = violations(Path("answers/x.py"), code)
     assert len(bad) == 2 and "import STAGES (not defined there" in bad[0] and "_missing_on_purpose" in bad[1]
-    private = ast.parse("from bp_mech.checks.ex19_contract import _fewest")
+    private = ast.parse("from bp_mech.checks.ex19 import _Counted")
     assert violations(ROOT / "tests/checks/test_contract_19.py", private) == []
     assert "private name" in violations(ROOT / "tests/projects/test_x.py", ast.parse(
         "from bp_mech.planner.pool import _call"))[0]

@@ -1,5 +1,6 @@
-"""Part 02 · 19: every property the ex19 contract checks hold is caught on a wrong solution that breaks
-exactly it (mutants), and the variant's and the prediction's classic mistakes are caught too."""
+"""Part 02 · 19: every property the ex19 checks hold (``ex19``'s declarations, derived by ``checks.engine``) is
+caught on a wrong solution that breaks exactly it (mutants), and the variant's and the prediction's classic
+mistakes are caught too."""
 
 import itertools
 
@@ -8,7 +9,7 @@ import torch
 from conftest import ROOT, load_solution, mutant
 
 from bp_mech.checkpointing import CheckpointedBlock
-from bp_mech.checks import ex19, ex19_contract
+from bp_mech.checks import ex19, ex19_variant
 from checks.mutants import contiguous_only
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # hypothesis shrinks a failure over many tiny cases
@@ -61,17 +62,39 @@ class _Swallows(CheckpointedBlock):
             return x  # "a failing block leaves its input as it was"
 
 
+class _LeavesGradModeOff(CheckpointedBlock):
+    def forward(self, x):
+        y = super().forward(x)
+        torch.set_grad_enabled(False)  # "no graph needed after the forward": a global switch left flipped
+        return y
+
+
+class _SetsEval(CheckpointedBlock):
+    def forward(self, x):
+        self.block.eval()  # "the recompute must not be stochastic": the caller's train flags changed
+        return super().forward(x)
+
+
+class _Reseeds(CheckpointedBlock):
+    def forward(self, x):
+        torch.manual_seed(0)  # "the recompute must draw the same dropout masks": the caller's RNG reset
+        return super().forward(x)
+
+
 @pytest.mark.parametrize("cls, check, match", [
-    (_ModifiesInput, ex19_contract.check_CheckpointedBlock__contract, "x was modified in place"),
-    (_FlagsInput, ex19_contract.check_CheckpointedBlock__contract, "x.requires_grad was changed"),
-    (_ContiguousOnly, ex19_contract.check_CheckpointedBlock__contract, "raised RuntimeError at x of shape"),
-    (_StorageOrder, ex19_contract.check_CheckpointedBlock__contract, "output differs from the plain block"),
-    (_FloatCalls, ex19_contract.check_CheckpointedBlock__contract, "calls is a float, expected an int"),
-    (_SharedCounter, ex19_contract.check_CheckpointedBlock__instances, "the blocks share a counter"),
-    (_Swallows, ex19_contract.check_CheckpointedBlock__instances, r"expected KeyError \(do not swallow it\)"),
+    (_ModifiesInput, ex19.check_CheckpointedBlock, "x was modified in place"),
+    (_FlagsInput, ex19.check_CheckpointedBlock, "x.requires_grad after the forward is True, .* gives False"),
+    (_ContiguousOnly, ex19.check_CheckpointedBlock, "raised RuntimeError at x, dy as non-contiguous"),
+    (_StorageOrder, ex19.check_CheckpointedBlock, "y differs from a plain run of the block"),
+    (_FloatCalls, ex19.check_CheckpointedBlock, "calls after a forward is a float, expected an int"),
+    (_SharedCounter, ex19.check_CheckpointedBlock, r"calls .* is \d+, .* gives \d+"),
+    (_Swallows, ex19.check_CheckpointedBlock__block_raises, "returned a float64 tensor .* expected KeyError"),
+    (_LeavesGradModeOff, ex19.check_CheckpointedBlock, "left the grad mode changed"),
+    (_SetsEval, ex19.check_CheckpointedBlock, r"left the block(\.\d)?\.training changed"),
+    (_Reseeds, ex19.check_CheckpointedBlock, "left the torch RNG state changed"),
 ])
 def test_checkpointed_block_contract_mutants_are_caught(cls, check, match):
-    with pytest.raises(AssertionError, match=match):
+    with pytest.raises(AssertionError, match=f"^CheckpointedBlock: .*{match}"):
         check(mutant(NAME, CheckpointedBlock=cls))
 
 
@@ -90,12 +113,44 @@ def _swallowing_counts(modules, step):
         return [0] * len(modules)
 
 
-@pytest.mark.parametrize("f, match", [(_tensor_counts, "count 0 is a int64 tensor"),
-                                      (_tuple_counts, "the result is a tuple, expected a list"),
-                                      (_swallowing_counts, r"expected KeyError \(do not swallow it\)")])
-def test_count_forward_calls_contract_mutants_are_caught(f, match):
-    with pytest.raises(AssertionError, match=match):
-        ex19_contract.check_count_forward_calls__contract(mutant(NAME, count_forward_calls=f))
+def _hooks_kept_on_error(modules, step):  # removes its hooks only when step returns
+    counts = [0] * len(modules)
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: counts.__setitem__(i, counts[i] + 1))
+               for i, m in enumerate(modules)]
+    step()
+    for h in handles:
+        h.remove()
+    return counts
+
+
+def _reseeds(modules, step):
+    torch.manual_seed(0)  # "the step draws dropout masks": the caller's RNG reset
+    return ANSWERS.count_forward_calls(modules, step)
+
+
+def _ran_or_not(modules, step):  # a set of the modules that ran: whether, not how often
+    ran = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: ran.add(i)) for i, m in enumerate(modules)]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return [int(i in ran) for i in range(len(modules))]
+
+
+@pytest.mark.parametrize("f, check, match", [
+    (_tensor_counts, ex19.check_count_forward_calls, r"the counts\[0\] is a int64 tensor"),
+    (_tuple_counts, ex19.check_count_forward_calls, "the counts is a tuple, expected a list"),
+    (_swallowing_counts, ex19.check_count_forward_calls__step_raises, "returned a list .* expected KeyError"),
+    (_hooks_kept_on_error, ex19.check_count_forward_calls__step_raises,
+     "forward pre hooks changed .* also when raising"),
+    (_reseeds, ex19.check_count_forward_calls, "left the torch RNG state changed"),
+    (_ran_or_not, ex19.check_count_forward_calls, r"the counts\[\d\] is 1, each module's own counter gives 2"),
+])
+def test_count_forward_calls_contract_mutants_are_caught(f, check, match):
+    with pytest.raises(AssertionError, match=f"^count_forward_calls: .*{match}"):
+        check(mutant(NAME, count_forward_calls=f))
 
 
 # --- the variant: classic mistakes of a budgeted policy ---------------------------------
@@ -157,20 +212,39 @@ def _as_tuple(A, H, budget):
     return tuple(ANSWERS.choose_checkpoint_layers(A, H, budget))
 
 
+def _xor_savings(A, H, budget):  # A ^ H for A - H: the same where H's bits are A's, more elsewhere
+    if sum(H) > budget:
+        raise ValueError("nothing fits")
+    need, chosen = sum(A) - budget, []
+    for i in sorted(range(len(A)), key=lambda i: A[i] - H[i], reverse=True):
+        if need <= 0:
+            break
+        chosen.append(i)
+        need -= A[i] ^ H[i]
+    return sorted(chosen)
+
+
+def _reseeds_choice(A, H, budget):
+    torch.manual_seed(0)
+    return ANSWERS.choose_checkpoint_layers(A, H, budget)
+
+
 @pytest.mark.parametrize("f, match", [
-    (_first_layers, "are enough"), (_largest_saved_first, "are enough"),
-    (_empty_when_nothing_fits, "expected ValueError"), (_strict, "are enough"),
-    (_float_sums, "over the budget|are enough"), (_sorts_in_place, r"saved_bytes(\[\d\])? was modified in place"),
-    (_unsorted, "ascending"), (_as_tuple, "the result is a tuple, expected a list"),
+    (_first_layers, "layers checkpointed is"), (_largest_saved_first, "layers checkpointed is"),
+    (_empty_when_nothing_fits, "returned a list for a budget no set fits .* expected ValueError"),
+    (_strict, "layers checkpointed is"), (_float_sums, "bytes over the budget is|layers checkpointed is"),
+    (_sorts_in_place, r"saved_bytes(\[\d\])? was modified in place"), (_unsorted, "the layers' order is '\\[2, 1\\]'"),
+    (_as_tuple, "the result is 'a tuple'"), (_reseeds_choice, "left the torch RNG state changed"),
+    (_xor_savings, "bytes over the budget is 2, .* both needed"),
 ])
 def test_choose_checkpoint_layers_mistakes_are_caught(f, match):
-    with pytest.raises(AssertionError, match=match):
-        ex19_contract.check_choose_checkpoint_layers(mutant(NAME, choose_checkpoint_layers=f))
+    with pytest.raises(AssertionError, match=f"^choose_checkpoint_layers: .*{match}"):
+        ex19.check_choose_checkpoint_layers(mutant(NAME, choose_checkpoint_layers=f))
 
 
 def test_the_measured_check_catches_an_over_budget_policy():
-    with pytest.raises(AssertionError, match="over budget"):
-        ex19_contract.check_choose_checkpoint_layers__measured(
+    with pytest.raises(AssertionError, match="bytes over the budget is .* the bytes kept"):
+        ex19.check_choose_checkpoint_layers__measured(
             mutant(NAME, choose_checkpoint_layers=lambda A, H, b: ANSWERS.choose_checkpoint_layers(A, H, b)[1:]))
 
 
@@ -178,28 +252,32 @@ def test_brute_force_agrees_with_the_answer_on_every_small_instance():
     for A in itertools.product((0, 3, 7), repeat=3):
         H = [a // 2 for a in A]
         for budget in range(sum(H), sum(A) + 1):
-            assert len(ANSWERS.choose_checkpoint_layers(list(A), H, budget)) == ex19_contract._fewest(A, H, budget)
+            assert len(ANSWERS.choose_checkpoint_layers(list(A), H, budget)) == ex19_variant.fewest(A, H, budget)
 
 
 # --- the prediction: classic mistakes ---------------------------------------------------
 
 
-def _predict(off_by_one=False, no_input=False, four_bytes=False, as_float=False):
+def _predict(off_by_one=False, no_input=False, four_bytes=False, as_float=False, nonzero_every=False):
     def f(b, t, c, e, layers, every, nbytes):
         H = b * t * c * (4 if four_bytes else nbytes)
         A = (0 if no_input else H) + 2 * e * H
-        ck = sum(1 for i in range(layers) if every and i % every == (every - 1 if off_by_one else 0))
+        on = every != 0 if nonzero_every else every > 0  # every != 0: a negative every checkpoints every layer
+        ck = sum(1 for i in range(layers) if on and i % every == (every - 1 if off_by_one else 0))
         out = ck * H + (layers - ck) * A
         return float(out) if as_float else out
     return f
 
 
-@pytest.mark.parametrize("kw, match", [({"off_by_one": True}, "predicted"), ({"no_input": True}, "predicted"),
-                                       ({"four_bytes": True}, "predicted"),
+PREDICTED = "the prediction is .* counting-only saved_tensors_hooks gives"
+
+
+@pytest.mark.parametrize("kw, match", [({"off_by_one": True}, PREDICTED), ({"no_input": True}, PREDICTED),
+                                       ({"four_bytes": True}, PREDICTED), ({"nonzero_every": True}, PREDICTED),
                                        ({"as_float": True}, "the prediction is a float, expected an int")])
 def test_predict_saved_bytes_mistakes_are_caught(kw, match):
-    with pytest.raises(AssertionError, match=match):
-        ex19_contract.check_predict_saved_bytes(mutant(NAME, predict_saved_bytes=_predict(**kw)))
+    with pytest.raises(AssertionError, match=f"^predict_saved_bytes: {match}"):
+        ex19.check_predict_saved_bytes(mutant(NAME, predict_saved_bytes=_predict(**kw)))
 
 
 def test_every_ex19_check_passes_on_the_answers():

@@ -1,12 +1,13 @@
-"""Part 02 · 42: every property the ex42 contract checks hold is caught on a wrong solution that breaks
-exactly it (mutants), and the variant's and the prediction's classic mistakes are caught too."""
+"""Part 02 · 42: every property the ex42 checks hold (``ex42``'s declarations, graded by scenarios on
+``checks.engine``) is caught on a wrong solution that breaks exactly it (mutants), and the variant's and the
+prediction's classic mistakes are caught too."""
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from conftest import ROOT, load_solution, mutant
 
-from bp_mech.checks import ex42, ex42_contract
+from bp_mech.checks import ex42
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 _HOST, _FATE = {}, {}  # one host map for every instance of the shared-state mutants
@@ -77,19 +78,38 @@ class _SharedFates(Budget):
         self._fate = _FATE
 
 
+def _reseeds(base):
+    class M(base):
+        def pack(self, t):
+            torch.manual_seed(0)  # "the same host buffers every run": the caller's RNG reset
+            return super().pack(t)
+    return M
+
+
+def _grad_mode_off(base):
+    class M(base):
+        def __exit__(self, *exc):
+            torch.set_grad_enabled(False)  # "backward needs no new graph": a global switch left flipped
+            return super().__exit__(*exc)
+    return M
+
+
 CONTRACT = [
-    (_zeroes_original, "t was modified in place"), (_float_counters, "d2h_bytes is a float, expected an int"),
-    (_swallows, "swallowed the KeyError"), (_never_exits, "they were not removed on exit"),
-    (_resets_on_enter, "entering again must accumulate"),
+    (_zeroes_original, r"given\['t'\] was modified in place"),
+    (_float_counters, r"d2h_bytes of two instances .*\[0\] is a float, expected an int"),
+    (_swallows, "with block whose body raises KeyError'\\] is 'nothing: it was swallowed'"),
+    (_never_exits, r"d2h_bytes moved by a forward after the with block .* is [1-9]"),
+    (_resets_on_enter, r"d2h_bytes after two forwards'\] is \d+, .* gives \d+"),
+    (_reseeds, "left the torch RNG state changed"), (_grad_mode_off, "left the grad mode changed"),
 ]
 
 
 @pytest.mark.parametrize("wrap, match", CONTRACT)
 @pytest.mark.parametrize("cls", ["CountingOffload", "BudgetOffload"])
 def test_contract_mutants_are_caught(cls, wrap, match):
-    check = getattr(ex42_contract, f"check_{cls}__contract")
+    check = getattr(ex42, f"check_{cls}__contract")
     try:
-        with pytest.raises(AssertionError, match=match):
+        with pytest.raises(AssertionError, match=f"^{cls}: .*{match}"):
             check(mutant(NAME, **{cls: wrap(getattr(ANSWERS, cls))}))
     finally:
         _clear_hooks()
@@ -97,8 +117,8 @@ def test_contract_mutants_are_caught(cls, wrap, match):
 
 @pytest.mark.parametrize("cls, bad", [("CountingOffload", _SharedHostCopies), ("BudgetOffload", _SharedFates)])
 def test_shared_state_is_caught(cls, bad):
-    with pytest.raises(AssertionError, match="the instances share state"):
-        getattr(ex42_contract, f"check_{cls}__contract")(mutant(NAME, **{cls: bad}))
+    with pytest.raises(AssertionError, match=r"d2h_bytes of two instances that each packed one 32 KiB storage'\]\[1\]"):
+        getattr(ex42, f"check_{cls}__contract")(mutant(NAME, **{cls: bad}))
 
 
 # --- telling storages apart: the address is not enough ------------------------------------
@@ -126,15 +146,16 @@ class _DefaultMinBytes1023(Counting):
 
 
 @pytest.mark.parametrize("bad, check, match", [
-    (_counting_keyed(lambda e, st, t: False), ex42.check_CountingOffload__storages, "the rewritten values"),
+    (_counting_keyed(lambda e, st, t: False), ex42.check_CountingOffload__storages,
+     r"the second pack, unpacked'\] differs"),
     (_counting_keyed(lambda e, st, t: e[1] != t._version), ex42.check_CountingOffload__storages,
-     "comes back with the freed one's values"),
+     r"the new storage, unpacked'\] differs"),
     (_counting_keyed(lambda e, st, t: e[0].expired() or e[1] is not t._version),
-     ex42.check_CountingOffload__storages, "compare them with =="),
-    (_DefaultMinBytes1023, ex42.check_CountingOffload__min_bytes, "moved a uint8 tensor of 1023 B"),
+     ex42.check_CountingOffload__storages, r"d2h_bytes'\] is 24576, .* gives 8192 .*'old version'"),
+    (_DefaultMinBytes1023, ex42.check_CountingOffload__min_bytes, r"moved'\] is True, .* uint8 tensor of 1023 B"),
 ])
 def test_storage_identity_mistakes_are_caught(bad, check, match):
-    with pytest.raises(AssertionError, match=match):
+    with pytest.raises(AssertionError, match=f"^CountingOffload: .*{match}"):
         check(mutant(NAME, CountingOffload=bad))
 
 
@@ -157,6 +178,14 @@ class _PerTensor(Budget):  # forgets the storages it saw: each view is a new sto
     def pack(self, t):
         self._fate = {}
         return super().pack(t)
+
+
+class _KeepsResidentBytes(Budget):  # a new forward forgets the storages it saw, but not the budget they used
+    def __enter__(self):
+        resident = self.resident_bytes
+        out = super().__enter__()
+        self.resident_bytes = resident
+        return out
 
 
 class _ParamsUseBudget(Budget):
@@ -183,16 +212,19 @@ class _UnpacksIntoHostCopy(Budget):  # the host copy itself comes back: backward
 
 
 @pytest.mark.parametrize("cls, check, match", [
-    (_Strict, ex42_contract.check_BudgetOffload__rules, "1024 B storage under a 1024 B budget was moved"),
-    (_UnpacksIntoHostCopy, ex42_contract.check_BudgetOffload__rules, "a second unpack of a moved tensor"),
-    (_StopsAtFirstOverflow, ex42_contract.check_BudgetOffload__rules, "the small one still fits"),
-    (_PerTensor, ex42_contract.check_BudgetOffload__rules, "expected 16384"),
-    (_ParamsUseBudget, ex42_contract.check_BudgetOffload__rules, "parameters use no budget"),
-    (_KeepsOriginal, ex42_contract.check_BudgetOffload__rules, "keeps its storage alive"),
-    (_PerTensor, ex42_contract.check_BudgetOffload, "the budget rule replayed"),
+    (_Strict, ex42.check_BudgetOffload__rules, r"of a 1024 B storage under a 1024 B budget'\]\[0\] is 0"),
+    (_UnpacksIntoHostCopy, ex42.check_BudgetOffload__rules,
+     r"the run\[.a second unpack, after the first one's result was written in place.\] differs"),
+    (_StopsAtFirstOverflow, ex42.check_BudgetOffload__rules, r"d2h_bytes'\] is 17408, .* gives 16384"),
+    (_PerTensor, ex42.check_BudgetOffload__rules, r"d2h_bytes'\] is \d+, .* gives 16384"),
+    (_ParamsUseBudget, ex42.check_BudgetOffload__rules, r"d2h_bytes'\] is 32768, .* gives 16384"),
+    (_KeepsOriginal, ex42.check_BudgetOffload__rules,
+     r"the run\[.a moved tensor's storage freed after pack.\] is False"),
+    (_PerTensor, ex42.check_BudgetOffload, r"(d2h|resident)_bytes'\] is \d+, .* the budget rule replayed"),
+    (_KeepsResidentBytes, ex42.check_BudgetOffload__contract, r"d2h_bytes after two forwards'\] is 344064"),
 ])
 def test_budget_offload_mistakes_are_caught(cls, check, match):
-    with pytest.raises(AssertionError, match=match):
+    with pytest.raises(AssertionError, match=f"^BudgetOffload: .*{match}"):
         check(mutant(NAME, BudgetOffload=cls))
 
 
@@ -213,13 +245,16 @@ def _predict(no_threshold=False, per_element=False, no_input=False, both_ways=Fa
     return f
 
 
+PREDICTED = "the prediction is .* the offload hooks' count gives"
+
+
 @pytest.mark.parametrize("kw, match", [
-    ({"no_threshold": True}, "predicted"), ({"per_element": True}, "predicted"), ({"no_input": True}, "predicted"),
-    ({"both_ways": True}, "predicted"), ({"as_float": True}, "the prediction is a float, expected an int"),
-    ({"strict": True}, "predicted"), ({"bitwise_or": True}, "predicted")])
+    ({"no_threshold": True}, PREDICTED), ({"per_element": True}, PREDICTED), ({"no_input": True}, PREDICTED),
+    ({"both_ways": True}, PREDICTED), ({"as_float": True}, "the prediction is a float, expected an int"),
+    ({"strict": True}, PREDICTED), ({"bitwise_or": True}, PREDICTED)])
 def test_predict_d2h_bytes_mistakes_are_caught(kw, match):
-    with pytest.raises(AssertionError, match=match):
-        ex42_contract.check_predict_d2h_bytes(mutant(NAME, predict_d2h_bytes=_predict(**kw)))
+    with pytest.raises(AssertionError, match=f"^predict_d2h_bytes: {match}"):
+        ex42.check_predict_d2h_bytes(mutant(NAME, predict_d2h_bytes=_predict(**kw)))
 
 
 def test_every_ex42_check_passes_on_the_answers():

@@ -1,28 +1,30 @@
-"""Checks of exercises/ex19_checkpointing.py (never against the answer file).
+"""Checks of exercises/ex19_checkpointing.py: one declaration per function (``engine.Contract``).
 
-References: plain float64 autograd on an identical copy of the block (gradients to 1e-12); the
-bytes a plain block keeps alive after forward, measured with the package's storage tracker
-(``bp_mech.instruments.peak.PeakMemory``); and counters the checks place *inside* the modules' own
-``forward``, which count real executions however a solution calls them. The inputs come with and
-without ``requires_grad`` (a frozen input: the parameters' gradients must still arrive, and the
-block must still checkpoint), as 3-D and 2-D tensors, and with part of the block frozen. A
-checkpointed block may keep its output and nothing else (1 KiB of slack); the counted modules
-come as a list and as an ``nn.ModuleList``, one of them called twice per step.
+References: plain float64 autograd on the same block (gradients to 1e-12); counters placed *inside* the
+modules' own ``forward`` (real executions, however a solution calls them); the bytes a plain block keeps alive
+after forward (``instruments.peak.PeakMemory``, tracked CPU storages: a checkpointed block keeps its output and
+at most 1 KiB more); a brute force over every set of layers; counting-only ``saved_tensors_hooks``
+(``SavedBytesCounter``) on MLP stacks. Never the answer file. The class and the functions that take modules and
+a step are graded through drivers (``use``): what a reader observes, in order. The domains: inputs with and
+without ``requires_grad``, part of the block frozen, no to two leading dimensions, strided inputs; modules as a
+list and as an ``nn.ModuleList``, checkpointed or run twice; byte counts above 2**53, a step exactly at the
+budget, nothing that fits (``ValueError``).
 """
 
-import copy
-
 import torch
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bp_mech.checks.common import CheckFailed
+from bp_mech.checks.engine import Contract, Raises, checks
+from bp_mech.checks.ex19_variant import CHOOSE, PREDICT, seeded
+from bp_mech.checks.properties import max_change
 from bp_mech.instruments.peak import PeakMemory
-from bp_mech.checks import ex19_contract
-from bp_mech.checks.common import assert_close, call
 
 TOL = 1e-12  # float64: the recompute repeats the same operations
-C, I = 16, 512  # block width and its wide inner width: the intermediates dominate the memory
 SLACK = 1024  # bytes a checkpointed block may keep beyond its output (it needs none: x exists already)
+_HELD = {}  # what the driver measured at its last forward (the memory promise reads it)
 
 
 class _Counted(nn.Module):
@@ -37,49 +39,32 @@ class _Counted(nn.Module):
         return self.net(x)
 
 
-def _mlp(seed, freeze_first=False):
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(C, I), nn.SiLU(), nn.Linear(I, C)).double()
-    if freeze_first:
-        net[0].requires_grad_(False)
-    return net
+class _Boom(nn.Module):
+    """A block whose forward raises KeyError."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        raise KeyError("the block failed")
 
 
-def _inputs(seed, requires_grad=True, shape=(4, 8)):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, C, generator=g, dtype=torch.float64, requires_grad=requires_grad)
-    return x, torch.randn(*shape, C, generator=g, dtype=torch.float64)
-
-
-def check_CheckpointedBlock(m):
-    fn = "CheckpointedBlock"
-    # (seed, x.requires_grad, leading shape of x, first Linear frozen)
-    for seed, x_grad, shape, frozen in ((0, True, (4, 8), False), (1, False, (4, 8), False), (2, True, (6,), False),
-                                        (3, False, (2, 5), True)):
-        at = (f"x shape {(*shape, C)}, x.requires_grad={x_grad}" + (", first Linear frozen" if frozen else ""))
-        ref_block = _mlp(seed, frozen)
-        block = copy.deepcopy(ref_block)
-        x, dy = _inputs(seed, x_grad, shape)
-        y_ref = ref_block(x)
-        trainable = [(n, p) for n, p in ref_block.named_parameters() if p.requires_grad]
-        want = torch.autograd.grad(y_ref, ([x] if x_grad else []) + [p for _, p in trainable], dy)
-        y = call(fn, m.CheckpointedBlock(block), x, at=at)
-        if not (torch.is_tensor(y) and y.requires_grad):
-            raise AssertionError(f"{fn}: the output is not connected to autograd (no grad_fn) at {at}")
-        assert_close(fn, "output", y.detach(), y_ref.detach(), tol=TOL, ref="the plain block", at=at)
-        call(fn, y.backward, dy, at=at + " (in backward)")
-        params = dict(block.named_parameters())
-        got = ([x.grad] if x_grad else []) + [params[n].grad for n, _ in trainable]
-        names = (["dx"] if x_grad else []) + [f"d{n}" for n, _ in trainable]
-        for name, a, b in zip(names, got, want):
-            if a is None:
-                raise AssertionError(f"{fn}: {name} is None (no gradient arrived) at {at}")
-            assert_close(fn, name, a, b, tol=TOL, ref="plain float64 autograd", at=at)
-        for n, p in block.named_parameters():
-            assert p.requires_grad or p.grad is None, f"{fn}: frozen {n} received a gradient at {at}"
+def _block(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    if c.get("boom"):
+        return {"block": _Boom(), "x": torch.randn(2, 4, generator=g, dtype=torch.float64, requires_grad=True),
+                "dy": torch.randn(2, 4, generator=g, dtype=torch.float64)}
+    w, inner = (16, 512) if c.get("memory") else (8, 32)
+    block = seeded(nn.Sequential(nn.Linear(w, inner), nn.SiLU(), nn.Linear(inner, w)).double(), c["seed"])
+    if c.get("frozen"):
+        block[0].requires_grad_(False)
+    x = torch.randn(*c["lead"], w, generator=g, dtype=torch.float64).requires_grad_(c["x_grad"])
+    return {"block": block, "x": x, "dy": torch.randn(*c["lead"], w, generator=g, dtype=torch.float64)}
 
 
 def _held_after_forward(module, x):
+    """(bytes a forward of ``module`` keeps alive, its output), tracked CPU storages."""
     with PeakMemory("cpu", resident=[list(module.parameters()), [x]]) as pm:  # storages that exist already
         pm.mark("start")
         y = module(x)
@@ -87,83 +72,151 @@ def _held_after_forward(module, x):
     return pm.marks["after_forward"] - pm.marks["start"], y
 
 
-def check_CheckpointedBlock__memory(m):
-    fn = "CheckpointedBlock"
-    for x_grad in (True, False):  # a frozen input must not turn checkpointing off
-        x, _ = _inputs(2, x_grad)
-        at = f"x shape {tuple(x.shape)}, x.requires_grad={x_grad}, inner width {I}"
-        plain, y_ref = _held_after_forward(_mlp(2), x)
-        held, _ = call(fn, _held_after_forward, m.CheckpointedBlock(_mlp(2)), x, at=at)
-        out = y_ref.numel() * y_ref.element_size()
+def _drive_block(cls):
+    """A forward, its backward, a second step, a no_grad forward, then a second block's forward."""
+    def run(block, x, dy):
+        counted = _Counted(block)
+        cb = cls(counted)
+        if isinstance(block, _Boom):
+            return cb(x)  # must raise
+        before = x.detach().clone()
+        _HELD["held"], y = _held_after_forward(cb, x)
+        if change := max_change(before, x):  # (the engine sees it after the whole run: backward would fail first)
+            raise CheckFailed(f"CheckpointedBlock: x was modified in place by the forward, max change {change:.2g} "
+                              f"at x shape {tuple(x.shape)}")
+        seen = [x.requires_grad, cb.calls, counted.n]
+        named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+        leaves = ([x] if x.requires_grad else []) + [p for _, p in named]
+        linked = torch.is_tensor(y) and y.requires_grad
+        grads = torch.autograd.grad(y, leaves, dy, allow_unused=True) if linked else [None] * len(leaves)
+        seen += [cb.calls, counted.n]
+        torch.autograd.grad(cb(x), leaves, dy)
+        seen += [cb.calls, counted.n]
+        with torch.no_grad():
+            cb(x)
+        seen += [cb.calls, counted.n]
+        other = cls(_Counted(block))
+        other(x)
+        dx = grads[0] if x.requires_grad else None
+        return (y.detach() if linked else y, seen[0], linked, dx,
+                {n: g for (n, _), g in zip(named, grads[-len(named):])}, *seen[1:], other.calls, cb.calls)
+    return run
+
+
+def _block_ref(block, x, dy):
+    if isinstance(block, _Boom):
+        return Raises(KeyError, "a block whose forward raises KeyError (it propagates, unchanged)")
+    named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    xr = x.detach().clone().requires_grad_(x.requires_grad)
+    y = block(xr)
+    grads = torch.autograd.grad(y, ([xr] if x.requires_grad else []) + [p for _, p in named], dy)
+    return (y.detach(), x.requires_grad, True, grads[0] if x.requires_grad else None,
+            {n: g for (n, _), g in zip(named, grads[-len(named):])}, 1, 1, 2, 2, 4, 4, 5, 5, 1, 5)
+
+
+def _keeps_its_output_only(case, call, at):
+    """The promise of checkpointing: after forward, the output and at most 1 KiB more stay alive."""
+    if case.get("memory"):
+        call()
+        args = _block(case)
+        plain, y = _held_after_forward(args["block"], args["x"])
+        out, held = y.numel() * y.element_size(), _HELD["held"]
         assert held <= out + SLACK, (
-            f"{fn}: keeps {held} B alive after forward, its output is {out} B (limit {out + SLACK} B; a plain block "
-            f"keeps {plain} B; tracked CPU storages) at {at}: keep only the input, which exists already")
+            f"CheckpointedBlock: keeps {held} B alive after forward, its output is {out} B (limit {out + SLACK} B; a "
+            f"plain block keeps {plain} B; tracked CPU storages) at {at}: keep only the input, which exists already")
 
 
-def check_CheckpointedBlock__counts(m):
-    fn = "CheckpointedBlock"
-    counted = _Counted(_mlp(3))
-    cb = m.CheckpointedBlock(counted)
-    x, dy = _inputs(3)
-    y = call(fn, cb, x, at="the first forward")
-    assert (cb.calls, counted.n) == (1, 1), (
-        f"{fn}: calls is {cb.calls} after one forward, the block really ran {counted.n}x (want 1)")
-    call(fn, y.backward, dy, at="the first backward")
-    assert counted.n == 2, f"{fn}: the block really ran {counted.n}x in forward + backward (want 2): no recompute"
-    assert cb.calls == counted.n, f"{fn}: calls is {cb.calls}, the block really ran {counted.n}x after one step"
-    call(fn, lambda: cb(x).backward(dy), at="a second step")
-    assert cb.calls == counted.n == 4, (
-        f"{fn}: calls is {cb.calls}, the block really ran {counted.n}x after two steps (want 4)")
-    with torch.no_grad():
-        call(fn, cb, x, at="a forward under torch.no_grad()")
-    assert cb.calls == counted.n == 5, (
-        f"{fn}: calls is {cb.calls}, the block really ran {counted.n}x after a no_grad forward "
-        f"(want 5: it recomputes nothing)")
+def _case(seed, lead, x_grad, frozen=False, **more):
+    return {"seed": seed, "lead": lead, "x_grad": x_grad, "frozen": frozen, **more}
 
 
-def _layers():
-    torch.manual_seed(4)
-    return [_Counted(nn.Sequential(nn.Linear(8, 8), nn.Tanh())) for _ in range(4)]
+BLOCK = Contract(
+    "CheckpointedBlock", _block, _block_ref,
+    ("y", "x.requires_grad after the forward", "y.requires_grad", "dx", "the parameters' gradients",
+     "calls after a forward", "block runs after a forward", "calls after its backward", "block runs after its backward",
+     "calls after a second step", "block runs after a second step", "calls after a no_grad forward",
+     "block runs after a no_grad forward", "a second block's calls after its forward",
+     "the first block's calls after a second block ran"),
+    tol=TOL, use=_drive_block, promise=_keeps_its_output_only, ref_name="a plain run of the block",
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "x_grad": st.booleans(), "frozen": st.booleans(),
+                                "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
+                                "view": st.sampled_from(("slice", "transpose"))}),
+    note=lambda c: c.get("boom") and "a block that raises KeyError" or (
+        f"x.requires_grad={c['x_grad']}" + (", first Linear frozen" if c.get("frozen") else "")
+        + (", inner width 512" if c.get("memory") else "")),
+    examples={"": [_case(0, (4, 8), True), _case(1, (4, 8), False), _case(2, (6,), True), _case(3, (2, 5), False, True),
+                   _case(4, (), True)],
+              "memory": [_case(2, (4, 8), True, memory=True), _case(2, (4, 8), False, memory=True)],
+              "block_raises": [{"seed": 5, "boom": True}]})
 
 
-def _hooks_left(layers):
-    return [len(l._forward_pre_hooks) + len(l._forward_hooks) for l in layers]
+class _Layers(list):
+    """A list of modules that reads short in a failure message."""
+
+    def __repr__(self):
+        return f"a list of {len(self)} modules"
 
 
-def check_count_forward_calls(m):
-    fn = "count_forward_calls"
-    for kind in ("list", "nn.ModuleList"):
-        layers = _layers()
-        modules = layers if kind == "list" else nn.ModuleList(layers)
-        x = torch.randn(3, 8, requires_grad=True)
+class _Step:
+    """One training step over ``layers``: the checkpointed ones (non-reentrant) run again in backward, ``again``
+    runs a second time; ``raises``: it fails after a forward."""
 
-        def step(x=x, layers=layers):  # layers 0 and 2 checkpointed (non-reentrant): they run again in backward; layer 1 runs twice
-            h = x
-            for i, layer in enumerate(layers):
-                h = checkpoint(layer, h, use_reentrant=False) if i % 2 == 0 else layer(h)
-            h = layers[1](h)
-            h.sum().backward()
+    def __init__(self, layers, x, ckpt, again, raises):
+        self.layers, self.x, self.ckpt, self.again, self.raises = layers, x, ckpt, again, raises
 
-        for attempt in (1, 2):
-            at = f"call {attempt} with the modules as a {kind}"
-            before = [l.n for l in layers]
-            got = call(fn, m.count_forward_calls, modules, step, at=at)
-            want = [l.n - b for l, b in zip(layers, before)]
-            assert want == [2, 2, 2, 1]
-            assert list(got) == want, f"{fn}: counted {list(got)}, the modules really ran {want} times at {at}"
-            assert not any(_hooks_left(layers)), f"{fn}: hooks left on the modules {_hooks_left(layers)} after {at}"
+    def __call__(self):
+        h = self.x
+        for layer, ck in zip(self.layers, self.ckpt):
+            h = checkpoint(layer, h, use_reentrant=False) if ck else layer(h)
+            if self.raises:
+                raise KeyError("step failed")
+        if self.again is not None:
+            h = self.layers[self.again](h)
+        h.sum().backward()
 
-    def failing_step():
-        layers[0](x)
-        raise RuntimeError("step failed")
-
-    try:
-        m.count_forward_calls(layers, failing_step)
-    except RuntimeError:
-        pass
-    assert not any(_hooks_left(layers)), f"{fn}: hooks left on the modules {_hooks_left(layers)} when step raised"
+    def __repr__(self):
+        ck = [i for i, c in enumerate(self.ckpt) if c]
+        return (f"a step ({'a failing one' if self.raises else f'layers {ck} checkpointed'}"
+                + (f", layer {self.again} run twice" if self.again is not None else "") + ")")
 
 
-# the contract, the variant and the prediction (ex19_contract.py)
-CHECKS = [check_CheckpointedBlock, check_CheckpointedBlock__memory, check_CheckpointedBlock__counts,
-          check_count_forward_calls, *ex19_contract.CHECKS]
+def _steps(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    n = len(c["ckpt"])
+    layers = _Layers(_Counted(seeded(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), c["seed"] + i)) for i in range(n))
+    again = None if c.get("again", -1) < 0 else c["again"] % n
+    step = _Step(layers, torch.randn(3, 8, generator=g, requires_grad=True), c["ckpt"], again, c.get("raises"))
+    return {"modules": layers if c["kind"] == "list" else nn.ModuleList(layers), "step": step}
+
+
+def _real_runs(modules, step):
+    if step.raises:
+        return Raises(KeyError, "a step that raises KeyError (it propagates, after the hooks are removed)")
+    before = [m.n for m in modules]
+    step()
+    want = [m.n - b for m, b in zip(modules, before)]
+    return want, [0] * len(want), want
+
+
+def _drive_counts(f):
+    def run(modules, step):
+        if step.raises:
+            return f(modules, step)  # must raise
+        first = f(modules, step)
+        left = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules]
+        return first, left, f(modules, step)
+    return run
+
+
+COUNTS = Contract(
+    "count_forward_calls", _steps, _real_runs,
+    ("the counts", "hooks left on the modules", "the counts of a second call"), use=_drive_counts,
+    ref_name="each module's own counter", strides=False,
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "ckpt": st.lists(st.booleans(), min_size=1, max_size=4),
+                                "again": st.integers(-1, 3), "kind": st.sampled_from(("list", "nn.ModuleList"))}),
+    examples={"": [{"seed": 4, "ckpt": (True, False, True, False), "again": 1, "kind": k}
+                   for k in ("list", "nn.ModuleList")],
+              "step_raises": [{"seed": 5, "ckpt": (False, True), "kind": "nn.ModuleList", "raises": True}]})
+
+CHECKS = checks(BLOCK, COUNTS, CHOOSE, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex19.check_CheckpointedBlock__memory, ...
