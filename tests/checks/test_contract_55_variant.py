@@ -112,6 +112,8 @@ def _coef(grad_norm, max_norm):
     (lambda o, n, g, m, lr: lr * min(g, m) if o == "adamw" else lr * g * _coef(g, m), "AdamW step"),  # AdamW as SGD
     (lambda o, n, g, m, lr: torch.tensor(lr * math.sqrt(n) if o == "adamw" else lr * g * _coef(g, m)),
      "the prediction is a float32 tensor"),
-], ids=["adamw-clipped", "sgd-unclipped", "sgd-uncapped", "adamw-as-sgd", "tensor"])
+    (lambda o, n, g, m, lr: lr * math.sqrt(n) if o is "adamw" else lr * g * _coef(g, m),  # noqa: F632
+     "AdamW step"),  # identity, not equality: true only for the interned literal
+], ids=["adamw-clipped", "sgd-unclipped", "sgd-uncapped", "adamw-as-sgd", "tensor", "is-not-equals"])
 def test_prediction_check(fn, match):
     _check(c.check_predict_first_update_norm, match, predict_first_update_norm=fn)

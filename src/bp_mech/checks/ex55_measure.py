@@ -56,7 +56,8 @@ def _predict(optimizer, numel, grad_norm, max_norm, lr):
 
 
 PREDICT = Contract(
-    "predict_first_update_norm", lambda c: dict(c), lambda **a: (measured_first_update_norm(**a),),
+    "predict_first_update_norm", lambda c: {**c, "optimizer": "".join(c["optimizer"])},  # a str built at run time
+    lambda **a: (measured_first_update_norm(**a),),
     ("the prediction",), returns=float, tol=1e-3, promise=_sgd_exact,
     ref_name="a real torch.optim step (float64)", note=lambda c: f"a real torch.optim.{NAMES[c['optimizer']]} step",
     draw=st.builds(_predict, st.sampled_from(["sgd", "adamw"]), st.integers(1, 400), st.sampled_from([0.3, 2.0, 50.0]),
