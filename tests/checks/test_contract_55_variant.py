@@ -2,6 +2,7 @@
 ``bp_mech.checks.ex55``'s declarations): each wrong solution breaks one documented property, and is otherwise right."""
 
 import math
+import operator
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def _coef(grad_norm, max_norm):
     (lambda o, n, g, m, lr: lr * min(g, m) if o == "adamw" else lr * g * _coef(g, m), "AdamW step"),  # AdamW as SGD
     (lambda o, n, g, m, lr: torch.tensor(lr * math.sqrt(n) if o == "adamw" else lr * g * _coef(g, m)),
      "the prediction is a float32 tensor"),
-    (lambda o, n, g, m, lr: lr * math.sqrt(n) if o is "adamw" else lr * g * _coef(g, m),  # noqa: F632
+    (lambda o, n, g, m, lr: lr * math.sqrt(n) if operator.is_(o, "adamw") else lr * g * _coef(g, m),
      "AdamW step"),  # identity, not equality: true only for the interned literal
 ], ids=["adamw-clipped", "sgd-unclipped", "sgd-uncapped", "adamw-as-sgd", "tensor", "is-not-equals"])
 def test_prediction_check(fn, match):
