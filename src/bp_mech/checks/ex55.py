@@ -240,7 +240,7 @@ RATIO = Contract(
     dtypes={d: 1e-10 for d in LOW}, note=lambda c: _note({**c, "text": "before all zero" if c.get("zero") else ""}),
     draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "shapes": DRAW_SHAPES, "view": VIEW, "bad": BAD,
                                 "zero": st.booleans(), "live": st.booleans()}),
-    examples={"": [{"seed": 6}, {"seed": 9, "live": True, "view": "transpose"}],
+    examples={"": [{"seed": 6}, {"seed": 9, "live": True, "view": "transpose"}, {"seed": 12, "scale": 0.01}],
               "non_finite": [{"seed": 10, "bad": (math.inf,)}, {"seed": 10, "bad": (math.nan,)},
                              {"seed": 11, "zero": True}]})
 
