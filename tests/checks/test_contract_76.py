@@ -250,3 +250,16 @@ def _choose_refuses_empty(points, budget, slack, context):  # checks the headroo
 def test_derived_properties_and_outsider_mistakes(check, over, message):
     with pytest.raises(AssertionError, match=f"^{next(iter(over))}: .*" + message):
         check(_bad(**over))
+
+
+def test_a_slowdown_down_to_minus_one_must_raise():
+    """A negative slowdown with a point within it (the answer's test mutated to ``>= -1``): no accidental error."""
+    def down_to_minus_one(points, reference, max_slowdown):
+        if not max_slowdown >= -1:
+            raise ValueError(max_slowdown)
+        limit = points[reference][1] * (1 + max_slowdown)
+        return min((n for n, p in points.items() if p[1] <= limit), key=_key(points))
+
+    with pytest.raises(AssertionError, match=r"^leanest_within_slowdown: returned a str for max_slowdown -0.1, "
+                                             r"expected ValueError .*a point within it"):
+        ex76.check_leanest_within_slowdown__bad_input(_bad(leanest_within_slowdown=down_to_minus_one))

@@ -223,6 +223,7 @@ LEANEST = Contract(
         "bad_input": [_lean("an unknown reference", {"plain": (4, 1.0), "lean": (2, 1.5)}, 0.4, "no-such-name"),
                       _lean("an unknown reference", {}, 0.0, "plain"),
                       _lean("a negative slowdown", {"plain": (4, 1.0), "lean": (2, 1.5)}, -0.1),
+                      _lean("a negative slowdown, a point within it", {"plain": (4, 1.0), "fast": (2, 0.5)}, -0.1),
                       _lean("a negative slowdown", {"a": (1, 1.0)}, -2.0, "a")]})
 
 PREDICT_CASE = {"shape": (40, 5, 1, 96, 200, 3, False), "batch": 3, "seq": 20}  # a config the chapter did not show
