@@ -1,5 +1,5 @@
-"""Mutant tests of Part 02 · 55's contract checks (``bp_mech.checks.ex55_contract``): each wrong solution
-breaks one documented property, and is otherwise right."""
+"""Mutant tests of Part 02 · 55's checks (``bp_mech.checks.ex55``'s declarations, derived by ``checks.engine``):
+each wrong solution breaks one documented property, and is otherwise right."""
 
 import math
 
@@ -8,12 +8,10 @@ import torch
 from conftest import mutant
 
 from bp_mech import update_dynamics as ud
-from bp_mech.checks import ex55_contract as c
+from bp_mech.checks import ex55 as c
 
 pytestmark = pytest.mark.ch55
 NAME = "ex55_update_dynamics"
-
-
 
 
 def _check(check, match, **over):
@@ -58,14 +56,14 @@ def norm_as_python_float(grads):
 
 @pytest.mark.parametrize("fn, match", [
     (norm_attached, "attached to the autograd graph"),
-    (norm_skips_nonfinite, "the norm is"),
-    (norm_nan_as_inf, "the norm is inf, .* gives nan"),
+    (norm_skips_nonfinite, "the norm differs .*holding"),
+    (norm_nan_as_inf, r"the norm differs .*holding \[nan\]"),
     (norm_storage_order, "the norm"),
     (norm_squares_in_place, r"grads\[0\] was modified in place"),
-    (norm_as_python_float, "is a float, expected a 0-dim tensor"),
+    (norm_as_python_float, "the norm is a float, expected a tensor"),
 ], ids=["attached", "skips-nonfinite", "nan-as-inf", "storage-order", "in-place", "python-float"])
 def test_global_grad_norm_contract(fn, match):
-    _check(c.check_global_grad_norm__contract, match, global_grad_norm=fn)
+    _check(c.check_global_grad_norm, match, global_grad_norm=fn)
 
 
 # --- clip_coefficient ---------------------------------------------------------------------------
@@ -89,12 +87,12 @@ def coef_returns_input(total_norm, max_norm, eps=1e-6):  # the coefficient writt
 
 @pytest.mark.parametrize("fn, match", [
     (coef_adds_eps_in_place, "total_norm was modified in place"),
-    (coef_hides_nonfinite, "c is 1(.0)?, .* gives (nan|0)"),
-    (coef_in_float32, "c is torch.float32, expected torch.(float64|bfloat16|float16)"),
+    (coef_hides_nonfinite, "c differs .*total_norm (nan|inf)"),
+    (coef_in_float32, "c has dtype torch.float32, expected torch.(float64|bfloat16|float16)"),
     (coef_returns_input, "total_norm was modified in place|shares its storage"),
 ], ids=["eps-in-place", "nonfinite-hidden", "float32", "returns-input"])
 def test_clip_coefficient_contract(fn, match):
-    _check(c.check_clip_coefficient__contract, match, clip_coefficient=fn)
+    _check(c.check_clip_coefficient, match, clip_coefficient=fn)
 
 
 # --- clip_by_global_norm_ -------------------------------------------------------------------------
@@ -133,10 +131,10 @@ def clip_skips_nonfinite(params, max_norm, eps=1e-6):  # leaves the gradients al
     (clip_replaces_grad, "was replaced by a new tensor"),
     (clip_views_flat, "raised RuntimeError"),
     (clip_and_step, "the values of parameter 0 changed"),
-    (clip_skips_nonfinite, "has NaN/inf where clip_grad_norm_"),
+    (clip_skips_nonfinite, r"the gradients\[0\] differs from .*clip_grad_norm_.* holding"),
 ], ids=["replaces-grad", "contiguous-only", "steps-too", "skips-nonfinite"])
 def test_clip_by_global_norm_contract(fn, match):
-    _check(c.check_clip_by_global_norm___contract, match, clip_by_global_norm_=fn)
+    _check(c.check_clip_by_global_norm_, match, clip_by_global_norm_=fn)
 
 
 # --- update_ratio -----------------------------------------------------------------------------------
@@ -170,85 +168,76 @@ def ratio_storage_order(before, after):
 @pytest.mark.parametrize("fn, match", [
     (ratio_subtracts_in_place, r"after\[0\] was modified in place"),
     (ratio_as_tensors, "update_norm is a float64 tensor"),
-    (ratio_hides_nan, "update_norm is 0.0, .* gives nan"),
+    (ratio_hides_nan, "update_norm is 0, .* gives -1 .*NaN read as -1"),
     (ratio_zero_division, "raised ZeroDivisionError"),
     (ratio_storage_order, "differs from|update_norm is|param_norm is|ratio is"),
 ], ids=["in-place", "tensors", "nan-hidden", "zero-division", "storage-order"])
 def test_update_ratio_contract(fn, match):
-    _check(c.check_update_ratio__contract, match, update_ratio=fn)
-
-
-# --- clip_per_group_ (variant) ------------------------------------------------------------------------
-
-def global_clip(groups, max_norms, eps=1e-6):  # one coefficient for all groups: the classic
-    limit = min(max_norms.values()) if isinstance(max_norms, dict) else max_norms
-    total = ud.clip_by_global_norm_([p for ps in groups.values() for p in ps], limit, eps)
-    return {k: total for k in groups}
-
-
-def first_threshold_for_all(groups, max_norms, eps=1e-6):
-    limit = next(iter(max_norms.values())) if isinstance(max_norms, dict) else max_norms
-    return {k: ud.clip_by_global_norm_(ps, limit, eps) for k, ps in groups.items()}
-
-
-def per_tensor(groups, max_norms, eps=1e-6):
-    out = {}
-    for k, ps in groups.items():
-        limit = max_norms[k] if isinstance(max_norms, dict) else max_norms
-        out[k] = ud.global_grad_norm(p.grad for p in ps)
-        for p in ps:
-            ud.clip_by_global_norm_([p], limit, eps)
-    return out
-
-
-def drops_none_in_place(groups, max_norms, eps=1e-6):  # "cleans" the caller's lists
-    for k in groups:
-        groups[k] = [p for p in groups[k] if p.grad is not None][::-1]
-    return mutant(NAME).clip_per_group_(groups, max_norms, eps)
-
-
-def norms_as_floats(groups, max_norms, eps=1e-6):
-    return {k: v.item() for k, v in mutant(NAME).clip_per_group_(groups, max_norms, eps).items()}
-
-
-def skips_all_on_overflow(groups, max_norms, eps=1e-6):  # an inf in one group leaves every group unclipped
-    grads = [p.grad for ps in groups.values() for p in ps]
-    if not bool(torch.isfinite(ud.global_grad_norm(grads))):
-        return {k: ud.global_grad_norm(p.grad for p in ps) for k, ps in groups.items()}
-    return mutant(NAME).clip_per_group_(groups, max_norms, eps)
-
-
-@pytest.mark.parametrize("fn, check, match", [
-    (global_clip, c.check_clip_per_group_, "the norm of group .* gives|differs from clip_grad_norm_"),
-    (first_threshold_for_all, c.check_clip_per_group_, "differs from clip_grad_norm_"),
-    (per_tensor, c.check_clip_per_group_, "differs from clip_grad_norm_"),
-    (drops_none_in_place, c.check_clip_per_group___contract, "groups was modified"),
-    (norms_as_floats, c.check_clip_per_group_, "is a float, expected a 0-dim tensor"),
-    (skips_all_on_overflow, c.check_clip_per_group___contract, "has NaN/inf where clip_grad_norm_|differs from clip_grad_norm_"),
-], ids=["global", "one-threshold", "per-tensor", "groups-modified", "floats", "overflow-skips-all"])
-def test_clip_per_group_checks(fn, check, match):
-    _check(check, match, clip_per_group_=fn)
-
-
-# --- predict_first_update_norm (predict, then measure) -------------------------------------------------
-
-def _coef(grad_norm, max_norm):
-    return min(1.0, max_norm / (grad_norm + 1e-6))
-
-
-@pytest.mark.parametrize("fn, match", [
-    (lambda o, n, g, m, lr: lr * math.sqrt(n) * (_coef(g, m) if o == "adamw" else 1.0) if o == "adamw"
-     else lr * g * _coef(g, m), "a real torch.optim.AdamW step"),  # clipping thought to bound AdamW's step
-    (lambda o, n, g, m, lr: lr * math.sqrt(n) if o == "adamw" else lr * g, "a real torch.optim.SGD step"),  # no clip
-    (lambda o, n, g, m, lr: lr * math.sqrt(n) if o == "adamw" else lr * g * m / (g + 1e-6), "SGD step"),  # uncapped
-    (lambda o, n, g, m, lr: lr * min(g, m) if o == "adamw" else lr * g * _coef(g, m), "AdamW step"),  # AdamW as SGD
-    (lambda o, n, g, m, lr: torch.tensor(lr * math.sqrt(n) if o == "adamw" else lr * g * _coef(g, m)),
-     "the prediction is a float32 tensor"),
-], ids=["adamw-clipped", "sgd-unclipped", "sgd-uncapped", "adamw-as-sgd", "tensor"])
-def test_prediction_check(fn, match):
-    _check(c.check_predict_first_update_norm, match, predict_first_update_norm=fn)
+    _check(c.check_update_ratio, match, update_ratio=fn)
 
 
 def test_contract_checks_pass_on_the_answers():
     for check in c.CHECKS:
         check(mutant(NAME))
+
+
+# --- the properties the engine derives, and the outsider's wrong solutions ---------------------------------
+
+def _leaks(f, leak):  # right values, a global switch left flipped
+    def g(*args, **kwargs):
+        out = f(*args, **kwargs)
+        leak()
+        return out
+    return g
+
+
+def norm_cat_view(grads):  # one flat vector through .view(-1): raises on a transposed gradient
+    flat = [g.detach().view(-1) for g in grads if g is not None]
+    return torch.linalg.vector_norm(torch.cat(flat)) if flat else torch.zeros(())
+
+
+def norm_in_float64(grads):  # accumulated in float64 and left there
+    return ud.global_grad_norm(grads, dtype=torch.float64)
+
+
+def coef_eps_outside(total_norm, max_norm, eps=1e-6):  # max_norm / norm + eps
+    return torch.clamp(max_norm / total_norm + eps, max=1.0)
+
+
+def coef_float32_max_norm(total_norm, max_norm, eps=1e-6):  # torch.tensor(max_norm): float32, promotes 16 bits
+    return torch.clamp(torch.tensor(max_norm) / (total_norm + eps), max=1.0)
+
+
+def clip_returns_clipped_norm(params, max_norm, eps=1e-6):  # the norm after clipping
+    params = list(params)
+    ud.clip_by_global_norm_(params, max_norm, eps)
+    return ud.global_grad_norm(p.grad for p in params)
+
+
+def clip_float32_coefficient(params, max_norm, eps=1e-6):  # c rounded to float32 before the product
+    params = [p for p in params if p.grad is not None]
+    total = ud.global_grad_norm(p.grad for p in params)
+    for p in params:
+        p.grad.mul_(ud.clip_coefficient(total, max_norm, eps).float())
+    return total
+
+
+@pytest.mark.parametrize("check, over, match", [
+    (c.check_clip_coefficient, dict(clip_coefficient=lambda n, m, eps=1e-5: ud.clip_coefficient(n, m, eps)),
+     r"c differs .*eps left out \(default 1e-06\)"),
+    (c.check_clip_by_global_norm_, dict(clip_by_global_norm_=lambda ps, m, eps=1e-8: ud.clip_by_global_norm_(
+        ps, m, eps)), "eps left out"),
+    (c.check_global_grad_norm, dict(global_grad_norm=_leaks(ud.global_grad_norm, lambda: torch.set_grad_enabled(
+        False))), "left the grad mode changed"),
+    (c.check_update_ratio, dict(update_ratio=_leaks(ud.update_ratio, lambda: torch.set_default_dtype(
+        torch.float64))), "left the default dtype changed"),
+    (c.check_global_grad_norm, dict(global_grad_norm=norm_cat_view), "raised RuntimeError at .*non-contiguous"),
+    (c.check_global_grad_norm, dict(global_grad_norm=norm_in_float64), "dtype torch.float64, expected torch.float32"),
+    (c.check_clip_coefficient, dict(clip_coefficient=coef_eps_outside), "c differs"),
+    (c.check_clip_coefficient, dict(clip_coefficient=coef_float32_max_norm), "dtype torch.float32, expected torch"),
+    (c.check_clip_by_global_norm_, dict(clip_by_global_norm_=clip_returns_clipped_norm), "the norm differs"),
+    (c.check_clip_by_global_norm_, dict(clip_by_global_norm_=clip_float32_coefficient), "gradients.* differs"),
+], ids=["coef-default-eps", "clip-default-eps", "norm-grad-mode", "ratio-default-dtype", "norm-view",
+        "norm-float64", "coef-eps-outside", "coef-float32", "clip-clipped-norm", "clip-float32-c"])
+def test_derived_properties_and_outsider_mistakes(check, over, match):
+    _check(check, match, **over)

@@ -16,7 +16,7 @@ from bp_mech.projects import memory_strategy as ms, pareto
 from bp_mech.records import registry
 from bp_mech.records.results import load_record, save_record
 from bp_mech.instruments.workload import build_model, make_batches, parse_workload
-from bp_mech.checks import ex76, ex76_contract
+from bp_mech.checks import ex76
 from conftest import mutant
 
 EX = "ex76_memory_strategy"
@@ -29,7 +29,7 @@ def test_pareto_front_matches_brute_force_dominance():
     for _ in range(200):
         pts = {f"p{i}": (rng.randint(1, 4), rng.randint(1, 4) * 0.5) for i in range(rng.randint(1, 9))}
         front = pareto.pareto_front(pts)
-        assert front == ex76_contract.reference_front(pts)  # every pair compared
+        assert front == ex76.reference_front(pts)  # every pair compared
         assert [pts[n] for n in front] == sorted(pts[n] for n in front)  # ordered by peak, then time
 
 
@@ -103,26 +103,26 @@ def _choose_last_name_on_full_tie(points, budget, slack, context):
 
 
 MUTANTS = {
-    "front-strict-in-both": (ex76.check_pareto_front__classic_cases, dict(pareto_front=_front_strict_both)),
-    "front-equal-points-removed": (ex76.check_pareto_front__classic_cases, dict(pareto_front=_front_no_strict)),
-    "front-sweep-keeps-equal-time": (ex76.check_pareto_front__classic_cases,
+    "front-strict-in-both": (ex76.check_pareto_front, dict(pareto_front=_front_strict_both)),
+    "front-equal-points-removed": (ex76.check_pareto_front, dict(pareto_front=_front_no_strict)),
+    "front-sweep-keeps-equal-time": (ex76.check_pareto_front,
                                      dict(pareto_front=lambda p: _sweep(p, lambda t, best: t <= best))),
-    "front-sweep-drops-duplicates": (ex76.check_pareto_front__classic_cases,
+    "front-sweep-drops-duplicates": (ex76.check_pareto_front,
                                      dict(pareto_front=lambda p: _sweep(p, lambda t, best: t < best))),
     "front-random-strict-in-both": (ex76.check_pareto_front__random, dict(pareto_front=_front_strict_both)),
     "front-random-unordered": (ex76.check_pareto_front__random, dict(pareto_front=_front_unordered)),
     "front-maximizing": (ex76.check_pareto_front__random, dict(pareto_front=_front_maximizing)),
-    "budget-without-headroom": (ex76.check_choose_for_budget__headroom,
+    "budget-without-headroom": (ex76.check_choose_for_budget,
                                 dict(choose_for_budget=_choose(lambda p, b, s, c: p <= b))),
-    "headroom-without-context": (ex76.check_choose_for_budget__headroom,
+    "headroom-without-context": (ex76.check_choose_for_budget,
                                  dict(choose_for_budget=_choose(lambda p, b, s, c: p * (1 + s) <= b))),
-    "slack-on-the-budget": (ex76.check_choose_for_budget__headroom,
+    "slack-on-the-budget": (ex76.check_choose_for_budget,
                             dict(choose_for_budget=_choose(lambda p, b, s, c: p <= b * (1 - s) - c))),
-    "edge-does-not-fit": (ex76.check_choose_for_budget__headroom,
+    "edge-does-not-fit": (ex76.check_choose_for_budget,
                           dict(choose_for_budget=_choose(lambda p, b, s, c: p * (1 + s) + c < b))),
-    "least-peak-not-least-time": (ex76.check_choose_for_budget__headroom,
+    "least-peak-not-least-time": (ex76.check_choose_for_budget,
                                   dict(choose_for_budget=_choose(RIGHT, lambda p: p))),
-    "something-when-nothing-fits": (ex76.check_choose_for_budget__headroom,
+    "something-when-nothing-fits": (ex76.check_choose_for_budget,
                                     dict(choose_for_budget=_choose_min_peak_when_none_fits)),
     "time-tie-to-larger-peak": (ex76.check_choose_for_budget__ties,
                                 dict(choose_for_budget=_choose(RIGHT, lambda p: (p[1], -p[0])))),

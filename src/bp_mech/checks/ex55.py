@@ -1,205 +1,297 @@
-"""Checks of exercises/ex55_update_dynamics.py against torch.nn.utils.clip_grad_norm_ and
-float64 norms of the concatenated tensors (never against the answer file).
+"""Checks of exercises/ex55_update_dynamics.py: one declaration per function (``engine.Contract``).
 
-The gradients are several tensors of very different norms, so clipping each tensor on its
-own, or averaging per-tensor ratios, gives wrong numbers; one threshold is above the norm, so
-a coefficient that is not capped at 1 scales the gradients up and is caught. The gradients and
-parameters also come as generators (``model.parameters()``), with ``None`` gradients among them,
-in float32, bfloat16 and float16 (whose squares overflow where the norm does not), all zero and
-tiny (where eps decides whether and how much to clip), and with a non-default eps.
+References: float64 norms of the concatenated tensors and ``torch.nn.utils.clip_grad_norm_`` (its norm, its
+scaling through ``clip_grads_with_norm_``; another eps: its norm and the documented formula), on the whole list
+or on each group; never the answer file. The domains are the docstrings': tensors of very different norms,
+thresholds above and below the norm, lists, tuples and generators with None gradients, all-zero and tiny
+gradients (eps decides), a non-default eps, ±inf and NaN, float16 gradients whose squares pass 65504; inputs
+exact in bfloat16 and float16, so a lower dtype in meets the float64 reference. A driver (``use``) builds the
+parameters from their gradients, passes them as a generator, checks that only the ``.grad`` tensors change, in
+place (the same objects, also a non-contiguous ``.grad``), and returns the norms and the gradients after. A
+non-finite value is read as a number (NaN -1, +inf -2, -inf -3: ``_seen``) by the reference and the driver
+alike. The engine derives the rest: defaults left out, inputs unchanged, views, dtypes, no aliasing, state.
 """
+import math
 
 import torch
+from hypothesis import strategies as st
 
-from bp_mech.checks.common import assert_close, assert_value, call, describe
+from bp_mech.checks.common import CheckFailed
+from bp_mech.checks.engine import Contract, checks
+from bp_mech.checks.ex55_measure import PREDICT  # the prediction, against a real optimizer step
 
-TOL = 1e-12  # float64
-TOL_DTYPE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 3e-3}  # a norm rounded to the dtype
+LOW = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 3e-3}  # a norm rounded to the dtype
 SHAPES = [(7, 5), (5,), (3, 4, 2), (11,)]
 SCALES = [3.0, 0.01, 0.5, 20.0]
-NORM_REF = "the float64 norm of the concatenated gradients"
-CLIP_REF = "torch.nn.utils.clip_grad_norm_"
+SIZES = [[(4, 3), (5,)], [(6,)], [(2, 2), (3,), (7,)]]
+SEEN = "NaN read as -1, +inf as -2"
+BAD = st.sampled_from([(), (math.inf,), (math.nan,), (-math.inf, math.nan)])
+DRAW_SHAPES = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5)), min_size=1, max_size=3)
+VIEW = st.sampled_from(["slice", "transpose"])
 
 
-def _grads(seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g, dtype=torch.float64) * c * scale for s, c in zip(SHAPES, SCALES)]
+def _seen(x):
+    """``x`` with every non-finite value read as a number (NaN -1, +inf -2, -inf -3): comparable by value."""
+    if torch.is_tensor(x) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        return x.nan_to_num(nan=-1.0, posinf=-2.0, neginf=-3.0)
+    if isinstance(x, float) and not math.isfinite(x):
+        return -1.0 if math.isnan(x) else -2.0 if x > 0 else -3.0
+    if isinstance(x, (list, tuple)):
+        return type(x)(_seen(v) for v in x)
+    return {k: _seen(v) for k, v in x.items()} if isinstance(x, dict) else x
 
 
-def _params(grads):
-    ps = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64) if x is None else torch.zeros_like(x)) for x in grads]
-    for p, x in zip(ps, grads):
-        p.grad = None if x is None else x.clone()
-    return ps
+def _exact(t):
+    """``t`` rounded to a value that bfloat16 and float16 hold exactly (a lower dtype in changes nothing)."""
+    return t.to(torch.bfloat16).to(torch.float16).double()
 
 
-def _norm64(tensors):
-    return torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tensors if t is not None]))
+def _tensors(c, shapes=None, scales=None):
+    g = torch.Generator().manual_seed(c["seed"])
+    shapes = shapes or c.get("shapes", SHAPES)
+    scales = scales or [SCALES[i % 4] for i in range(len(shapes))]
+    out = [_exact(torch.randn(s, generator=g, dtype=torch.float64) * k * c.get("scale", 1.0))
+           for s, k in zip(shapes, scales)]
+    for j, b in enumerate(c.get("bad", ())):
+        out[j % len(out)].view(-1)[j % out[j % len(out)].numel()] = b
+    for i in c.get("none", ()):
+        out.insert(i, None)
+    return out
 
 
-def _is_0dim_tensor(fn, what, x, at):
-    if not (torch.is_tensor(x) and x.dim() == 0):
-        raise AssertionError(f"{fn}: {what} is {describe(x)}, expected a 0-dim tensor at {at}")
+def _norm64(ts):
+    ts = [t.detach().double().reshape(-1) for t in ts if t is not None]
+    return torch.linalg.vector_norm(torch.cat(ts)) if ts else torch.zeros((), dtype=torch.float64)
 
 
-def check_global_grad_norm(m):
-    fn = "global_grad_norm"
-    for seed in (0, 1):
-        grads = _grads(seed)
-        at = f"float64 gradients of shapes {SHAPES} and a None"
-        got = call(fn, m.global_grad_norm, grads + [None], at=at)
-        _is_0dim_tensor(fn, "the norm", got, at)
-        assert_value(fn, "the norm", got, _norm64(grads).item(), tol=TOL, ref=NORM_REF, at=at)
+def _note(c):
+    bad = c.get("bad")
+    return (f"holding {list(bad)}: {SEEN}" if bad else "") + (", " if bad and c.get("text") else "") + c.get("text", "")
 
 
-def check_global_grad_norm__iterables(m):
-    fn = "global_grad_norm"
-    grads = _grads(2)
-    at = f"a generator of float64 gradients of shapes {SHAPES}, one None among them"
-    got = call(fn, m.global_grad_norm, (g for g in [grads[0], None, *grads[1:]]), at=at)
-    assert_value(fn, "the norm", got, _norm64(grads).item(), tol=TOL, ref=NORM_REF, at=at)
-    at = "a tuple of float64 gradients"
-    assert_value(fn, "the norm", call(fn, m.global_grad_norm, tuple(grads), at=at), _norm64(grads).item(), tol=TOL,
-                 ref=NORM_REF, at=at)
-    at = "no gradient at all ([None, None])"
-    assert_value(fn, "the norm", call(fn, m.global_grad_norm, [None, None], at=at), 0.0, tol=0.0, ref="0", at=at)
+def _norm_inputs(c):
+    grads = _tensors(c)
+    if c.get("grad"):
+        grads = [t if t is None else t.requires_grad_() for t in grads]
+    if c.get("all_none"):
+        grads = [None, None]
+    return {"grads": tuple(grads) if c.get("as") == "a tuple" else grads, "passed_as": c.get("as", "a list")}
 
 
-def check_global_grad_norm__half_precision(m):
-    fn = "global_grad_norm"
-    for seed, dtype, scale in ((3, torch.float32, 1.0), (4, torch.bfloat16, 1.0), (5, torch.float16, 10.0)):
-        grads = [t.to(dtype) for t in _grads(seed, scale)]  # float16 x 10: squares past 65504, the norm below it
-        largest = max(t.abs().max().item() for t in grads)
-        at = f"{str(dtype)[6:]} gradients of shapes {SHAPES}, largest |g| {largest:.3g}"
-        got = call(fn, m.global_grad_norm, grads, at=at)
-        _is_0dim_tensor(fn, "the norm", got, at)
-        if got.dtype != dtype:
-            raise AssertionError(f"{fn}: the norm is {got.dtype}, expected the gradients' dtype {dtype} at {at}")
-        assert_value(fn, "the norm", got, _norm64(grads).item(), tol=TOL_DTYPE[dtype],
-                     ref=NORM_REF + " (no 16-bit sum of squares)", at=at)
+def _norm_use(f):
+    def g(grads, passed_as):
+        return _seen(f(iter(grads) if passed_as == "a generator" else grads))
+    return g
 
 
-def _coef_ref(total, max_norm, eps):
-    return min(1.0, max_norm / (float(total) + eps))
+NORM = Contract(
+    "global_grad_norm", _norm_inputs, lambda grads, passed_as: (_seen(_norm64(grads)),), ("the norm",),
+    use=_norm_use, ref_name="the float64 norm of the concatenated gradients", tol=1e-12, dtypes=LOW, note=_note,
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "shapes": DRAW_SHAPES, "view": VIEW, "bad": BAD,
+                                "grad": st.booleans(), "as": st.sampled_from(["a list", "a tuple", "a generator"]),
+                                "scale": st.sampled_from([1.0, 30.0])}),
+    examples={"": [{"seed": 0, "none": (4,)}, {"seed": 1, "none": (1, 3), "as": "a generator"},
+                   {"seed": 2, "as": "a tuple", "grad": True, "view": "transpose"}],
+              "no_gradient": [{"seed": 0, "all_none": True, "float64_only": True},
+                              {"seed": 0, "all_none": True, "as": "a generator", "float64_only": True}],
+              "half_precision": [{"seed": 5, "scale": 10.0, "text": "in float16 the squares pass 65504"}],
+              "non_finite": [{"seed": 6, "bad": b} for b in ((math.inf,), (math.nan,), (-math.inf, math.nan))]})
 
 
-def _coef_case(m, total, max_norm, eps, at, ref="min(1, max_norm / (norm + eps)) in float64"):
-    tol = 1e-10 if total.dtype == torch.float64 else TOL_DTYPE[total.dtype]
-    fn = "clip_coefficient"
-    args = (total, max_norm) if eps is None else (total, max_norm, eps)
-    got = call(fn, m.clip_coefficient, *args, at=at)
-    _is_0dim_tensor(fn, "c", got, at)
-    assert_value(fn, "c", got, _coef_ref(total, max_norm, 1e-6 if eps is None else eps), tol=tol, ref=ref, at=at)
+def _coef_inputs(c):
+    return {"total_norm": torch.tensor(c["norm"], dtype=torch.float64), "max_norm": c["max_norm"],
+            "eps": c.get("eps", 1e-6)}
 
 
-def check_clip_coefficient(m):
-    grads = _grads(2)
-    total = _norm64(grads)
-    for max_norm in (0.5 * total.item(), 1.0, 2 * total.item()):
-        p = _params([grads[0]])[0]  # one parameter with the first gradient
-        before = p.grad.clone()
-        # clip_grad_norm_ scales by its coefficient given the *stated* total norm: recover it
-        torch.nn.utils.clip_grads_with_norm_([p], max_norm, total)
-        want = (p.grad / before).mean().item()
-        at = f"norm {total.item():.4g}, max_norm {max_norm:.4g}"
-        got = call("clip_coefficient", m.clip_coefficient, total, max_norm, at=at)
-        _is_0dim_tensor("clip_coefficient", "c", got, at)
-        assert_value("clip_coefficient", "c", got, want, tol=1e-10, ref=CLIP_REF + "'s scaling", at=at)
+def _coef_ref(total_norm, max_norm, eps):
+    if eps != 1e-6:  # clip_grad_norm_'s eps is 1e-6: another one, the documented formula
+        v = float(total_norm)
+        c = math.nan if math.isnan(v) else 0.0 if math.isinf(v) else min(1.0, max_norm / (v + eps)) if v + eps else 1.0
+        return (_seen(torch.tensor(c, dtype=torch.float64)),)
+    p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+    p.grad = torch.ones((), dtype=torch.float64)  # clip_grad_norm_'s scaling of a gradient of 1 is c
+    torch.nn.utils.clip_grads_with_norm_([p], max_norm, total_norm)
+    return (_seen(p.grad),)
 
 
-def check_clip_coefficient__eps(m):
-    f64, f32 = torch.float64, torch.float32
-    _coef_case(m, torch.tensor(0.0, dtype=f64), 1.0, None, "norm 0 (all gradients zero), max_norm 1")
-    _coef_case(m, torch.tensor(5e-7, dtype=f64), 1e-6, None, "norm 5e-07 < max_norm 1e-06: eps still makes c < 1")
-    _coef_case(m, torch.tensor(2e-6, dtype=f64), 1e-6, None, "norm 2e-06, max_norm 1e-06: eps decides c")
-    _coef_case(m, torch.tensor(1.5, dtype=f64), 1.0, 0.5, "norm 1.5, max_norm 1, eps 0.5 (not the default)")
-    _coef_case(m, torch.tensor(3.0, dtype=f32), 2.0, 0.0, "a float32 norm 3, max_norm 2, eps 0")
+def _coef(norm, max_norm, **more):
+    return {"norm": norm, "max_norm": max_norm, **more}
 
 
-def _clip_case(m, grads, max_norm, at, eps=None, as_generator=False):
-    fn = "clip_by_global_norm_"
-    ours, ref = _params(grads), _params(grads)
-    args = (((p for p in ours) if as_generator else ours), max_norm) + (() if eps is None else (eps,))
-    got_norm = call(fn, m.clip_by_global_norm_, *args, at=at)
-    present = [p for p in ref if p.grad is not None]
-    if eps is None:
-        want_norm = torch.nn.utils.clip_grad_norm_(present, max_norm).item()
-        ref_name = CLIP_REF
-    else:  # clip_grad_norm_'s eps is fixed at 1e-6: its norm, and the documented coefficient
-        want_norm = torch.nn.utils.get_total_norm([p.grad for p in present]).item()
+COEF = Contract(
+    "clip_coefficient", _coef_inputs, _coef_ref, ("c",), use=lambda f: lambda *a, **k: _seen(f(*a, **k)),
+    ref_name="clip_grad_norm_'s scaling, min(1, max_norm / (norm + eps))", dtypes=LOW, defaults={"eps": 1e-6},
+    note=lambda c: f"total_norm {c['norm']:g}" + (f": {c['text']}" if "text" in c else ""),
+    draw=st.fixed_dictionaries({
+        "norm": st.one_of(st.integers(-8, 4).map(lambda k: float(_exact(torch.tensor(3.0 * 10.0**k)))),
+                          st.sampled_from([0.0, math.inf, math.nan])),
+        "max_norm": st.sampled_from([1e-3, 1.0, 50.0]), "eps": st.sampled_from([1e-6, 0.1])}),
+    examples={"": [_coef(5.25, 2.625), _coef(5.25, 1.0), _coef(5.25, 10.5), _coef(0.5, 1e9)],
+              "eps": [_coef(0.0, 1.0, text="all gradients zero"), _coef(1.5, 1.0, eps=0.5), _coef(3.0, 2.0, eps=0.0),
+                      _coef(5e-7, 1e-6, text="eps still makes c < 1", float64_only=True),  # (subnormal in float16)
+                      _coef(2e-6, 1e-6, text="eps decides c", float64_only=True),
+                      _coef(0.0, 2.0, eps=0.0, text="max_norm / 0 is inf: c = 1")],
+              "non_finite": [_coef(math.inf, 1.0, text="c = 0"), _coef(math.nan, 1.0, text=f"c = NaN ({SEEN})")]})
+
+
+def _params(grads, seed=0):
+    """Parameters whose ``.grad`` are copies of ``grads`` with their strides (a non-contiguous view stays one)."""
+    g, params = torch.Generator().manual_seed(seed), []
+    for t in grads:
+        x = torch.randn((3,) if t is None else t.shape, generator=g, dtype=torch.float64)
+        params.append(torch.nn.Parameter(x if t is None else x.to(t.dtype)))
+        params[-1].grad = None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
+    return params
+
+
+def _ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def _watch(fn, params, name="parameter"):
+    """After the call: each ``.grad`` the same object, each parameter's values unchanged."""
+    held, data = [p.grad for p in params], [p.detach().clone() for p in params]
+
+    def after(norm):
+        for i, (p, h, d) in enumerate(zip(params, held, data)):
+            if p.grad is not h:
+                raise CheckFailed(f"{fn}: the .grad of {name} {i} was replaced by a new tensor (clip it in place)")
+            if not torch.equal(p.detach(), d):
+                raise CheckFailed(f"{fn}: the values of {name} {i} changed (only .grad may)")
+            if torch.is_tensor(norm) and h is not None and _ptr(norm) == _ptr(h):
+                raise CheckFailed(f"{fn}: the norm shares its storage with the .grad of {name} {i}")
+        return [_seen(p.grad) if p.grad is None else _seen(p.grad.clone()) for p in params]
+    return after
+
+
+def _clip_use(f):
+    def g(params, max_norm, *rest, **kw):
+        ps = _params(params)
+        after = _watch("clip_by_global_norm_", ps)
+        norm = f((p for p in ps), max_norm, *rest, **kw)
+        return _seen(norm), after(norm)
+    return g
+
+
+def _clip_ref(grads, max_norm, eps=1e-6):
+    """clip_grad_norm_ on contiguous float64 copies (another eps: its norm, then the documented coefficient)."""
+    ps = _params([None if t is None else t.contiguous() for t in grads])
+    present = [p for p in ps if p.grad is not None]
+    if eps == 1e-6:
+        norm = torch.nn.utils.clip_grad_norm_(present, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in present])
+        v = float(norm)
         for p in present:
-            p.grad.mul_(_coef_ref(want_norm, max_norm, eps))
-        ref_name = "clip_grad_norm_'s norm and min(1, max_norm / (norm + eps))"
-    _is_0dim_tensor(fn, "the returned norm", got_norm, at)
-    assert_value(fn, "the returned norm (before clipping)", got_norm, want_norm, tol=TOL, ref=ref_name, at=at)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if b.grad is None:
-            assert a.grad is None, f"{fn}: parameter {i} had no gradient and got one at {at}"
-            continue
-        assert_close(fn, f"gradient {i}", a.grad, b.grad, tol=TOL, ref=ref_name, at=at)
+            p.grad.mul_(min(1.0, max_norm / (v + eps)) if math.isfinite(v) else max_norm / (v + eps))
+    return _seen(norm.detach() if present else torch.zeros(())), [_seen(p.grad) for p in ps]
 
 
-def check_clip_by_global_norm_(m):
-    for seed, frac in ((3, 0.3), (4, 0.9), (5, 3.0)):  # two clipping cases, one where nothing may change
-        grads = _grads(seed)
-        total = _norm64(grads).item()
-        _clip_case(m, grads, frac * total, f"max_norm = {frac} x the global norm {total:.4g}, a list of parameters")
+def _clip_inputs(c):
+    grads = _tensors(c)
+    if c.get("zero"):
+        grads = [t if t is None else torch.zeros_like(t) for t in grads]
+    total = float(_norm64([t if t is None else torch.where(torch.isfinite(t), t, 0) for t in grads]))
+    if c.get("tiny"):
+        grads = [t if t is None else _exact(t * (5e-7 / total)) for t in grads]
+        total = float(_norm64(grads))
+    return {"params": grads, "max_norm": c.get("max_norm") or c["frac"] * total, "eps": c.get("eps", 1e-6)}
 
 
-def check_clip_by_global_norm___iterables(m):
-    grads = _grads(6)
-    total = _norm64(grads).item()
-    _clip_case(m, grads, 0.4 * total, f"a generator of parameters (model.parameters()), max_norm = 0.4 x {total:.4g}",
-               as_generator=True)
-    _clip_case(m, [grads[0], None, *grads[1:], None], 0.4 * total,
-               f"parameters whose .grad is None among them, max_norm = 0.4 x {total:.4g}")
+CLIP_NOTE = "the parameters' .grad, passed as a generator"
 
 
-def check_clip_by_global_norm___eps(m):
-    _clip_case(m, [torch.zeros(s, dtype=torch.float64) for s in SHAPES], 1.0, "all gradients zero, max_norm 1")
-    tiny = _grads(7)
-    tiny = [t * (5e-7 / _norm64(tiny).item()) for t in tiny]  # norm 5e-7: c = min(1, 1e-6 / 1.5e-6) = 2/3
-    total = _norm64(tiny).item()
-    _clip_case(m, tiny, 2 * total, f"tiny gradients (norm {total:.2g} < max_norm {2 * total:.2g}, where eps decides)")
-    grads = _grads(8)
-    total = _norm64(grads).item()
-    _clip_case(m, grads, 0.5 * total, f"eps 0.25 (not the default), max_norm = 0.5 x {total:.4g}", eps=0.25)
+def _clip(seed, frac, **more):
+    return {"seed": seed, "frac": frac, **more}
 
 
-def _ratio_case(m, before, after, at):
-    fn = "update_ratio"
-    du = _norm64([a.double() - b.double() for b, a in zip(before, after)]).item()
-    pn = _norm64(before).item()
-    got = call(fn, m.update_ratio, before, after, at=at)
-    if not (isinstance(got, (tuple, list)) and len(got) == 3):
-        raise AssertionError(f"{fn}: returned {describe(got)}, expected (update_norm, param_norm, ratio) at {at}")
-    for name, a, w in zip(("update_norm", "param_norm", "ratio"), got, (du, pn, du / pn)):
-        if not isinstance(a, float):
-            raise AssertionError(f"{fn}: {name} is {describe(a)}, expected a Python float at {at}")
-        assert_value(fn, name, a, w, tol=1e-10, ref="float64 norms of the concatenated tensors", at=at)
+CLIP = Contract(
+    "clip_by_global_norm_", _clip_inputs, lambda params, max_norm, eps: _clip_ref(params, max_norm, eps),
+    ("the norm", "the gradients"), use=_clip_use, ref_name="torch.nn.utils.clip_grad_norm_", tol=1e-12,
+    dtypes=LOW, defaults={"eps": 1e-6}, note=lambda c: f"{CLIP_NOTE}{', ' if _note(c) else ''}{_note(c)}",
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "shapes": DRAW_SHAPES, "view": VIEW, "bad": BAD,
+                                "frac": st.sampled_from([0.3, 3.0])}),
+    examples={"": [_clip(3, 0.3), _clip(4, 0.9, view="transpose"), _clip(5, 3.0), _clip(6, 0.4, none=(1, 5))],
+              "eps": [_clip(0, 1.0, zero=True, max_norm=1.0, text="all gradients zero"),
+                      _clip(7, 2.0, tiny=True, float64_only=True, text="norm 5e-07 < max_norm 1e-06: eps decides"),
+                      _clip(8, 0.5, eps=0.25)],
+              "non_finite": [_clip(9, 0.5, bad=b) for b in ((math.inf,), (math.nan,), (-math.inf, math.nan))]})
 
 
-def check_update_ratio(m):
-    g = torch.Generator().manual_seed(6)
-    before = [torch.randn(*s, generator=g, dtype=torch.float64) * c for s, c in zip(SHAPES, SCALES)]
-    after = [b + 0.01 * torch.randn(b.shape, generator=g, dtype=torch.float64) for b in before]
-    _ratio_case(m, before, after, f"float64 tensors of shapes {SHAPES}")
+def _ratio_inputs(c):
+    clean = {**c, "bad": ()}  # the bad values only in the step
+    before = _tensors(clean, scales=[0.0] * len(c.get("shapes", SHAPES))) if c.get("zero") else _tensors(clean)
+    step = _tensors({**c, "seed": c["seed"] + 1})
+    after = [_exact(b + 0.01 * t) for b, t in zip(before, step)]
+    for a, t in zip(after, step):  # the bad values planted in the step, not rounded away
+        a[~torch.isfinite(t)] = t[~torch.isfinite(t)]
+    return {"before": before, "after": [a.requires_grad_() for a in after] if c.get("live") else after}
 
 
-def check_update_ratio__low_precision(m):
-    for seed, dtype in ((9, torch.float32), (10, torch.bfloat16), (11, torch.float16)):
-        g = torch.Generator().manual_seed(seed)
-        before = [(torch.randn(*s, generator=g, dtype=torch.float64) * c).to(dtype) for s, c in zip(SHAPES, SCALES)]
-        after = [torch.nn.Parameter((b.double() * (1 + 0.01 * torch.randn(b.shape, generator=g, dtype=torch.float64)))
-                                    .to(dtype)) for b in before]  # live parameters after the step
-        _ratio_case(m, before, after, f"{str(dtype)[6:]} tensors of shapes {SHAPES} (computed in float64)")
+def _ratio_ref(before, after):
+    du = float(_norm64([a.detach() - b for b, a in zip(before, after)]))
+    pn = float(_norm64(before))
+    return _seen((du, pn, du / pn if pn else math.inf))
 
 
-from bp_mech.checks import ex55_contract as _c
+RATIO = Contract(
+    "update_ratio", _ratio_inputs, _ratio_ref, ("update_norm", "param_norm", "ratio"),
+    use=lambda f: lambda *a, **k: _seen(f(*a, **k)), ref_name="float64 norms of the concatenations",
+    dtypes={d: 1e-10 for d in LOW}, note=lambda c: _note({**c, "text": "before all zero" if c.get("zero") else ""}),
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "shapes": DRAW_SHAPES, "view": VIEW, "bad": BAD,
+                                "zero": st.booleans(), "live": st.booleans()}),
+    examples={"": [{"seed": 6}, {"seed": 9, "live": True, "view": "transpose"}, {"seed": 12, "scale": 0.01}],
+              "non_finite": [{"seed": 10, "bad": (math.inf,)}, {"seed": 10, "bad": (math.nan,)},
+                             {"seed": 11, "zero": True}]})
 
-CHECKS = [check_global_grad_norm, check_global_grad_norm__iterables, check_global_grad_norm__half_precision,
-          _c.check_global_grad_norm__contract, check_clip_coefficient, check_clip_coefficient__eps,
-          _c.check_clip_coefficient__contract, check_clip_by_global_norm_, check_clip_by_global_norm___iterables,
-          check_clip_by_global_norm___eps, _c.check_clip_by_global_norm___contract, check_update_ratio,
-          check_update_ratio__low_precision, _c.check_update_ratio__contract, _c.check_clip_per_group_,
-          _c.check_clip_per_group___contract, _c.check_predict_first_update_norm]
+
+def _groups_use(f):
+    def g(groups, max_norms, *rest, **kw):
+        ps = {k: _params(v, i) for i, (k, v) in enumerate(groups.items())}
+        given, lists = dict(ps), {k: list(v) for k, v in ps.items()}
+        limits = dict(max_norms) if isinstance(max_norms, dict) else max_norms
+        watch = {k: _watch("clip_per_group_", v, f"{k!r}'s parameter") for k, v in ps.items()}
+        norms = f(ps, max_norms, *rest, **kw)
+        if list(ps) != list(given) or any(ps[k] is not given[k] or ps[k] != lists[k] for k in given):
+            raise CheckFailed("clip_per_group_: groups was modified (its keys or lists changed)")
+        if max_norms != limits:
+            raise CheckFailed(f"clip_per_group_: max_norms was modified ({limits} before, {max_norms} after)")
+        if isinstance(norms, dict) and list(norms) != list(ps):
+            raise CheckFailed(f"clip_per_group_: returned a dict with keys {list(norms)}, expected the group names "
+                              f"{list(ps)} in order")
+        return _seen(norms), {k: w(norms.get(k) if isinstance(norms, dict) else None) for k, w in watch.items()}
+    return g
+
+
+def _groups_ref(groups, max_norms, eps):
+    out = {k: _clip_ref(v, max_norms[k] if isinstance(max_norms, dict) else max_norms, eps) for k, v in groups.items()}
+    return {k: n for k, (n, _) in out.items()}, {k: gs for k, (_, gs) in out.items()}
+
+
+def _groups_inputs(c):
+    held, bad = {}, c.get("bad_group", 0) % len(c["sizes"])
+    for i, shapes in enumerate(c["sizes"]):  # groups of very different norms (x 0.01 ... x 100)
+        planted = {"bad": (c["bad"],) if i == bad and c.get("bad") is not None else (), "none": c.get("none", ())}
+        held[f"layer{i}"] = _tensors({"seed": c["seed"] + i, **planted}, shapes, [10.0 ** (2 * (i % 3) - 2)] * 9)
+    norms = [float(_norm64([t for t in v if t is not None and bool(torch.isfinite(t).all())] or [torch.ones(1)]))
+             for v in held.values()]
+    fracs, r = c.get("fracs", [0.3, 3.0]), lambda v: float(f"{v:.4g}")
+    max_norms = r(0.5 * min(norms)) if c.get("one") else {k: r(fracs[i % len(fracs)] * n)
+                                                           for i, (k, n) in enumerate(zip(held, norms))}
+    return {"groups": held, "max_norms": max_norms, "eps": c.get("eps", 1e-6)}
+
+
+PER_GROUP = Contract(
+    "clip_per_group_", _groups_inputs, _groups_ref, ("the norms", "the gradients"), use=_groups_use,
+    ref_name="clip_grad_norm_ on each group", tol=1e-12, dtypes=LOW, defaults={"eps": 1e-6},
+    note=lambda c: CLIP_NOTE + (f", {c['bad']} in group layer{c.get('bad_group', 0) % len(c['sizes'])}: {SEEN}"
+                                if c.get("bad") is not None else ""),
+    draw=st.fixed_dictionaries({"seed": st.integers(0, 2**16), "sizes": st.lists(DRAW_SHAPES, min_size=1, max_size=3),
+                                "view": VIEW, "bad_group": st.integers(0, 2),
+                                "bad": st.sampled_from([None, math.inf, math.nan]), "one": st.booleans()}),
+    examples={"": [{"seed": 0, "sizes": SIZES, "fracs": [0.5, 2.0, 0.5]}, {"seed": 2, "sizes": SIZES, "eps": 0.25},
+                   {"seed": 1, "sizes": SIZES, "one": True, "view": "transpose", "none": (1,)}],
+              "non_finite": [{"seed": 3, "sizes": SIZES, "bad": b, "bad_group": 1} for b in (math.inf, math.nan)]})
+
+CHECKS = checks(NORM, COEF, CLIP, RATIO, PER_GROUP, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex55.check_global_grad_norm__non_finite, ...
