@@ -66,3 +66,16 @@ def test_the_reference_gradients_are_autograd_s_on_fresh_leaves():
 def test_a_floating_result_where_the_reference_counts_integers_is_refused():
     with pytest.raises(AssertionError, match="n has dtype torch.float32, expected integers"):
         assert_close("f", "n", torch.tensor(3.0), torch.tensor(3), tol=0.0, ref="a count", at="here")
+
+
+def test_inf_and_nan_where_the_reference_has_them_pass_and_nowhere_else():
+    want = torch.tensor([1.0, math.inf, math.nan])
+    assert_close("f", "y", torch.tensor([1.0, math.inf, math.nan]), want, tol=0.0, ref="r", at="here")
+    with pytest.raises(AssertionError, match="where it is not finite"):
+        assert_close("f", "y", torch.tensor([1.0, -math.inf, math.nan]), want, tol=0.0, ref="r", at="here")
+    with pytest.raises(AssertionError, match="max rel error"):
+        assert_close("f", "y", torch.tensor([2.0, math.inf, math.nan]), want, tol=0.0, ref="r", at="here")
+    assert_value("f", "n", math.inf, math.inf, tol=0.0, ref="r", at="here")
+    assert_value("f", "n", math.nan, math.nan, tol=0.0, ref="r", at="here")
+    with pytest.raises(AssertionError):
+        assert_value("f", "n", 1.0, math.inf, tol=0.0, ref="r", at="here")

@@ -3,10 +3,12 @@
 Every failure reads ``<function>: <what> differs from <reference>, max rel error E > TOL at <input>``
 (conventions.md). A solution that crashes on some input (a hard-coded 3-D shape, a Python ``min`` of
 a tensor, ...) fails the same way, naming the input, through ``call``; ``NotImplementedError`` (an
-untouched stub) passes through unchanged. A NaN never passes a tolerance.
+untouched stub) passes through unchanged. inf and NaN pass only where the reference has them, exactly.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -65,6 +67,13 @@ def assert_close(fn: str, what: str, got, want: torch.Tensor, *, tol: float, ref
         raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected {dtype} at {at}")
     if got.is_floating_point() and not (want.is_floating_point() or want.is_complex()):
         raise AssertionError(f"{fn}: {what} has dtype {got.dtype}, expected integers ({want.dtype}) at {at}")
+    finite = torch.isfinite(want) if want.is_floating_point() else None
+    if finite is not None and not bool(finite.all()):  # inf and NaN where the reference has them, exactly
+        g, w = got.detach()[~finite].double(), want[~finite].double()
+        if not bool(((g == w) | (torch.isnan(g) & torch.isnan(w))).all()):
+            raise AssertionError(f"{fn}: {what} differs from {ref} where it is not finite (inf or NaN expected: "
+                                 f"{w.tolist()[:4]}, got {g.tolist()[:4]}) at {at}")
+        got, want = got.detach()[finite], want[finite]
     err = relative_error(got, want)
     assert err <= tol, f"{fn}: {what} differs from {ref}, max rel error {err:.1e} > {tol:g} at {at}"
 
@@ -83,6 +92,8 @@ def assert_value(fn: str, what: str, got, want: float, *, tol: float, ref: str, 
         value = float(got.detach() if torch.is_tensor(got) else got)
     except (TypeError, ValueError, RuntimeError):
         raise AssertionError(f"{fn}: {what} is {type(got).__name__} {got!r:.60}, expected a number at {at}") from None
+    if not math.isfinite(want) and (value == want or (math.isnan(value) and math.isnan(want))):
+        return  # inf where the reference has inf (of its sign), NaN where it has NaN
     err = abs(value - want) / (abs(want) if want else 1.0)
     assert err <= tol, (f"{fn}: {what} is {value:.8g}, {ref} gives {want:.8g} (rel error {err:.1e} > {tol:g}) "
                         f"at {at}")
