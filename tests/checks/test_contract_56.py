@@ -182,13 +182,15 @@ class _NoValidation(A.ReplayStream):
 
 
 @pytest.mark.parametrize("check, cls, needle", [
-    (ex56.check_ReplayStream, _FirstRows, r"ReplayStream: the batches' input_ids\[1\] differs from a mix drawn row by row"),
+    (ex56.check_ReplayStream, _FirstRows,
+     r"ReplayStream: the batches' input_ids\[1\] differs from a mix drawn row by row"),
     (ex56.check_ReplayStream, _ReplayedList, "ReplayStream: 'replayed' is"),
     (ex56.check_ReplayStream, _TensorPosition, "ReplayStream: position is a .*tensor.*, expected an int"),
     (ex56.check_ReplayStream__resume, _LiveState, "ReplayStream.state_dict: the returned state changed"),
     (ex56.check_ReplayStream__resume, _KeepsLoaded, "ReplayStream.load_state_dict: the loaded state changed"),
     (ex56.check_ReplayStream__resume, _ForgetsOld, r"ReplayStream: the batches' input_ids\[0\] differs .*resume True"),
-    (ex56.check_ReplayStream, _NoValidation, "ReplayStream: returned a tuple for batch 2, replay 4 of every 3 rows, expected ValueError"),
+    (ex56.check_ReplayStream, _NoValidation,
+     "ReplayStream: returned a tuple for batch 2, replay 4 of every 3 rows, expected ValueError"),
 ], ids=["first-rows-per-batch", "replayed-as-list", "tensor-position", "state-not-a-copy", "load-keeps-reference",
         "load-forgets-old-stream", "no-validation"])
 def test_replay_stream_checks_reject(check, cls, needle):
@@ -196,10 +198,13 @@ def test_replay_stream_checks_reject(check, cls, needle):
         check(_solution(ReplayStream=cls))
 
 
+PREDICTED = "the prediction is .*, the old-domain tokens counted in a drawn reference mix gives"
+
+
 @pytest.mark.parametrize("bad, needle", [
-    (lambda u, B, T, r, p: u * (B * r // p) * T, "the prediction is .*, the old-domain tokens counted in a drawn reference mix gives"),  # floor per batch, not over the run
-    (lambda u, B, T, r, p: u * B * r // p, "the prediction is .*, the old-domain tokens counted in a drawn reference mix gives"),  # rows, not tokens
-    (lambda u, B, T, r, p: round(u * B * r / p) * T, "the prediction is .*, the old-domain tokens counted in a drawn reference mix gives"),  # rounded, not floored
+    (lambda u, B, T, r, p: u * (B * r // p) * T, PREDICTED),  # floor per batch, not over the run
+    (lambda u, B, T, r, p: u * B * r // p, PREDICTED),  # rows, not tokens
+    (lambda u, B, T, r, p: round(u * B * r / p) * T, PREDICTED),  # rounded, not floored
     (lambda u, B, T, r, p: float(u * B * r // p * T), "the prediction is a float, expected an int"),
 ], ids=["per-batch-floor", "rows-not-tokens", "rounded", "float"])
 def test_predict_replay_tokens_rejects(bad, needle):

@@ -1,4 +1,5 @@
-"""The training-state declarations of chapter 56 (``capture_state``, ``restore_state``), used by ``ex56``.
+"""The training-state declarations of chapter 56 (``capture_state``, ``restore_state``), used by ``ex56``,
+and the fingerprints of states it compares.
 
 The package's trainer (``bench.trainer.phase_trainer``, under fp16 so that its GradScaler has a state to lose:
 the scale grows every two updates) trains a tiny Qwen2; at update ``AT`` the solution captures its state and
@@ -91,6 +92,46 @@ def _pieces(snap) -> list:
     return out + [("the data stream's generator state", snap["generator"]), ("torch's global RNG state", snap["rng"])]
 
 
+def fingerprint(x):
+    """A comparable copy of a state: tensors cloned, generators' states, objects by their attributes.
+
+    Args:
+        x: a state (tensors, generators, dicts, lists, objects).
+
+    Returns:
+        Its fingerprint, for ``same_fingerprint``.
+    """
+    if torch.is_tensor(x):
+        return ("t", x.detach().cpu().clone())
+    if isinstance(x, torch.Generator):
+        return ("t", x.get_state())
+    if isinstance(x, dict):
+        return {k: fingerprint(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [fingerprint(v) for v in x]
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        return {"obj": fingerprint(vars(x))}
+    return x
+
+
+def same_fingerprint(a, b) -> bool:
+    """Whether two ``fingerprint``s are equal, tensors bit for bit.
+
+    Args:
+        a, b: two fingerprints.
+
+    Returns:
+        True when they are equal.
+    """
+    if isinstance(a, tuple) and a and a[0] == "t":
+        return isinstance(b, tuple) and b[0] == "t" and a[1].shape == b[1].shape and torch.equal(a[1], b[1])
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_fingerprint(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same_fingerprint(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 # --- capture_state ---------------------------------------------------------------------------
 
 
@@ -110,9 +151,10 @@ def _captured(capture_state):
         live.update({s[k].untyped_storage().data_ptr(): f"AdamW's {k} of parameter {i}"
                      for i, s in t.optimizer.state.items() for k in s if torch.is_tensor(s[k])})
         for x in tensors(state):
-            if x.untyped_storage().data_ptr() in live:
-                raise AssertionError(f"capture_state: the state holds the live tensor {live[x.untyped_storage().data_ptr()]}"
-                                     " (a reference, not a copy: the next update changes it)")
+            name = live.get(x.untyped_storage().data_ptr())
+            if name is not None:
+                raise AssertionError(f"capture_state: the state holds the live tensor {name} (a reference, not a "
+                                     "copy: the next update changes it)")
         kept = list(tensors(state))
         found = []
         for what, v in _pieces(snap):
@@ -151,8 +193,6 @@ def _resumed(m):
     the resumed run's losses."""
     @_threads
     def run(update, into):
-        from bp_mech.checks.ex56 import fingerprint, same_fingerprint
-
         cpt, trainer = _setup()
         ref = trainer(0)
         cpt.train(ref, update)
@@ -244,11 +284,11 @@ def state_checks() -> list:
 
     capture = Contract("capture_state", lambda c: {"update": c["update"]}, _capture_ref,
                        ("the pieces of the trainer found in the state",), returns=list, use=_captured, rng=True,
-                       ref_name="the check's own snapshot of the trainer", examples={"": [
-                           {"update": AT}]})
+                       ref_name="the check's own snapshot of the trainer", examples={"": [{"update": AT}]})
     restore = Contract("restore_state", lambda c: {"update": c["update"], "into": c["into"]}, _restore_ref,
-                       ("the resumed run's losses",), returns=tuple, use=lambda f: _resumed(_MODULE[-1]), rng=True, tol=0.0,
+                       ("the resumed run's losses",), returns=tuple, use=lambda f: _resumed(_MODULE[-1]), rng=True,
+                       tol=0.0,
                        ref_name=f"the uninterrupted run's losses over updates {AT + 1}..{UPDATES} (bit for bit)",
                        examples={"": [{"update": AT, "into": "a fresh trainer"},
-                                                        {"update": AT, "into": "a 1-layer model"}]})
+                                      {"update": AT, "into": "a 1-layer model"}]})
     return [_with_module(c) for c in checks(capture, restore)]
