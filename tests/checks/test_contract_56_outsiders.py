@@ -111,3 +111,21 @@ def test_capture_that_moves_the_global_rng_is_rejected():
         return ts.capture_state(t)
     with pytest.raises(AssertionError, match="restore_state: torch's global RNG state differs from the capture's"):
         ex56.check_restore_state(_solution(capture_state=capture))
+
+
+def test_a_loss_evaluated_with_gradients_is_rejected():
+    def with_grad(model, batches):
+        with torch.enable_grad():
+            return continual_eval.token_loss.__wrapped__(model, batches)
+    with pytest.raises(AssertionError, match="token_loss: the model ran with gradients enabled"):
+        ex56.check_token_loss(_solution(token_loss=with_grad))
+
+
+class _IdentityRule(A.ReplayStream):  # `is not`: right while CPython caches the small ints, wrong above 256
+    def is_old(self, g):
+        return (g + 1) * self.replay // self.period is not g * self.replay // self.period
+
+
+def test_a_rule_comparing_int_identity_is_rejected():
+    with pytest.raises(AssertionError, match=r"differs .* at batch 64, replay 3, period 4"):
+        ex56.check_ReplayStream(_solution(ReplayStream=_IdentityRule))

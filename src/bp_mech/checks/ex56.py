@@ -46,6 +46,9 @@ class Bigram(torch.nn.Module):
     def forward(self, input_ids):
         if self.broken:
             raise Broken("the model failed")
+        if torch.is_grad_enabled():
+            raise AssertionError("token_loss: the model ran with gradients enabled (evaluate without gradients: "
+                                 "torch.no_grad(), no graph kept)")
         z = self.table[input_ids]
         return types.SimpleNamespace(logits=strided(z, self.how) if self.how else z)
 
@@ -206,6 +209,7 @@ REPLAY = Contract(
     draw=_mix_cases(False), examples={
         "": [_case(2, 1, 3, 4), _case(4, 2, 5, 3, 1), _case(1, 0, 1, 3), _case(3, 3, 3, 2), _case(5, 2, 3, 2, 7),
              _case(5, 3, 11, 12, 2), _case(10, 7, 10, 10, 3),  # a float q = r / p: floor(55 q) = 14, floor(90 q) = 62
+             _case(64, 3, 4, 8, 4),  # counts above 256: ints compared by value, not identity
              _case(2, 4, 3, 1), _case(2, -1, 3, 1), _case(2, 0, 0, 1), _case(0, 1, 2, 1)],
         "resume": [_case(B, r, p, n, s, True) for B, r, p, n, s in (
             (2, 1, 3, 1, 0), (3, 2, 5, 2, 4), (1, 1, 4, 3, 9), (4, 3, 4, 1, 2), (5, 1, 6, 2, 5), (2, 0, 2, 2, 1),
