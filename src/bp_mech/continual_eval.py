@@ -84,13 +84,15 @@ def token_loss(model, batches) -> float:
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    for b in batches:
-        labels = b["labels"].to(device)
-        logits = model(input_ids=b["input_ids"].to(device)).logits  # (B, T, V)
-        total += token_loss_sum(logits, labels).double()
-        count += int(count_targets(labels))
-        del logits
-    model.train(was_training)
+    try:
+        for b in batches:
+            labels = b["labels"].to(device)
+            logits = model(input_ids=b["input_ids"].to(device)).logits  # (B, T, V)
+            total += token_loss_sum(logits, labels).double()
+            count += int(count_targets(labels))
+            del logits
+    finally:  # also when the model raises
+        model.train(was_training)
     return (total / count).item()
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT, load_solution, mutant
 
 from bp_mech import continual_eval, training_state as ts
-from bp_mech.checks import ex56, ex56_contract as c56
+from bp_mech.checks import ex56
 from checks.mutants import as_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,15 +74,15 @@ def _swallows(model, batches):
     (_modifies_labels, r"token_loss: batches\[0\]\['labels'\] was modified in place"),
     (_modifies_model, r"token_loss: model.table was modified in place"),
     (_with_view, r"token_loss: raised RuntimeError at .*transpose view"),
-    (_log_of_softmax, r"token_loss: the loss is inf where the mathematics is finite at .*scale 1000"),
+    (_log_of_softmax, r"token_loss: the loss is inf, a float64 sum .* at .*scale 1000"),
     (as_tensor(continual_eval.token_loss), r"token_loss: the loss is a .*tensor.*, expected a float"),
-    (_weighted_batch_means, r"token_loss: the loss is nan .*all-ignored batch"),
-    (_swallows, r"token_loss: the model raised an exception and token_loss returned a value"),
+    (_weighted_batch_means, r"token_loss: the loss is nan, .*all-ignored batch"),
+    (_swallows, r"token_loss: returned a float for a model that raises .*, expected Broken"),
 ], ids=["modifies-batches", "modifies-model", "contiguous-only", "log-of-softmax", "tensor-not-float",
         "all-ignored-batch", "swallows-exceptions"])
 def test_token_loss_contract_rejects(bad, needle):
     with pytest.raises(AssertionError, match=needle):
-        c56.check_token_loss__contract(_solution(token_loss=bad))
+        ex56.check_token_loss(_solution(token_loss=bad))
 
 
 # --- capture_state / restore_state ----------------------------------------------------------------
@@ -109,18 +109,18 @@ def _restore_swallows(t, s):
 
 
 @pytest.mark.parametrize("check, over, needle", [
-    (ex56.check_capture_state__a_copy_of_everything, {"capture_state": _capture_moves_data},
+    (ex56.check_capture_state, {"capture_state": _capture_moves_data},
      "capture_state: modified the trainer: the data position"),
-    (ex56.check_restore_state__resume_bit_for_bit,
+    (ex56.check_restore_state,
      {"capture_state": _capture_live_stream, "restore_state": _restore_live_stream},
      "capture_state: the captured state changed when the trainer trained on"),
-    (ex56.check_restore_state__resume_bit_for_bit,
+    (ex56.check_restore_state,
      {"restore_state": lambda t, s: ts.restore_state(t, s, copy_state=False)},
      "restore_state: the state changed when the restored trainer trained on"),
-    (ex56.check_restore_state__resume_bit_for_bit, {"restore_state": lambda t, s: (ts.restore_state(t, s), s)[1]},
+    (ex56.check_restore_state, {"restore_state": lambda t, s: (ts.restore_state(t, s), s)[1]},
      "restore_state: the return value is a dict, expected a NoneType"),
-    (ex56.check_restore_state__resume_bit_for_bit, {"restore_state": _restore_swallows},
-     "restore_state: .* without an error"),
+    (ex56.check_restore_state, {"restore_state": _restore_swallows},
+     "restore_state: returned None for the state of a 2-layer model .*, expected FrameworkError"),
 ], ids=["capture-modifies-trainer", "capture-holds-live-stream", "restore-keeps-references", "restore-returns-state",
         "restore-swallows-errors"])
 def test_state_contract_rejects(check, over, needle):
@@ -182,13 +182,15 @@ class _NoValidation(A.ReplayStream):
 
 
 @pytest.mark.parametrize("check, cls, needle", [
-    (c56.check_ReplayStream, _FirstRows, "ReplayStream: row .* is not the expected row"),
-    (c56.check_ReplayStream, _ReplayedList, "ReplayStream: 'replayed' is"),
-    (c56.check_ReplayStream, _TensorPosition, "ReplayStream: position is a .*tensor.*, expected an int"),
-    (c56.check_ReplayStream__resume, _LiveState, "ReplayStream.state_dict: the returned state changed"),
-    (c56.check_ReplayStream__resume, _KeepsLoaded, "ReplayStream.load_state_dict: the loaded state changed"),
-    (c56.check_ReplayStream__resume, _ForgetsOld, "ReplayStream.load_state_dict: batch .* after resuming differs"),
-    (c56.check_ReplayStream__bad_arguments, _NoValidation, "must raise ValueError"),
+    (ex56.check_ReplayStream, _FirstRows,
+     r"ReplayStream: the batches' input_ids\[1\] differs from a mix drawn row by row"),
+    (ex56.check_ReplayStream, _ReplayedList, "ReplayStream: 'replayed' is"),
+    (ex56.check_ReplayStream, _TensorPosition, "ReplayStream: position is a .*tensor.*, expected an int"),
+    (ex56.check_ReplayStream__resume, _LiveState, "ReplayStream.state_dict: the returned state changed"),
+    (ex56.check_ReplayStream__resume, _KeepsLoaded, "ReplayStream.load_state_dict: the loaded state changed"),
+    (ex56.check_ReplayStream__resume, _ForgetsOld, r"ReplayStream: the batches' input_ids\[0\] differs .*resume True"),
+    (ex56.check_ReplayStream, _NoValidation,
+     "ReplayStream: returned a tuple for batch 2, replay 4 of every 3 rows, expected ValueError"),
 ], ids=["first-rows-per-batch", "replayed-as-list", "tensor-position", "state-not-a-copy", "load-keeps-reference",
         "load-forgets-old-stream", "no-validation"])
 def test_replay_stream_checks_reject(check, cls, needle):
@@ -196,18 +198,21 @@ def test_replay_stream_checks_reject(check, cls, needle):
         check(_solution(ReplayStream=cls))
 
 
+PREDICTED = "the prediction is .*, the old-domain tokens counted in a drawn reference mix gives"
+
+
 @pytest.mark.parametrize("bad, needle", [
-    (lambda u, B, T, r, p: u * (B * r // p) * T, "predicted .* measured"),  # floor per batch, not over the run
-    (lambda u, B, T, r, p: u * B * r // p, "predicted .* measured"),  # rows, not tokens
-    (lambda u, B, T, r, p: round(u * B * r / p) * T, "predicted .* measured"),  # rounded, not floored
+    (lambda u, B, T, r, p: u * (B * r // p) * T, PREDICTED),  # floor per batch, not over the run
+    (lambda u, B, T, r, p: u * B * r // p, PREDICTED),  # rows, not tokens
+    (lambda u, B, T, r, p: round(u * B * r / p) * T, PREDICTED),  # rounded, not floored
     (lambda u, B, T, r, p: float(u * B * r // p * T), "the prediction is a float, expected an int"),
 ], ids=["per-batch-floor", "rows-not-tokens", "rounded", "float"])
 def test_predict_replay_tokens_rejects(bad, needle):
     with pytest.raises(AssertionError, match=needle):
-        c56.check_predict_replay_tokens(_solution(predict_replay_tokens=bad))
+        ex56.check_predict_replay_tokens(_solution(predict_replay_tokens=bad))
 
 
 def test_the_reference_mix_replays_exactly_floor_n_q_rows():
-    batches = c56._reference_batches(4, 2, 5, 3, (0, 1), 4)  # 12 rows, q = 2/5: floor(12 * 2 / 5) = 4
-    assert sum(int(f.sum()) for _, f in batches) == 4 and all((x[f] >= c56.OLD).all() for x, f in batches)
+    batches = ex56.reference_batches(4, 2, 5, 3, (0, 1), 4)  # 12 rows, q = 2/5: floor(12 * 2 / 5) = 4
+    assert sum(int(f.sum()) for _, f in batches) == 4 and all((x[f] >= ex56.OLD).all() for x, f in batches)
     assert copy.deepcopy(batches[0][1]).dtype == torch.bool
