@@ -58,6 +58,10 @@ def _no_sort(intervals):
     return out
 
 
+def _sorted_by_start_only(intervals):  # of two intervals with one start, the list order decides the parent
+    return _no_sort(sorted(intervals, key=lambda iv: iv[2]))
+
+
 def _empty_crashes(intervals):
     min(iv[2] for iv in intervals)
     return self_time(intervals)
@@ -78,6 +82,9 @@ SELF = [
     (ex74.check_self_time_by_name, "assumes-sorted", _no_sort, "depends on the order"),
     (ex74.check_self_time_by_name, "numpy-float",
      lambda ivs: {k: np.float64(v) for k, v in self_time(ivs).items()}, "expected a float"),
+    (ex74.check_self_time_by_name, "sorted-by-start-only", _sorted_by_start_only, "depends on the order"),
+    (ex74.check_self_time_by_name, "int-self-times",
+     lambda ivs: {k: int(v) if v == int(v) else v for k, v in self_time(ivs).items()}, "is an int, expected a float"),
     (ex74.check_self_time_by_name, "empty-crashes", _empty_crashes, r"raised ValueError at intervals \[\]"),
 ]
 
