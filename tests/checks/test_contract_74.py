@@ -9,7 +9,7 @@ import pytest
 from conftest import load_solution, mutant
 
 from bp_mech import ROOT
-from bp_mech.checks import ex74, ex74_contract
+from bp_mech.checks import ex74
 from bp_mech.projects import diagnosis, step_profile
 
 EX = "ex74_profiling"
@@ -47,9 +47,9 @@ def _empty_is_zero(stages, change):  # max(..., default=0): an empty ledger "sav
 
 
 PREDICTED = [
-    ("modifies-stages", _applies_in_place, "stages was modified in place"),
-    ("float", lambda s, c: float(saving(s, c)), "the saving is a float, expected an int"),
-    ("numpy-int", lambda s, c: np.int64(saving(s, c)), "the saving is an int64, expected an int"),
+    ("modifies-stages", _applies_in_place, "stages.* was modified in place"),
+    ("float", lambda s, c: float(saving(s, c)), "the saving is .*float.*, expected an int"),
+    ("numpy-int", lambda s, c: np.int64(saving(s, c)), "the saving is .*int64.*, expected an int"),
     ("order", _by_position, "in reverse order"),
     ("added-class-dropped", _row_classes_only, "a class the change adds counts"),
     ("empty-ledger-zero", _empty_is_zero, "for an empty ledger .no peak., expected ValueError"),
@@ -59,7 +59,7 @@ PREDICTED = [
 @pytest.mark.parametrize("name, f, message", PREDICTED, ids=[p[0] for p in PREDICTED])
 def test_predicted_saving_contract_rejects(name, f, message):
     with pytest.raises(AssertionError, match=message):
-        ex74.check_predicted_saving__contract(mutant(EX, predicted_saving=f))
+        ex74.check_predicted_saving(mutant(EX, predicted_saving=f))
 
 
 # --- chunked_loss_changes -------------------------------------------------------------------------------
@@ -112,17 +112,17 @@ def _chunks_by_identity(rows, n, V, C, chunk):  # `k = 2 if n is not c`: two chu
 
 
 CHUNKED = [
-    ("peak-by-identity", _peak_by_identity, "expected exactly"),
-    ("one-byte-shrink", _shrinks_by_two, "expected exactly"),
-    ("one-chunk-by-identity", _chunks_by_identity, "the rule's"),
-    ("modifies-rows", _writes_rows, "rows was modified in place"),
+    ("peak-by-identity", _peak_by_identity, "entries, the docstring's rule gives"),
+    ("one-byte-shrink", _shrinks_by_two, "entries, the docstring's rule gives"),
+    ("one-chunk-by-identity", _chunks_by_identity, "the docstring's rule gives"),
+    ("modifies-rows", _writes_rows, "rows.* was modified in place"),
     ("float", lambda *a: {p: {k: float(v) for k, v in ch.items()} for p, ch in rule(*a).items()}, "expected an int"),
     ("numpy-int", lambda *a: {p: {k: np.int64(v) for k, v in ch.items()} for p, ch in rule(*a).items()},
      "expected an int"),
-    ("dW-where-nothing-shrinks", _always_dw, "expected exactly"),
+    ("dW-where-nothing-shrinks", _always_dw, "entries, the docstring's rule gives"),
     ("every-class", lambda rows, *a: {p: {**dict.fromkeys(rows[p], 0), **ch} for p, ch in rule(rows, *a).items()},
-     "expected exactly"),
-    ("points-left-out", _nonzero_points, "expected every point of rows and no other"),
+     "entries, the docstring's rule gives"),
+    ("points-left-out", _nonzero_points, "the changes has .* entries"),
     ("needs-every-class", lambda rows, *a: (sum(rows[p]["gradients"] for p in rows), rule(rows, *a))[1],
      "raised KeyError"),
 ]
@@ -131,7 +131,7 @@ CHUNKED = [
 @pytest.mark.parametrize("name, f, message", CHUNKED, ids=[p[0] for p in CHUNKED])
 def test_chunked_loss_changes_contract_rejects(name, f, message):
     with pytest.raises(AssertionError, match=message):
-        ex74.check_chunked_loss_changes__contract(mutant(EX, chunked_loss_changes=f))
+        ex74.check_chunked_loss_changes(mutant(EX, chunked_loss_changes=f))
 
 
 # --- live_by_category -----------------------------------------------------------------------------------
@@ -179,20 +179,20 @@ def _version_kept(events, categories):  # an in-place write adds the new version
 
 
 LIVE = [
-    ("modifies-categories", _fills_categories, "categories was modified in place"),
-    ("consumes-events", _consumes_events, "events was modified in place"),
+    ("modifies-categories", _fills_categories, "categories.* was modified in place"),
+    ("consumes-events", _consumes_events, "events.* was modified in place"),
     ("shared-states", _shared_states, "two states are one dict object"),
     ("float-bytes", _float_bytes, "expected an int"),
     ("list-not-tuple", lambda e, c: list(replay(e, c)), "expected (a|the) tuple"),
-    ("empty-crashes", _first_time, "raised IndexError at no events"),
+    ("empty-crashes", _first_time, r"raised IndexError at events \[\]"),
     ("unknown-action-ignored", _unknown_ignored, "expected ValueError"),
     ("alloc-read-as-destroy", lambda e, c: replay([x if x[1] != "alloc" else (*x[:1], "destroy", *x[2:]) for x in e], c),
      "the unknown action 'alloc'"),
-    ("increment-keeps-old-version", _version_kept, "the storages alive then"),
+    ("increment-keeps-old-version", _version_kept, "a replay storage by storage"),
 ]
 
 
 @pytest.mark.parametrize("name, f, message", LIVE, ids=[p[0] for p in LIVE])
 def test_live_by_category_contract_rejects(name, f, message):
     with pytest.raises(AssertionError, match=message):
-        ex74_contract.check_live_by_category__contract(mutant(EX, live_by_category=f))
+        ex74.check_live_by_category(mutant(EX, live_by_category=f))

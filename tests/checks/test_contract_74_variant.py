@@ -6,7 +6,8 @@ import pytest
 from conftest import load_solution, mutant
 
 from bp_mech import ROOT
-from bp_mech.checks import ex74_variant
+from bp_mech.checks import ex74
+from bp_mech.checks.ex74_measure import self_reference
 
 EX = "ex74_profiling"
 ANSWER = load_solution(ROOT / "answers", EX)
@@ -57,26 +58,34 @@ def _no_sort(intervals):
     return out
 
 
+def _sorted_by_start_only(intervals):  # of two intervals with one start, the list order decides the parent
+    return _no_sort(sorted(intervals, key=lambda iv: iv[2]))
+
+
 def _empty_crashes(intervals):
     min(iv[2] for iv in intervals)
     return self_time(intervals)
 
 
 SELF = [
-    (ex74_variant.check_self_time_by_name__brute_force, "total-time", _total_time, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "all-descendants", _all_descendants, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "threads-ignored", _one_thread, "the brute force"),
-    (ex74_variant.check_self_time_by_name__brute_force, "zero-names-dropped",
-     lambda ivs: {k: v for k, v in self_time(ivs).items() if v}, "expected every name"),
-    (ex74_variant.check_self_time_by_name__profiled_step, "total-time-toy", _total_time, "for the intervals"),
-    (ex74_variant.check_self_time_by_name__profiled_step, "whole-microseconds",
-     lambda ivs: self_time([(n, th, float(round(s)), float(round(e))) for n, th, s, e in ivs]), "key_averages"),
-    (ex74_variant.check_self_time_by_name__contract, "sorts-in-place", _sorts_in_place,
-     "intervals was modified in place"),
-    (ex74_variant.check_self_time_by_name__contract, "assumes-sorted", _no_sort, "depends on the order"),
-    (ex74_variant.check_self_time_by_name__contract, "numpy-float",
+    (ex74.check_self_time_by_name, "total-time", _total_time, "a brute force"),
+    (ex74.check_self_time_by_name, "all-descendants", _all_descendants, "a brute force"),
+    (ex74.check_self_time_by_name, "threads-ignored", _one_thread, "a brute force"),
+    (ex74.check_self_time_by_name, "zero-names-dropped",
+     lambda ivs: {k: v for k, v in self_time(ivs).items() if v}, "the self times has .* entries"),
+    (ex74.check_self_time_by_name, "total-time-toy", _total_time, "a brute force"),
+    (ex74.check_self_time_by_name__profiled_step, "whole-microseconds",
+     lambda ivs: self_time([(n, th, float(round(s)), float(round(e))) for n, th, s, e in ivs]),
+     "key_averages|depends on the order"),  # rounding makes ties: the order already tells
+    (ex74.check_self_time_by_name, "sorts-in-place", _sorts_in_place,
+     "intervals.* was modified in place"),
+    (ex74.check_self_time_by_name, "assumes-sorted", _no_sort, "depends on the order"),
+    (ex74.check_self_time_by_name, "numpy-float",
      lambda ivs: {k: np.float64(v) for k, v in self_time(ivs).items()}, "expected a float"),
-    (ex74_variant.check_self_time_by_name__contract, "empty-crashes", _empty_crashes, "raised ValueError at no"),
+    (ex74.check_self_time_by_name, "sorted-by-start-only", _sorted_by_start_only, "depends on the order"),
+    (ex74.check_self_time_by_name, "int-self-times",
+     lambda ivs: {k: int(v) if v == int(v) else v for k, v in self_time(ivs).items()}, "is an int, expected a float"),
+    (ex74.check_self_time_by_name, "empty-crashes", _empty_crashes, r"raised ValueError at intervals \[\]"),
 ]
 
 
@@ -87,8 +96,9 @@ def test_self_time_by_name_checks_reject(check, name, f, message):
 
 
 def test_the_unsorted_walk_passes_on_the_given_order():
-    """The order property is the only one the assumes-sorted mutant breaks."""
-    ex74_variant.check_self_time_by_name__brute_force(mutant(EX, self_time_by_name=_no_sort))
+    """The order property is the only one the assumes-sorted mutant breaks: on sorted intervals it is right."""
+    toy = [("step", 0, 0.0, 10.0), ("aten::mm", 0, 1.0, 4.0), ("aten::add", 0, 2.0, 3.0), ("aten::mm", 1, 0.0, 2.0)]
+    assert _no_sort(toy) == self_reference(toy) == {"step": 7.0, "aten::mm": 4.0, "aten::add": 1.0}
 
 
 # --- predict_logits_line_saving (predict, then measure) -------------------------------------------------
@@ -103,15 +113,16 @@ def _formula(**kw):
     return f
 
 
+MEASURED = "the chapter's formula gives|the measured steps"  # the formula, checked first, rejects them already
 PREDICT = [
-    (ex74_variant.check_predict_logits_line_saving, "one-chunk-alive", _formula(k1=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving, "logits-counted", _formula(logits_too=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving, "no-dh", _formula(no_dh=True), "the measured steps"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "chunk-not-capped", _formula(no_min=True),
-     "the chapter's formulas give"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "one-chunk-by-identity", _formula(by_identity=True),
-     "the chapter's formulas give"),
-    (ex74_variant.check_predict_logits_line_saving__contract, "float", lambda *a: float(predict(*a)),
+    (ex74.check_predict_logits_line_saving__measured, "one-chunk-alive", _formula(k1=True), MEASURED),
+    (ex74.check_predict_logits_line_saving__measured, "logits-counted", _formula(logits_too=True), MEASURED),
+    (ex74.check_predict_logits_line_saving__measured, "no-dh", _formula(no_dh=True), MEASURED),
+    (ex74.check_predict_logits_line_saving, "chunk-not-capped", _formula(no_min=True),
+     "the chapter's formula gives"),
+    (ex74.check_predict_logits_line_saving, "one-chunk-by-identity", _formula(by_identity=True),
+     "the chapter's formula gives"),
+    (ex74.check_predict_logits_line_saving, "float", lambda *a: float(predict(*a)),
      "expected an int"),
 ]
 

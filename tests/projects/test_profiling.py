@@ -266,18 +266,18 @@ def _destroy_version0(events, categories):  # a destroyed storage booked by its 
 
 
 @pytest.mark.parametrize("check, overrides", [
-    (ex74.check_predicted_saving__classic_cases, {"predicted_saving": _naive_saving}),
-    (ex74.check_predicted_saving__classic_cases, {"predicted_saving": _removals_only}),
+    (ex74.check_predicted_saving, {"predicted_saving": _naive_saving}),
+    (ex74.check_predicted_saving, {"predicted_saving": _removals_only}),
     (ex74.check_predicted_saving__random, {"predicted_saving": _all_removed}),
-    (ex74.check_chunked_loss_changes, {"chunked_loss_changes": _scaled}),
-    (ex74.check_chunked_loss_changes, {"chunked_loss_changes": _rule(no_dw=True)}),
-    (ex74.check_chunked_loss_changes, {"chunked_loss_changes": _rule(no_extra=True)}),
-    (ex74.check_chunked_loss_changes, {"chunked_loss_changes": _rule(k1=True)}),
-    (ex74.check_chunked_loss_changes, {"chunked_loss_changes": _rule(no_min=True)}),
-    (ex74.check_live_by_category__hand_made, {"live_by_category": _no_version_move}),
+    (ex74.check_chunked_loss_changes__measured, {"chunked_loss_changes": _scaled}),
+    (ex74.check_chunked_loss_changes__measured, {"chunked_loss_changes": _rule(no_dw=True)}),
+    (ex74.check_chunked_loss_changes__measured, {"chunked_loss_changes": _rule(no_extra=True)}),
+    (ex74.check_chunked_loss_changes__measured, {"chunked_loss_changes": _rule(k1=True)}),
+    (ex74.check_chunked_loss_changes__measured, {"chunked_loss_changes": _rule(no_min=True)}),
+    (ex74.check_live_by_category, {"live_by_category": _no_version_move}),
     (ex74.check_live_by_category__profiled_step, {"live_by_category": _no_version_move}),
-    (ex74.check_live_by_category__hand_made, {"live_by_category": _per_event}),
-    (ex74.check_live_by_category__hand_made, {"live_by_category": _destroy_version0}),
+    (ex74.check_live_by_category, {"live_by_category": _per_event}),
+    (ex74.check_live_by_category, {"live_by_category": _destroy_version0}),
 ], ids=["peak-stays", "additions-forgotten", "all-removed-saved", "chunk-over-n-scaling", "no-dW", "no-dh-or-product",
         "one-chunk-alive", "chunk-not-capped-at-n", "increment-keeps-old-version", "increment-on-a-real-step",
         "state-per-event", "destroy-by-version-0"])

@@ -1,208 +1,92 @@
-"""Checks of exercises/ex74_profiling.py (never against the answer file).
+"""Checks of exercises/ex74_profiling.py: one declaration per function (``engine.Contract``).
 
-* ``predicted_saving``: a brute-force maximum over the stages written here, on hand-made ledgers
-  (the peak that moves, an added line, a remedy that costs) and on random ones;
-* ``chunked_loss_changes``: the ledger of a real chunked-loss step, measured. Small Qwen2 models
-  (tied and untied embeddings, one chunk and several) run one plain and one chunked-loss step
-  (``bp_mech.chunked_loss`` through ``bp_mech.bench.strategy``) with every storage tracked
-  (``bp_mech.planner.lifecycle``); the plain ledger plus the learner's changes must give the chunked
-  step's ledger. The rule leaves out per-token and (chunk, hidden)-sized temporaries, so each line
-  and total may differ by ``CHUNK_TOL`` of the plain peak;
-* ``live_by_category``: ``torch.profiler``'s own memory timeline (``MemoryProfileTimeline``'s
-  ``_coalesce_timeline``) of a real training step (an MLP with AdamW, profiled with
-  ``profile_memory``), on the same microsecond clock; bytes must match exactly.
-
-Each function's contract is explored too (``..._contract``, hypothesis): ``predicted_saving`` and
-``chunked_loss_changes`` here (brute force and the rule written from the docstring), ``live_by_category``
-in ``ex74_contract`` (with the real measurements); the variant and the prediction in ``ex74_variant``.
+References, never the answer file: a brute-force maximum over the stages (``predicted_saving``); the docstring's
+rule written here, and the ledger of a real chunked-loss step (small Qwen2 models, tied and untied, one chunk and
+several, every storage tracked: ``ex74_measure.measured``) within ``CHUNK_TOL`` of the plain peak
+(``chunked_loss_changes``, ``predict_logits_line_saving`` within 4 c C + 64 bytes); a replay storage by storage
+and ``torch.profiler``'s own memory timeline of a real step (``live_by_category``); a brute-force parent search
+and the profiler's ``key_averages`` (``self_time_by_name``). Drivers (``use``) hold the promises beyond the
+values: the order of the stages or intervals does not matter, a state per time is its own dict, the result can
+be written to JSON. The engine derives the rest: inputs unchanged, exact types, refused inputs (``Raises``).
+Every case's names and numbers are fresh objects (read back from JSON): a comparison by identity fails.
 """
 
 import json
 import random
 
-from bp_mech.checks import ex74_variant as variant
-from bp_mech.checks.common import call
-from bp_mech.checks.ex74_contract import (
-    CHUNK_CASES,
-    check_live_by_category__contract,
-    measured,
-    profiled,
-    raises,
-    short,
-    unmodified,
-)
-from bp_mech.checks.properties import assert_json, assert_type, explore
+from hypothesis import strategies as st
 
-POINTS = ("forward_peak", "load", "forward", "backward_peak", "backward", "optimizer_peak", "zero_grad")
-CLASSES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other")
-
-# --- predicted_saving ------------------------------------------------------------------------------
-
-
-def _saving(stages, change) -> int:
-    """Reference: the largest stage total before, minus the largest after the changes."""
-    totals = {s: sum(r.values()) for s, r in stages.items()}
-    after = {s: totals[s] + sum(change.get(s, {}).values()) for s in stages}
-    return max(totals.values()) - max(after.values())
-
-
-def _row(**kw):
-    return {c: kw.get(c, 0) for c in CLASSES}
-
-
-def _check_saving(m, stages, change, what):
-    want = _saving(stages, change)
-    got = call("predicted_saving", m.predicted_saving, stages, change, at=what)
-    assert isinstance(got, (int, float)) and not isinstance(got, bool), \
-        f"predicted_saving: returned {got!r}, expected a number of bytes for {what}"
-    assert got == want, (f"predicted_saving: returned {got} bytes, the largest stage total before minus the largest "
-                         f"after is {want} (off by {got - want:+d}) for {what}")
-
-
-def check_predicted_saving__classic_cases(m):
-    base = {"forward": _row(parameters=100, optimizer_states=200, saved_activations=500, logits_loss=100),
-            "backward_peak": _row(parameters=100, optimizer_states=200, saved_activations=400, logits_loss=300),
-            "optimizer_peak": _row(parameters=100, optimizer_states=200, gradients=100, other=100),
-            "zero_grad": _row(parameters=100, optimizer_states=200)}
-    cases = [  # (what, change)
-        ("a ledger whose peak moves to another stage (the logits removed at the peak in backward)",
-         {"backward_peak": {"logits_loss": -300}}),
-        ("a remedy that removes a line at every stage (activations), the peak staying in backward",
-         {"forward": {"saved_activations": -400}, "backward_peak": {"saved_activations": -300}}),
-        ("a remedy that adds bytes at another stage (a recompute making it the new peak)",
-         {"backward_peak": {"logits_loss": -300}, "optimizer_peak": {"other": 600}}),
-        ("a remedy that costs memory (the peak grows)", {"zero_grad": {"other": 900}}),
-        ("a remedy that changes a stage that is not the peak only", {"optimizer_peak": {"gradients": -100}}),
-        ("no change", {}),
-    ]
-    for what, change in cases:
-        _check_saving(m, base, change, what)
-
-
-def check_predicted_saving__random(m):
-    rng = random.Random(740)
-    for trial in range(200):
-        stages = {s: _row(**{c: rng.randrange(0, 1000) for c in rng.sample(CLASSES, 3)})
-                  for s in rng.sample(POINTS, rng.randint(2, len(POINTS)))}
-        change = {s: {c: rng.randrange(-stages[s][c], 400) for c in rng.sample(CLASSES, 2)}
-                  for s in rng.sample(list(stages), rng.randint(0, len(stages)))}
-        _check_saving(m, stages, change, f"random ledger {trial}: stages {stages}, change {change}")
-
-
-# --- chunked_loss_changes --------------------------------------------------------------------------
+from bp_mech.checks.common import CheckFailed, describe
+from bp_mech.checks.engine import Contract, Raises, checks
+from bp_mech.checks.ex74_measure import (
+    BASE, CHUNK_CASES, CLASSIC, POINTS, SELF_TOL_US, TWO_CHANGES, interval_sets, ledgers, measured, profiled, random_ledgers,
+    replayed, self_reference, settings, timelines)
+from bp_mech.checks.properties import assert_json
 
 CHUNK_TOL = 0.01  # of the plain peak: the per-token and (chunk, hidden)-sized bytes the rule leaves out
 
 
-def check_chunked_loss_changes(m):
-    toy = {p: {"logits_loss": 12 * 64 * 100 if "backward" in p else 8 * 64 * 100} for p in POINTS}
-    at = "a hand-made ledger (n=64, V=100, C=8, chunk=16), before the measured steps"
-    got = call("chunked_loss_changes", m.chunked_loss_changes, toy, 64, 100, 8, 16, at=at)
-    assert got == _rule(toy, 64, 100, 8, 16), f"chunked_loss_changes: returned {short(got)}, the rule gives " \
-                                              f"{short(_rule(toy, 64, 100, 8, 16))} for {at}"
-    for case in CHUNK_CASES:
-        C, V, B, T, chunk, tied = case
-        plain, chunked = measured(case)
-        at = f"n={B * T} tokens, V={V}, C={C}, chunk={chunk} ({'tied' if tied else 'untied'} embeddings)"
-        got = call("chunked_loss_changes", m.chunked_loss_changes, {p: dict(r) for p, r in plain.items()}, B * T, V,
-                   C, chunk, at=at)
-        assert isinstance(got, dict) and set(got) == set(plain), (
-            f"chunked_loss_changes: returned {got!r}, expected a dict with every point of the ledger "
-            f"({', '.join(plain)}) at {at}")
-        peak = max(sum(r.values()) for r in plain.values())
-        for p in plain:
-            for line in ("logits_loss", "gradients"):
-                want = chunked[p][line] - plain[p][line]
-                err = abs(got[p].get(line, 0) - want) / peak
-                assert err <= CHUNK_TOL, (
-                    f"chunked_loss_changes: the {line} line at {p} changes by {got[p].get(line, 0):+d} bytes, the "
-                    f"measured chunked-loss step (tracked storages) by {want:+d}: {err:.1%} of the plain peak > "
-                    f"{CHUNK_TOL:.0%} at {at}")
+def _fresh(x):
+    """``x`` read back from JSON: new str and int objects, equal to the literals but not them."""
+    return json.loads(json.dumps(x))
 
 
-# --- live_by_category ------------------------------------------------------------------------------
+class _Shown(list):
+    """A long list (a profiled step's events) named in a failure by its length, not its repr."""
 
-def check_live_by_category__hand_made(m):
-    cats = {("w", 0): "parameter", ("w", 1): "parameter", ("g", 0): "autograd_detail", ("g", 1): "gradient",
-            ("x", 0): "activation"}
-    events = [(-1, "preexisting", "w", 0, 64), (5, "create", "x", 0, 32), (5, "create", "g", 0, 16),
-              (7, "increment_version", "g", 0, 16), (7, "increment_version", "w", 0, 64), (9, "destroy", "x", 0, 32),
-              (9, "create", "t", 0, 8), (11, "destroy", "g", 1, 16), (11, "destroy", "t", 0, 8)]
-    want_t = [-1, 5, 7, 9, 11]
-    want = [{"parameter": 64}, {"parameter": 64, "activation": 32, "autograd_detail": 16},
-            {"parameter": 64, "activation": 32, "gradient": 16}, {"parameter": 64, "gradient": 16, "unknown": 8},
-            {"parameter": 64}]
-    _compare(m, events, cats, want_t, want, "a hand-made timeline (an in-place write turns autograd detail into a "
-                                            "gradient; two events at one time; a storage with no category)")
+    def __repr__(self):
+        return f"<{len(self)} entries of a profiled training step>"
 
 
-def _compare(m, events, cats, want_t, want, what):
-    got = call("live_by_category", m.live_by_category, list(events), dict(cats), at=what)
-    assert isinstance(got, (tuple, list)) and len(got) == 2, \
-        f"live_by_category: returned {got!r}, expected (times, states) for {what}"
-    times, states = list(got[0]), list(got[1])
-    first = next((i for i, (a, b) in enumerate(zip(times, want_t)) if a != b), min(len(times), len(want_t)))
-    assert times == want_t, (f"live_by_category: {len(times)} times, the reference has {len(want_t)} distinct times; "
-                             f"the first difference is at index {first} for {what}")
-    for t, s, ref in zip(times, states, want):
-        for cat in set(s) | set(ref):
-            assert s.get(cat, 0) == ref.get(cat, 0), (
-                f"live_by_category: at time {t} the {cat} category holds {s.get(cat, 0)} bytes, the reference "
-                f"{ref.get(cat, 0)} ({s.get(cat, 0) - ref.get(cat, 0):+d}) for {what}")
+def _fail(fn: str, what: str, args) -> None:
+    raise CheckFailed(f"{fn}: {what} for {', '.join(f'{k} {str(v)[:160]}' for k, v in args.items())}")
 
 
-def check_live_by_category__profiled_step(m):
-    call("live_by_category", m.live_by_category, [(-1, "preexisting", "w", 0, 8)], {}, at="one storage")
-    ref = profiled()
-    _compare(m, ref["events"], ref["categories"], ref["times"], ref["states"],
-             "the memory timeline of a profiled training step (MLP + AdamW), against torch.profiler's own")
+def _json(fn: str, what: str, got, args) -> None:
+    try:
+        assert_json(fn, what, got, "")
+    except AssertionError as e:
+        _fail(fn, str(e).removesuffix(" at "), args)
 
 
-# --- the contracts of the three (explored) -----------------------------------------------------------
+# --- predicted_saving ------------------------------------------------------------------------------
 
 
-def _ledgers():
-    """(stages, change): one to seven points, each row any subset of the classes (a change may name a class
-    its row lacks), bytes up to 2**40."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(d):
-        seed, k, scale = d(st.integers(0, 2**32 - 1)), d(st.integers(1, len(POINTS))), d(st.sampled_from([1, 2**30]))
-        rng = random.Random(seed)
-        stages = {s: {c: rng.randrange(0, 1000) * scale for c in rng.sample(CLASSES, rng.randint(0, 4))}
-                  for s in rng.sample(POINTS, k)}
-        picked = set(rng.sample(list(stages), rng.randint(0, k)))  # listed in the ledger's order, as remedies do
-        change = {s: {c: rng.randrange(-1000, 1000) * scale for c in rng.sample(CLASSES, rng.randint(0, 3))}
-                  for s in stages if s in picked}
-        return stages, change
-    return draw()
+def _saving(stages, change):
+    if not stages:
+        return Raises(ValueError, "an empty ledger (no peak)")
+    totals = {s: sum(r.values()) for s, r in stages.items()}
+    after = {s: totals[s] + sum(change.get(s, {}).values()) for s in stages}
+    return (max(totals.values()) - max(after.values()),)
 
 
-def check_predicted_saving__contract(m):
-    fn = "predicted_saving"
-    raises(fn, m.predicted_saving, ({}, {}), ValueError, "an empty ledger (no peak)", "stages {}, change {}")
-
-    def body(case):
-        stages, change = case
-        at = f"stages {short(stages, 160)}, change {short(change, 120)}"
-        got = unmodified(fn, m.predicted_saving, stages, change, names=("stages", "change"), at=at)
-        assert_type(fn, "the saving", got, int, at)
-        assert_json(fn, "the saving", got, at)
-        want = _saving(stages, change)
-        assert got == want, (f"{fn}: returned {got} bytes, the largest stage total before minus the largest after "
-                             f"(a class the change adds counts) is {want} at {at}")
+def _both_orders(f):
+    """The driver: the saving, and the same saving with the stages and classes in reverse order."""
+    def run(stages, change):
         flipped = {s: dict(reversed(r.items())) for s, r in reversed(stages.items())}
-        again = call(fn, m.predicted_saving, flipped, change, at=at)
-        assert again == got, f"{fn}: {got} bytes in one order of the stages, {again} in reverse order at {at}"
-    two_changes = ({POINTS[0]: {CLASSES[0]: 100}, POINTS[1]: {CLASSES[0]: 500}, POINTS[2]: {CLASSES[0]: 300}},
-                   {POINTS[1]: {CLASSES[0]: -400}, POINTS[2]: {CLASSES[0]: -250}})  # changes at two points
-    explore(_ledgers(), body, corners=(two_changes,))
+        got = f(stages, change)  # (exactly an int, the engine holds it to: JSON)
+        again = f(flipped, change)
+        if again != got:
+            _fail("predicted_saving", f"{got!r} bytes in one order of the stages, {again!r} in reverse order",
+                  {"stages": stages, "change": change})
+        return got
+    return run
 
 
-def _rule(rows, n, V, C, chunk):
-    """The chunked loss's rule as the docstring states it (written here, not imported)."""
-    c = min(chunk, n)
+SAVING = Contract(
+    "predicted_saving", lambda c: _fresh({"stages": c["stages"], "change": c["change"]}), _saving, ("the saving",),
+    returns=int, use=_both_orders, draw=ledgers(),
+    ref_name="the largest stage total before minus the largest after (a class the change adds counts)",
+    examples={"": [{"stages": BASE, "change": ch} for ch in CLASSIC] + [TWO_CHANGES, {"stages": {}, "change": {}}],
+              "random": random_ledgers()})
+
+
+# --- chunked_loss_changes --------------------------------------------------------------------------
+
+
+def _rule(rows, tokens, vocab, hidden, chunk):
+    """The chunked loss's rule as the docstring states it."""
+    n, V, C, c = tokens, vocab, hidden, min(chunk, tokens)
     k = 1 if c >= n else 2
     keep = {"forward_peak": 12 * n + k * 4 * c * V,
             "backward_peak": 12 * n + 4 * n * C + max(k * 4 * c * V, 4 * c * V + 4 * V * C)}
@@ -211,55 +95,200 @@ def _rule(rows, n, V, C, chunk):
         out[p] = {"logits_loss": min(0, keep.get(p, 12 * n) - r["logits_loss"])}
         if p == "backward_peak" and out[p]["logits_loss"] < 0:
             out[p]["gradients"] = 4 * V * C
-    return out
+    return (out,)
 
 
-def check_chunked_loss_changes__contract(m):
-    from hypothesis import strategies as st
-
-    fn = "chunked_loss_changes"
-
-    @st.composite
-    def settings(d):
-        seed, n, V, C, chunk = (d(st.integers(0, 2**32 - 1)), d(st.integers(1, 256)), d(st.integers(1, 4096)),
-                                d(st.integers(1, 64)), d(st.integers(1, 300)))
-        rng = random.Random(seed)
-        rows = {p: dict({c: rng.randrange(0, 10**6) for c in rng.sample(CLASSES, rng.randint(0, 3))},
-                        logits_loss=rng.choice([0, 4, rng.randrange(0, 20 * n * V + 1)]))
-                for p in rng.sample(POINTS, rng.randint(1, len(POINTS)))}
-        return rows, n, V, C, chunk
-
-    def body(case):
-        rows, n, V, C, chunk = case
-        at = f"n={n}, V={V}, C={C}, chunk={chunk}, rows {short(rows, 160)}"
-        got = unmodified(fn, m.chunked_loss_changes, rows, n, V, C, chunk, names=("rows", "n", "V", "C", "chunk"),
-                         at=at)
-        want = _rule(rows, n, V, C, chunk)
-        assert isinstance(got, dict) and set(got) == set(want), (
-            f"{fn}: returned the points {sorted(got) if isinstance(got, dict) else short(got, 60)}, expected every "
-            f"point of rows and no other, {sorted(want)} at {at}")
-        for p, lines in want.items():
-            assert isinstance(got[p], dict) and set(got[p]) == set(lines), (
-                f"{fn}: at {p} returned the keys {short(got[p], 80)}, expected exactly {sorted(lines)} at {at}")
-            for line, v in lines.items():
-                assert_type(fn, f"the {line} change at {p}", got[p][line], int, at)
-                assert got[p][line] == v, f"{fn}: the {line} change at {p} is {got[p][line]}, the rule's {v} at {at}"
-        assert_json(fn, "the changes", got, at)
-    B, T = 2, 300
-    n = B * T  # 600 tokens, computed as a step computes them, and one chunk of exactly n: k = 1
-    one_chunk = ({"forward_peak": {"logits_loss": 20 * n * 50}, "backward_peak": {"logits_loss": 20 * n * 50},
-                  "forward": {"logits_loss": 12 * n}}, n, 50, 8, 600)
-    # a ledger read back from JSON (its point names are new str objects, equal to the literals but not them),
-    # whose backward's peak is one byte over what the chunked loss keeps there: it shrinks, by 1 byte
-    keeps = 12 * 64 + 4 * 64 * 8 + max(2 * 4 * 16 * 100, 4 * 16 * 100 + 4 * 100 * 8)
-    one_byte = (json.loads(json.dumps({"forward": {"logits_loss": 12 * 64, "gradients": 7},
-                                       "backward_peak": {"logits_loss": keeps + 1, "parameters": 5}})), 64, 100, 8, 16)
-    explore(settings(), body, corners=(one_chunk, one_byte))
+def _chunk_args(c):
+    if "measured" in c:
+        C, V, B, T, chunk, _ = CHUNK_CASES[c["measured"]]
+        c = {"rows": measured(CHUNK_CASES[c["measured"]])[0], "n": B * T, "V": V, "C": C, "chunk": chunk}
+    return _fresh({"rows": c["rows"], "tokens": c["n"], "vocab": c["V"], "hidden": c["C"], "chunk": c["chunk"]})
 
 
-CHECKS = [check_predicted_saving__classic_cases, check_predicted_saving__random, check_predicted_saving__contract,
-          check_chunked_loss_changes, check_chunked_loss_changes__contract,
-          check_live_by_category__hand_made, check_live_by_category__profiled_step, check_live_by_category__contract,
-          variant.check_self_time_by_name__profiled_step, variant.check_self_time_by_name__brute_force,
-          variant.check_self_time_by_name__contract,
-          variant.check_predict_logits_line_saving, variant.check_predict_logits_line_saving__contract]
+def _against_the_step(case, call, at):
+    """The changes, added to the plain step's ledger, give the measured chunked-loss step's ledger."""
+    if "measured" not in case:
+        return
+    plain, chunked = measured(CHUNK_CASES[case["measured"]])
+    got, peak = call(), max(sum(r.values()) for r in plain.values())
+    for p in plain:
+        for line in ("logits_loss", "gradients"):
+            want = chunked[p][line] - plain[p][line]
+            err = abs(got[p].get(line, 0) - want) / peak
+            assert err <= CHUNK_TOL, (
+                f"chunked_loss_changes: the {line} line at {p} changes by {got[p].get(line, 0):+d} bytes, the "
+                f"measured chunked-loss step (tracked storages) by {want:+d}: {err:.1%} of the plain peak > "
+                f"{CHUNK_TOL:.0%} at {at} ({'tied' if CHUNK_CASES[case['measured']][5] else 'untied'} embeddings)")
+
+
+_KEEPS = 12 * 64 + 4 * 64 * 8 + max(2 * 4 * 16 * 100, 4 * 16 * 100 + 4 * 100 * 8)  # kept at the backward's peak
+CHANGES = Contract(
+    "chunked_loss_changes", _chunk_args, _rule, ("the changes",), returns=dict, draw=settings(),
+    promise=_against_the_step, ref_name="the docstring's rule", note=lambda c: c.get("why", ""),
+    examples={"": [
+        {"rows": {p: {"logits_loss": (12 if "backward" in p else 8) * 64 * 100} for p in POINTS}, "n": 64, "V": 100,
+         "C": 8, "chunk": 16, "why": "a hand-made ledger"},
+        {"rows": {"forward_peak": {"logits_loss": 20 * 600 * 50}, "backward_peak": {"logits_loss": 20 * 600 * 50},
+                  "forward": {"logits_loss": 12 * 600}}, "n": 600, "V": 50, "C": 8, "chunk": 600,
+         "why": "one chunk of exactly n tokens: k = 1"},
+        {"rows": {"forward": {"logits_loss": 12 * 64, "gradients": 7},
+                  "backward_peak": {"logits_loss": _KEEPS + 1, "parameters": 5}}, "n": 64, "V": 100, "C": 8,
+         "chunk": 16, "why": "the backward's peak one byte over what the chunked loss keeps"}],
+        "measured": [{"measured": i} for i in range(len(CHUNK_CASES))]})
+
+
+# --- live_by_category ------------------------------------------------------------------------------
+
+ACTIONS = ("preexisting", "create", "increment_version", "destroy")
+_CATS = {("w", 0): "parameter", ("w", 1): "parameter", ("g", 0): "autograd_detail", ("g", 1): "gradient",
+         ("x", 0): "activation"}
+_HAND = [(-1, "preexisting", "w", 0, 64), (5, "create", "x", 0, 32), (5, "create", "g", 0, 16),
+         (7, "increment_version", "g", 0, 16), (7, "increment_version", "w", 0, 64), (9, "destroy", "x", 0, 32),
+         (9, "create", "t", 0, 8), (11, "destroy", "g", 1, 16), (11, "destroy", "t", 0, 8)]
+
+
+def _timeline_args(c):
+    if c.get("profiled"):
+        ref = profiled()
+        return {"events": _Shown(ref["events"]), "categories": dict(ref["categories"])}
+    return {"events": [tuple(e) for e in _fresh(c["events"])], "categories": dict(c["categories"])}
+
+
+def _live(events, categories):
+    bad = next((e[1] for e in events if e[1] not in ACTIONS), None)
+    if bad is not None:
+        return Raises(ValueError, f"the unknown action {bad!r}")
+    if isinstance(events, _Shown):  # torch.profiler's own coalesced timeline
+        times, states = profiled()["times"], profiled()["states"]
+    else:
+        times, states = replayed(events, categories)
+    return list(times), [{c: v for c, v in s.items() if v} for s in states]
+
+
+def _timeline(f):
+    """The driver: (times, states) as a tuple of two lists, each state its own dict of int bytes, JSON; the
+    categories holding 0 bytes left out (the docstring lets them be there or not)."""
+    def run(events, categories):
+        args = {"events": events, "categories": categories}
+        got = f(events, categories)
+        if not (type(got) is tuple and len(got) == 2 and all(type(x) is list for x in got)
+                and len(got[0]) == len(got[1])):
+            _fail("live_by_category", f"returned {describe(got)}, expected the tuple (times, states) of two lists "
+                                      "of equal length", args)
+        times, states = got
+        if len({id(s) for s in states}) != len(states):
+            _fail("live_by_category", "two states are one dict object (append a copy of the running dict)", args)
+        for s in states:
+            for cat, v in (s.items() if isinstance(s, dict) else ()):
+                if type(v) is not int:
+                    _fail("live_by_category", f"the bytes of {cat} are {describe(v)}, expected an int", args)
+        _json("live_by_category", "the states", states, args)
+        return times, [{c: v for c, v in s.items() if v} if isinstance(s, dict) else s for s in states]
+    return run
+
+
+def _bad(action):
+    return {"events": [(0, action, "s", 0, 8)], "categories": {}}
+
+
+LIVE = Contract(
+    "live_by_category", _timeline_args, _live, ("the times", "the states"), use=_timeline,
+    draw=timelines().map(lambda ec: {"events": ec[0], "categories": ec[1]}),
+    ref_name="a replay storage by storage (torch.profiler's own timeline for a profiled step)",
+    examples={"": [{"events": _HAND, "categories": _CATS}, {"events": [], "categories": {}}, _bad("resize"),
+                   _bad("alloc"), {"events": [(1, "create", "s0", 0, 100), (2, "increment_version", "s0", 0, 100)],
+                                   "categories": {("s0", 0): "activation", ("s0", 1): "activation"}}],
+              "profiled_step": [{"profiled": True}]})
+
+
+# --- self_time_by_name (variant) --------------------------------------------------------------------
+
+
+def _interval_args(c):
+    if c.get("profiled"):
+        return {"intervals": _Shown(profiled()["intervals"])}
+    return {"intervals": [tuple(iv) for iv in _fresh(c["intervals"])]}
+
+
+def _any_order(f):
+    """The driver: the self times, JSON, and the same self times for the intervals shuffled."""
+    def run(intervals):
+        shuffled = list(intervals)
+        random.Random(len(shuffled)).shuffle(shuffled)
+        got = f(intervals)
+        _json("self_time_by_name", "the result", got, {"intervals": intervals})
+        again = f(shuffled)
+        diff = next((k for k in set(got) | set(again) if got.get(k) != again.get(k)), None) \
+            if isinstance(got, dict) and isinstance(again, dict) else None
+        if diff is not None:
+            _fail("self_time_by_name", f"depends on the order of the intervals: {diff} has {got.get(diff)} in the "
+                                       f"given order, {again.get(diff)} shuffled", {"intervals": intervals})
+        return got
+    return run
+
+
+def _against_the_profiler(case, call, at):
+    """A profiled step's self times are torch.profiler's ``key_averages`` ones."""
+    if not case.get("profiled"):
+        return
+    got = call()
+    for name, want in profiled()["self_us"].items():
+        have = got.get(name)
+        assert have is not None and abs(have - want) <= SELF_TOL_US, (
+            f"self_time_by_name: {name} has {have} us of self time, torch.profiler's key_averages {want:.3f} us "
+            f"(difference > {SELF_TOL_US} us) at {at}")
+
+
+SELF = Contract(
+    "self_time_by_name", _interval_args, lambda intervals: (self_reference(intervals),), ("the self times",),
+    returns=dict, use=_any_order, promise=_against_the_profiler, tol=1e-9,
+    draw=interval_sets().map(lambda ivs: {"intervals": ivs}),
+    ref_name="a brute force (the innermost containing interval of the thread as parent)",
+    examples={"": [{"intervals": []},
+                   {"intervals": [("step", 0, 0.0, 10.0), ("aten::mm", 0, 1.0, 4.0), ("aten::add", 0, 2.0, 3.0),
+                                  ("aten::mm", 1, 0.0, 2.0)]},
+                   {"intervals": [("aten::add", 0, 0.0, 3.0), ("aten::linear", 0, 0.0, 8.0),
+                                  ("aten::mm", 0, 0.0, 5.0)]}],  # one start, the innermost listed first
+              "profiled_step": [{"profiled": True}]})
+
+
+# --- predict_logits_line_saving (predict, then measure) ---------------------------------------------
+
+
+def _line_saving(tokens, vocab, hidden, chunk):
+    n, V, C, c = tokens, vocab, hidden, min(chunk, tokens)
+    k = 1 if c >= n else 2
+    return (12 * n * V - (12 * n + 4 * n * C + max(k * 4 * c * V, 4 * c * V + 4 * V * C)),)
+
+
+def _predict_args(c):
+    if "measured" in c:
+        C, V, B, T, chunk, _ = CHUNK_CASES[c["measured"]]
+        c = {"n": B * T, "V": V, "C": C, "chunk": chunk}
+    return _fresh({"tokens": c["n"], "vocab": c["V"], "hidden": c["C"], "chunk": c["chunk"]})
+
+
+def _measured_lines(case, call, at):
+    """The prediction is the measured steps' difference at the backward's peak, within 4 c C + 64 bytes."""
+    if "measured" not in case:
+        return
+    C, V, B, T, chunk, tied = CHUNK_CASES[case["measured"]]
+    plain, chunked = measured(CHUNK_CASES[case["measured"]])
+    got, want = call(), plain["backward_peak"]["logits_loss"] - chunked["backward_peak"]["logits_loss"]
+    tol = 4 * min(chunk, B * T) * C + 64
+    assert abs(got - want) <= tol, (
+        f"predict_logits_line_saving: predicted {got} bytes, the measured steps (tracked storages) remove {want} "
+        f"from the logits & loss line at the backward's peak (off by {got - want:+}, > {tol} = 4 c C + 64) at {at} "
+        f"({'tied' if tied else 'untied'} embeddings)")
+
+
+PREDICT = Contract(
+    "predict_logits_line_saving", _predict_args, _line_saving, ("the prediction",), returns=int,
+    promise=_measured_lines, ref_name="the chapter's formula",
+    draw=st.fixed_dictionaries({"n": st.integers(1, 4096), "V": st.integers(1, 200_000), "C": st.integers(1, 4096),
+                                "chunk": st.integers(1, 8192)}),
+    examples={"": [{"n": 600, "V": 1000, "C": 64, "chunk": 600}],  # one chunk of exactly n (k = 1), c > C
+              "measured": [{"measured": i} for i in range(len(CHUNK_CASES))]})
+
+CHECKS = checks(SAVING, CHANGES, LIVE, SELF, PREDICT)
+globals().update({c.__name__: c for c in CHECKS})  # ex74.check_predicted_saving__random, ...
