@@ -9,6 +9,7 @@ but breaks one documented property (``bp_mech.checks.properties``). Use them wit
 """
 
 import functools
+import inspect
 
 import torch
 
@@ -94,3 +95,18 @@ def caught_by(checks, m, fn: str) -> int:
             assert str(e).startswith(f"{fn}: "), e
             caught += 1
     return caught
+
+
+def leaks(f, leak, then=None):
+    """Right values, but a global switch left flipped by ``leak`` (called with the first arguments it takes: a
+    model to leave in eval mode), and, with ``then``, that exception raised after."""
+    takes = len(inspect.signature(leak).parameters)
+
+    @functools.wraps(f)
+    def g(*args, **kwargs):
+        out = f(*args, **kwargs)
+        leak(*args[:takes])
+        if then is not None:
+            raise then
+        return out
+    return g

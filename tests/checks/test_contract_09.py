@@ -7,7 +7,7 @@ import torch
 from conftest import mutant
 
 from bp_mech.checks import ex09
-from checks.mutants import contiguous_only, modifies_input, storage_order_only
+from checks.mutants import contiguous_only, leaks, modifies_input, storage_order_only
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # hypothesis shrinks a failure over many tiny cases
 
@@ -143,14 +143,6 @@ def test_the_contract_mutants_give_the_right_values():
                 torch.testing.assert_close(a, w)
 
 
-def _leaks(f, leak, then=None):  # right values, but a global switch left flipped (and maybe an error after)
-    def g(*args, **kwargs):
-        out = f(*args, **kwargs)
-        leak()
-        if then is not None:
-            raise then
-        return out
-    return g
 
 
 def _linear_default_dtype(x, W, dy):  # db accumulated in the default dtype: right only when it is float64
@@ -170,19 +162,19 @@ DERIVED_MUTANTS = {
     "layernorm: default eps 1e-6": (ex09.check_layernorm_backward, {
         "layernorm_backward": lambda x, w, b, dy, eps=1e-6: A.layernorm_backward(x, w, b, dy, eps)}, "eps left out"),
     "silu: grad mode left off": (ex09.check_silu_backward, {
-        "silu_backward": _leaks(A.silu_backward, lambda: torch.set_grad_enabled(False))}, "left the grad mode changed"),
+        "silu_backward": leaks(A.silu_backward, lambda: torch.set_grad_enabled(False))}, "left the grad mode changed"),
     "linear: float64 default left": (ex09.check_linear_backward, {
-        "linear_backward": _leaks(A.linear_backward, lambda: torch.set_default_dtype(torch.float64))},
+        "linear_backward": leaks(A.linear_backward, lambda: torch.set_default_dtype(torch.float64))},
         "left the default dtype changed"),
     "swiglu: reseeds torch": (ex09.check_swiglu_mlp_backward, {
-        "swiglu_mlp_backward": _leaks(A.swiglu_mlp_backward, lambda: torch.manual_seed(0))},
+        "swiglu_mlp_backward": leaks(A.swiglu_mlp_backward, lambda: torch.manual_seed(0))},
         "left the torch RNG state changed"),
     "ce: draws from torch's RNG": (ex09.check_cross_entropy_backward, {
-        "cross_entropy_backward": _leaks(A.cross_entropy_backward, lambda: torch.rand(1))}, "torch RNG state changed"),
+        "cross_entropy_backward": leaks(A.cross_entropy_backward, lambda: torch.rand(1))}, "torch RNG state changed"),
     "layernorm: autocast left on": (ex09.check_layernorm_backward, {
-        "layernorm_backward": _leaks(A.layernorm_backward, lambda: torch.set_autocast_enabled("cpu", True))},
+        "layernorm_backward": leaks(A.layernorm_backward, lambda: torch.set_autocast_enabled("cpu", True))},
         "left the CPU autocast changed"),
-    "rmsnorm: grad mode off, then raises": (ex09.check_rmsnorm_backward, {"rmsnorm_backward": _leaks(
+    "rmsnorm: grad mode off, then raises": (ex09.check_rmsnorm_backward, {"rmsnorm_backward": leaks(
         A.rmsnorm_backward, lambda: torch.set_grad_enabled(False), ValueError("x"))}, "also when raising"),
     "linear: db in the default dtype": (ex09.check_linear_backward, {"linear_backward": _linear_default_dtype},
                                         "db differs from float64 autograd"),

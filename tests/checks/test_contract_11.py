@@ -13,6 +13,7 @@ from bp_mech.checks import ex11
 from checks.mutants import (
     attached,
     contiguous_only,
+    leaks,
     modifies_input,
     storage_order_only,
 )
@@ -191,12 +192,6 @@ def test_contract_check_rejects(check, over, message):
 # --- the properties the engine derives (ex11's declarations), and an outsider's wrong solutions ---------------
 
 
-def _leaks(f, leak):  # right values, a global switch left flipped
-    def g(*args, **kwargs):
-        out = f(*args, **kwargs)
-        leak(*args)
-        return out
-    return g
 
 
 def _sgd_step(model, batch, k):  # "one update": the parameters moved (the docstring says no optimizer step)
@@ -259,16 +254,16 @@ DERIVED = {
         z.double(), y, n)}, "the share has dtype torch.float64, expected torch.float32 at float32 inputs"),
     "loss: always float32": (ex11.check_micro_batch_loss, {"micro_batch_loss": lambda z, y, n: A.micro_batch_loss(
         z.float(), y, n)}, "has dtype torch.float32, expected torch.float64"),
-    "loss: grad mode left off": (ex11.check_micro_batch_loss, {"micro_batch_loss": _leaks(
+    "loss: grad mode left off": (ex11.check_micro_batch_loss, {"micro_batch_loss": leaks(
         A.micro_batch_loss, lambda *a: torch.set_grad_enabled(False))}, "left the grad mode changed"),
     "loss: no shift": (ex11.check_micro_batch_loss, {"micro_batch_loss": _no_shift}, "the share differs"),
     "loss: mean times count": (ex11.check_micro_batch_loss, {"micro_batch_loss": _mean_times_count},
                                "non-finite values"),
     "loss: 16-bit out": (ex11.check_micro_batch_loss__half_precision, {"micro_batch_loss": lambda z, y, n: (
         A.micro_batch_loss(z, y, n).to(z.dtype))}, "the share's dtype is 'torch.(bfloat|float)16'"),
-    "backward: model left in eval mode": (ex11.check_accumulated_backward, {"accumulated_backward": _leaks(
+    "backward: model left in eval mode": (ex11.check_accumulated_backward, {"accumulated_backward": leaks(
         A.accumulated_backward, lambda model, *a: model.eval())}, "left the model.training changed"),
-    "backward: a hook left registered": (ex11.check_accumulated_backward, {"accumulated_backward": _leaks(
+    "backward: a hook left registered": (ex11.check_accumulated_backward, {"accumulated_backward": leaks(
         A.accumulated_backward, lambda model, *a: model.register_forward_hook(lambda *h: None))},
         "left the model's forward hooks changed"),
     "backward: an optimizer step": (ex11.check_accumulated_backward, {"accumulated_backward": _sgd_step},
@@ -278,10 +273,10 @@ DERIVED = {
     "backward: divided by k again": (ex11.check_accumulated_backward, {"accumulated_backward": lambda m, b, k: (
         A.accumulated_backward(m, b, k) / k)}, "the returned loss differs"),
     "per-seq: default dtype left float64": (ex11.check_accumulated_backward_per_sequence, {
-        "accumulated_backward_per_sequence": _leaks(A.accumulated_backward_per_sequence,
+        "accumulated_backward_per_sequence": leaks(A.accumulated_backward_per_sequence,
                                                     lambda *a: torch.set_default_dtype(torch.float64))},
         "left the default dtype changed"),
-    "predict: reseeds torch": (ex11.check_predict_naive_weights, {"predict_naive_weights": _leaks(
+    "predict: reseeds torch": (ex11.check_predict_naive_weights, {"predict_naive_weights": leaks(
         A.predict_naive_weights, lambda *a: torch.manual_seed(0))}, "left the torch RNG state changed"),
     "predict: integer division": (ex11.check_predict_naive_weights, {"predict_naive_weights": _weights_floor},
                                   r"the prediction\[0\] is an int, expected a float"),

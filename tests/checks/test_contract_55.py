@@ -9,6 +9,7 @@ from conftest import mutant
 
 from bp_mech import update_dynamics as ud
 from bp_mech.checks import ex55 as c
+from checks.mutants import leaks
 
 pytestmark = pytest.mark.ch55
 NAME = "ex55_update_dynamics"
@@ -183,12 +184,6 @@ def test_contract_checks_pass_on_the_answers():
 
 # --- the properties the engine derives, and the outsider's wrong solutions ---------------------------------
 
-def _leaks(f, leak):  # right values, a global switch left flipped
-    def g(*args, **kwargs):
-        out = f(*args, **kwargs)
-        leak()
-        return out
-    return g
 
 
 def norm_cat_view(grads):  # one flat vector through .view(-1): raises on a transposed gradient
@@ -227,9 +222,9 @@ def clip_float32_coefficient(params, max_norm, eps=1e-6):  # c rounded to float3
      r"c differs .*eps left out \(default 1e-06\)"),
     (c.check_clip_by_global_norm_, dict(clip_by_global_norm_=lambda ps, m, eps=1e-8: ud.clip_by_global_norm_(
         ps, m, eps)), "eps left out"),
-    (c.check_global_grad_norm, dict(global_grad_norm=_leaks(ud.global_grad_norm, lambda: torch.set_grad_enabled(
+    (c.check_global_grad_norm, dict(global_grad_norm=leaks(ud.global_grad_norm, lambda: torch.set_grad_enabled(
         False))), "left the grad mode changed"),
-    (c.check_update_ratio, dict(update_ratio=_leaks(ud.update_ratio, lambda: torch.set_default_dtype(
+    (c.check_update_ratio, dict(update_ratio=leaks(ud.update_ratio, lambda: torch.set_default_dtype(
         torch.float64))), "left the default dtype changed"),
     (c.check_global_grad_norm, dict(global_grad_norm=norm_cat_view), "raised RuntimeError at .*non-contiguous"),
     (c.check_global_grad_norm, dict(global_grad_norm=norm_in_float64), "dtype torch.float64, expected torch.float32"),

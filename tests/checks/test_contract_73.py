@@ -7,6 +7,7 @@ from conftest import ROOT, load_solution, mutant
 
 from bp_mech.checks import ex73
 from bp_mech.projects.baseline_loss import loss_divisor, shard_rows
+from checks.mutants import leaks
 
 A = load_solution(ROOT / "answers", "ex73_baseline")
 
@@ -172,12 +173,6 @@ def test_predict_rank_tokens_rejects(bad, needle):
 # --- the properties the engine derives (ex73's declarations), and an outsider's wrong solutions ---------------
 
 
-def _leaks(f, leak):  # right values, a global switch left flipped
-    def g(*args, **kwargs):
-        out = f(*args, **kwargs)
-        leak()
-        return out
-    return g
 
 
 def _shard_wraps_rank(batch, rank, P):  # rank P taken as rank 0, -1 as the last (Python's modulo)
@@ -228,13 +223,13 @@ DERIVED = {
     "shard: a list of the tensors": (ex73.check_shard_rows, {"shard_rows": lambda b, r, P: list(
         shard_rows(b, r, P).values())}, "the shard is a list, expected a dict"),
     "shard: rank wraps around": (ex73.check_shard_rows, {"shard_rows": _shard_wraps_rank}, "expected ValueError"),
-    "shard: grad mode left off": (ex73.check_shard_rows, {"shard_rows": _leaks(
+    "shard: grad mode left off": (ex73.check_shard_rows, {"shard_rows": leaks(
         shard_rows, lambda: torch.set_grad_enabled(False))}, "left the grad mode changed"),
     "divisor: floor of N / P": (ex73.check_loss_divisor, {"loss_divisor": lambda c, P, ar: (
         ar(torch.stack(list(c)).sum()) // P).double()}, r"D per rank\[\d\] differs from N / P"),
     "divisor: own count times P": (ex73.check_loss_divisor, {"loss_divisor": _div_local_only},
                                    r"D per rank\[\d\] differs from N / P"),
-    "divisor: reseeds torch": (ex73.check_loss_divisor, {"loss_divisor": _leaks(
+    "divisor: reseeds torch": (ex73.check_loss_divisor, {"loss_divisor": leaks(
         loss_divisor, lambda: torch.manual_seed(0))}, "left the torch RNG state changed"),
     "weights: two all-reduces": (ex73.check_sequence_weights, {"sequence_weights": _seq_twice},
                                  r"all_reduce calls per rank\[0\] is 2"),
