@@ -36,10 +36,7 @@ SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", "_build"}
 # two cores the cold build's pages take about half the time; BP_MECH_BOOK_JOBS=1 builds one page at a time
 JOBS = int(os.environ.get("BP_MECH_BOOK_JOBS", min(2, os.cpu_count() or 1)))
 # jupyter-book's command line, with Sphinx's ``parallel`` (its ``build_sphinx`` takes ``jobs``; the CLI offers none)
-# and one page per parallel task: Sphinx's own chunks are half the pages each, and the half with the heavy pages
-# (43, 73, 76) then runs alone for a minute while the other worker waits
-_JB = ("import functools, sys; import jupyter_book.sphinx as s; import sphinx.builders as b; "
-       "from jupyter_book.cli.main import main; b.make_chunks = lambda names, nproc, maxbatch=10: [[n] for n in names]; "
+_JB = ("import functools, sys; import jupyter_book.sphinx as s; from jupyter_book.cli.main import main; "
        "s.build_sphinx = functools.partial(s.build_sphinx, jobs=int(sys.argv.pop(1))); main()")
 
 
