@@ -17,7 +17,8 @@ from bp_mech import RESULTS_DIR
 from bp_mech.planner import plan as planner
 from bp_mech.planner import sweep
 from bp_mech.planner.pool import default_workers
-from bp_mech.planner.reference_gap import DEFINITIONS, Gap, reference_gap
+from bp_mech.planner.reference_gap import Gap, reference_gap
+from bp_mech.planner.reference_reading import DEFINITIONS
 from bp_mech.records.computed import REFRESH_ENV, cached
 
 SWEEP = "sweep"  # every causal LM of Transformers' mapping: tests/planner/test_sweep.py

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from bp_mech.book.report import markdown_table
 from bp_mech.book.computations import reference_gap_of
-from bp_mech.planner.reference_gap import Gap, holds_together, points
+from bp_mech.planner.reference_gap import Gap
+from bp_mech.planner.reference_reading import holds_together, points
 
 # what each single definition of ``planner.definitions`` means, in a reader's words
 MEANING = {
@@ -41,7 +42,7 @@ def key_rows(gap: Gap) -> list:
     """The definitions that matter to a chapter, in ``gap.rows``' order: the book's own step ("a"), every
     one whose peak or increment saving lies within the tolerance of the reference, and the one nearest to
     the reference (so that a chapter without a match still shows how near it came). Only definitions that
-    hold together (``planner.reference_gap.holds_together``) are offered as the nearest or as a match."""
+    hold together (``planner.reference_reading.holds_together``) are offered as the nearest or as a match."""
     def miss(r) -> float:
         return min(abs(r.saving - gap.reference_saving), abs(r.increment_saving - gap.reference_saving))
 

@@ -12,7 +12,7 @@ peak and of the peak's increment above what was resident at the start ((f)). The
 definition stands in, for the mixed-precision reference, for its fp16 arm itself (a model cast to
 fp16 against the fp32 one), and makes both arms half-precision for the others.
 
-Tolerance: two terms, each derived, their sum a case's ``Gap.tolerance_pp``.
+Tolerance: two terms, each derived, their sum a case's ``Gap.tolerance_pp``; the tracer's is ``planner.tracer_term``'s.
 
 The allocator's term (``ALLOCATOR_PP``, percentage points of saving). The fake step reproduces the live
 bytes of the program exactly (``tests/planner/test_plan.py``: to the GradScaler's 8 bytes against the
@@ -24,21 +24,9 @@ handed out unsplit when less than 1 MiB would remain, so a live block may count 
 its tensor. A steady-state step asks for the sizes the step before it freed, so such remainders are
 rare; allowing them up to 0.5 % of each peak moves a saving s by at most 2 x 0.5 % x (1 - s) < 1 pp.
 
-The tracer's term (``TracerTerm``): the book's storage tracker is one way of counting a step's bytes.
-PyTorch's ``torch.distributed._tools.mem_tracker.MemTracker`` is another (its own dispatch mode, its own
-bookkeeping of storages); each case traces the book's own definition (a), the plain step and the case's
-strategy, with both, at the reference workload under the same fake tensors, and the difference of the two
-savings, in points, is the tracer's term. MemTracker counts bytes per device, and under fake tensors every
-tensor is on the CPU, the offload's host copies too: it cannot see what the offload moves off the device,
-so a case whose strategy offloads takes the largest term measured on the other cases, labelled as such.
-
 Not covered: the temporaries of CUDA's own kernels (SDPA, cross-entropy, embedding backward), which a
 CPU trace does not see; a reference outside the tolerance under every definition points there, or to
 a workload or program other than the one the reference names.
-
-Definitions that cannot hold together (``holds_together``) are never traced: two choices of the moments
-((b) and (c)), two weight dtypes, or a step without an optimizer, (c), with anything about the optimizer's
-state or implementation ((e): half-precision weights *and AdamW state*; (g): foreach AdamW).
 
 The accumulation reference ("up to 17.3 %", 2 and 4 micro-batches at sequence 256) is traced at batch
 4 (the smallest that 4 micro-batches divide), its saving the best of ``micro2`` and ``micro4``: the
@@ -48,74 +36,20 @@ assumption (``ASSUMED_BATCH``).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 
+from bp_mech.bench.optimizer import StepOptions
+from bp_mech.bench.strategy import parse
+from bp_mech.instruments.workload import parse_workload
 from bp_mech.planner import lifecycle
 from bp_mech.planner.definitions import STEADY, StepDefinition, StepLedger
 from bp_mech.planner.pool import default_workers, forked_map
-from bp_mech.bench.optimizer import StepOptions
-from bp_mech.bench.step import train_step
-from bp_mech.bench.strategy import enter, parse
-from bp_mech.offload import OffloadConfig
-from bp_mech.planner.cuda_autocast import cuda_policy
-from bp_mech.instruments.workload import parse_workload
+from bp_mech.planner.reference_reading import ALLOCATOR_PP, DEFINITIONS, GapRow, Verdict, verdict
+from bp_mech.planner.tracer_term import TracerTerm, memtracker_can_trace, memtracker_peak
 from bp_mech.records.references import REFERENCES
-
-ALLOCATOR_PP = 1.0  # the allocator's term of every case's tolerance, percentage points (derived above)
-TOLERANCE_PP = ALLOCATOR_PP  # (its former name; a case's tolerance adds its tracer's term: ``Gap.tolerance_pp``)
-_D = StepDefinition
-SINGLE: dict[str, StepDefinition] = {  # label -> definition: (a) to (g) of ``planner.definitions``
-    "a": STEADY, "b": _D("first"), "c": _D("none"), "d": _D(keep_outputs=True), "e": _D(weights="float16"),
-    "e-bf16": _D(weights="bfloat16"), "g": _D(adamw="foreach"),
-}
-MOMENT_PARTS = ("b", "c")  # the moments: the first step, no optimizer (the default: resident)
-WEIGHT_PARTS = ("e", "e-bf16")  # half-precision weights
-OPTIMIZER_PARTS = ("e", "e-bf16", "g")  # say something about AdamW's state or its implementation
-PAIRED = ("b", "c", "d", "e", "g")  # the pairs are of these (bf16 weights trace as fp16 do: "e" stands for both)
-
-
-def holds_together(label: str) -> bool:
-    """Whether a definition's parts ("b+d": (b) and (d)) describe one step a program could run.
-
-    Not: two choices of the moments, two weight dtypes, or no optimizer (c) with anything about the
-    optimizer's state or implementation (e: half-precision weights *and AdamW state*; g: foreach AdamW).
-
-    Example:
-        >>> [holds_together(x) for x in ("a", "b+d", "c+d", "c+e", "c+g", "b+c", "e+e-bf16")]
-        [True, True, True, False, False, False, False]
-    """
-    parts = set(label.split("+"))
-    return (len(parts & set(MOMENT_PARTS)) <= 1 and len(parts & set(WEIGHT_PARTS)) <= 1
-            and not ("c" in parts and parts & set(OPTIMIZER_PARTS)))
-
-
-def combine(label: str) -> StepDefinition:
-    """The definition of a label of single parts joined by "+": each part's choices on the book's step.
-
-    Example:
-        >>> combine("b+d") == StepDefinition("first", keep_outputs=True)
-        True
-    """
-    if not holds_together(label):
-        raise ValueError(f"{label!r} does not hold together (holds_together)")
-    changes = {}
-    for part in label.split("+"):
-        d = SINGLE[part]
-        changes.update({f.name: getattr(d, f.name) for f in dataclasses.fields(d)
-                        if getattr(d, f.name) != getattr(STEADY, f.name)})
-    return STEADY.replace(**changes)
-
-
-DEFINITIONS: dict[str, StepDefinition] = {  # the single ones, then the pairs that can hold together
-    **SINGLE, **{f"{x}+{y}": combine(f"{x}+{y}") for x, y in itertools.combinations(PAIRED, 2)
-                 if holds_together(f"{x}+{y}")}}
-
 
 @dataclass(frozen=True)
 class Case:
@@ -132,57 +66,6 @@ CASES: dict[str, Case] = {c.semantic_id: c for c in [
     Case("TRAIN-AMP-BACKWARD", "qwen05-b2s512", ("fp16",)),
     Case("TRAIN-GRADIENT-ACCUMULATION", "qwen05-b4s256", ("micro2", "micro4")),
 ]}
-
-
-@dataclass(frozen=True)
-class GapRow:
-    """One definition's prediction for one reference."""
-
-    reference: str  # the experiment
-    definition: str  # its label in ``DEFINITIONS`` ("a", "b+d", ...)
-    name: str  # the definition's name (``StepDefinition.name``)
-    strategy: str  # the candidate arm that gave the saving (the best one under "up to")
-    plain_peak: int  # bytes
-    strategy_peak: int  # bytes
-    saving: float  # 1 - strategy_peak / plain_peak
-    increment_saving: float  # (f): the same for the peaks above what was resident at each step's start
-    reference_saving: float  # the reference's figure
-    within: bool  # |saving - reference| <= the case's tolerance (``Gap.tolerance_pp``)
-    increment_within: bool  # the same for the increment saving
-    rounding_pp: float  # how far 512-byte blocks move ``saving``, percentage points
-
-    @property
-    def gap_pp(self) -> float:
-        """Predicted minus reference saving, percentage points."""
-        return 100 * (self.saving - self.reference_saving)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Which definitions reproduce the reference, or the closest one and what that implies. Only definitions
-    that hold together (``holds_together``) are ranked."""
-
-    reproduced_by: tuple[str, ...]  # labels; "x (f)": by the increment saving of definition x
-    closest: str  # the label (with " (f)" for an increment) nearest to the reference: the most plausible reading
-    closest_saving: float
-    text: str  # one sentence
-
-
-@dataclass(frozen=True)
-class TracerTerm:
-    """The tracer's own uncertainty at one case: definition (a)'s saving by the book's storage tracker and by
-    PyTorch's MemTracker, the same fake step at the reference workload."""
-
-    case: str  # the semantic id this term belongs to
-    strategy: str  # the candidate arm both savings are of (the book's best under "up to")
-    book_saving: float  # 1 - peak / plain peak, the book's tracker
-    memtracker_saving: float | None  # the same by MemTracker; None: MemTracker cannot trace the strategy here
-    pp: float  # |book - MemTracker| in points; where MemTracker cannot trace, the largest of ``borrowed_from``
-    borrowed_from: tuple[str, ...] = ()  # the cases whose measured terms stood in (empty: measured here)
-
-    @property
-    def measured(self) -> bool:
-        return self.memtracker_saving is not None
 
 
 @dataclass(frozen=True)
@@ -223,107 +106,6 @@ def _row(case: Case, label: str, d: StepDefinition, ref: float, plain: StepLedge
     tol = tolerance_pp / 100
     return GapRow(case.semantic_id, label, d.name, strategy, plain.peak, best.peak, saving, inc, ref,
                   abs(saving - ref) <= tol, abs(inc - ref) <= tol, 100 * (rounded - saving))
-
-
-def points(n: float) -> str:
-    """A tolerance in words, to a tenth of a point.
-
-    >>> points(1.0), points(1.2649)
-    ('1 point', '1.3 points')
-    """
-    n = round(n, 1)
-    return f"{n:g} point" + ("" if n == 1 else "s")
-
-
-def verdict(rows: list[GapRow], ref: float, tolerance_pp: float = ALLOCATOR_PP) -> Verdict:
-    """Which rows reproduce ``ref`` within ``tolerance_pp``, or the closest one and which side the rest lie on;
-    rows whose definition does not hold together (``holds_together``) are neither ranked nor offered.
-
-    Args:
-        rows: the table's rows (their savings and increment savings are the predictions).
-        ref: the reference saving, a fraction.
-        tolerance_pp: the case's tolerance (``Gap.tolerance_pp``), percentage points; the rows' ``within``
-            flags were set with it.
-
-    Returns:
-        a ``Verdict``; ties for the closest go to the earlier row, an absolute saving before an increment.
-
-    Example:
-        >>> row = lambda label, s, f: GapRow("X", label, label, "s", 100, 90, s, f, 0.3, abs(s - 0.3) <= 0.01,
-        ...                                  abs(f - 0.3) <= 0.01, 0.0)
-        >>> verdict([row("a", 0.10, 0.25), row("c", 0.2, 0.295)], 0.3).reproduced_by
-        ('c (f)',)
-        >>> v = verdict([row("a", 0.10, 0.25), row("c+e", 0.3, 0.3)], 0.3)  # c+e: no optimizer, AdamW state
-        >>> v.reproduced_by, v.closest, v.closest_saving
-        ((), 'a (f)', 0.25)
-    """
-    rows = [r for r in rows if holds_together(r.definition)]
-    tol = points(tolerance_pp)
-    found = tuple([r.definition for r in rows if r.within] + [f"{r.definition} (f)" for r in rows if r.increment_within])
-    preds = [(r.definition, r.saving) for r in rows] + [(f"{r.definition} (f)", r.increment_saving) for r in rows]
-    i = min(range(len(preds)), key=lambda j: (round(abs(preds[j][1] - ref), 4), j))
-    label, value = preds[i]
-    if found:
-        text = (f"reproduced within {tol} by {', '.join(found)}: the reference is consistent "
-                "with the book's ledger under that definition of the step")
-        return Verdict(found, label, value, text)
-    low = [p for p in preds if p[1] < ref]
-    high = [p for p in preds if p[1] > ref]
-    if not high:
-        side = "every definition predicts less"
-    elif not low:
-        side = "every definition predicts more"
-    else:
-        a, b = max(low, key=lambda p: p[1]), min(high, key=lambda p: p[1])
-        side = f"it lies between {a[0]} ({a[1]:.1%}) and {b[0]} ({b[1]:.1%})"
-    text = (f"no definition reproduces {ref:.1%} within {tol} (closest: {label} at {value:.1%}): "
-            f"{side}; the reference's peak is not that of a step traced here at this workload (another program "
-            "or workload, or CUDA kernels' own temporaries the CPU trace does not see)")
-    return Verdict(found, label, value, text)
-
-
-def memtracker():
-    """A new PyTorch ``MemTracker`` that lets the root module run once per micro-batch. MemTracker refuses a
-    second forward of the root within one tracking (it takes it for the next iteration); accumulation's
-    micro-batches run the model once each, so the root's per-module statistics restart with each one. The
-    device's peak, the one number read here, is not per module and runs on."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Repeated(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            name = self._mod_tracker.get_known_fqn(module)
-            if (module in self.memory_tracking and not self._mod_tracker.is_bw
-                    and set(self._mod_tracker.parents) - {name} == {"Global"}):
-                del self.memory_tracking[module]  # the next micro-batch's forward of the root
-            super()._pre_fw_hook(module, inputs)
-
-    return Repeated()
-
-
-def memtracker_can_trace(strategy: str) -> bool:
-    """Whether MemTracker's peak is the device's under fake tensors: not with offload, whose host copies are
-    fake CPU tensors like every device tensor, so MemTracker counts them on the device."""
-    return not parse(strategy).offload
-
-
-def memtracker_peak(session: lifecycle.Session, strategy: str) -> int:
-    """The peak of one steady-state step (definition (a)) of ``strategy`` on a fake ``session``, counted by
-    PyTorch's MemTracker instead of the book's storage tracker: the same step as ``session.step``, whose
-    parameters, buffers, AdamW state and batch exist when it starts (``track_external``)."""
-    s, model, batch, device = parse(strategy), session.model, session.batch, session.device
-    off = OffloadConfig(min_bytes=session.options.offload_min_bytes)
-    emulate = s.amp is not None and session.options.autocast == "cuda" and device.type != "cuda"
-    scaler = torch.amp.GradScaler(device.type, enabled=False)  # (fake: no values to scale, as in Session.step)
-    opt = session.optimizer(session.options.adamw)
-    with session.active(), cuda_policy() if emulate else contextlib.nullcontext(), \
-            enter(model, s, device, off, scaler) as ctx:
-        if ctx.offload is not None:
-            session._uncached_hooks(ctx.offload)
-        mt = memtracker()
-        mt.track_external(model, opt, *batch.values())
-        with mt:
-            train_step(model, opt, batch, s, entered=ctx)
-    return mt.get_tracker_snapshot("peak")[device]["Total"]
 
 
 _MEASURED: dict = {}  # (Case, StepOptions) -> the TracerTerm measured in this process
