@@ -110,3 +110,13 @@ def leaks(f, leak, then=None):
             raise then
         return out
     return g
+
+
+def rejects(exercise: str, check, match: str, **over) -> None:
+    """``check`` rejects the answers of ``exercise`` with ``over``'s functions replaced, by a one-line message that
+    names the (first) replaced function and matches ``match``."""
+    import pytest
+    from conftest import mutant
+
+    with pytest.raises(AssertionError, match=f"^{next(iter(over))}: .*(?:{match})"):
+        check(mutant(exercise, **over))

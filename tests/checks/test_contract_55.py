@@ -1,6 +1,7 @@
 """Mutant tests of Part 02 · 55's checks (``bp_mech.checks.ex55``'s declarations, derived by ``checks.engine``):
 each wrong solution breaks one documented property, and is otherwise right."""
 
+import functools
 import math
 
 import pytest
@@ -9,16 +10,13 @@ from conftest import mutant
 
 from bp_mech import update_dynamics as ud
 from bp_mech.checks import ex55 as c
-from checks.mutants import leaks
+from checks.mutants import leaks, rejects
 
 pytestmark = pytest.mark.ch55
 NAME = "ex55_update_dynamics"
 
 
-def _check(check, match, **over):
-    function = next(iter(over))
-    with pytest.raises(AssertionError, match=f"^{function}: .*(?:{match})"):
-        check(mutant(NAME, **over))
+_check = functools.partial(rejects, NAME)  # (check, match, **functions replaced)
 
 
 # --- global_grad_norm -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Mutant tests of Part 02 · 55's variant and prediction checks (``clip_per_group_``, ``predict_first_update_norm``;
 ``bp_mech.checks.ex55``'s declarations): each wrong solution breaks one documented property, and is otherwise right."""
 
+import functools
 import math
 import operator
 
@@ -10,15 +11,13 @@ from conftest import mutant
 
 from bp_mech import update_dynamics as ud
 from bp_mech.checks import ex55 as c
+from checks.mutants import rejects
 
 pytestmark = pytest.mark.ch55
 NAME = "ex55_update_dynamics"
 
 
-def _check(check, match, **over):
-    function = next(iter(over))
-    with pytest.raises(AssertionError, match=f"^{function}: .*(?:{match})"):
-        check(mutant(NAME, **over))
+_check = functools.partial(rejects, NAME)  # (check, match, **functions replaced)
 
 
 # --- clip_per_group_ (variant) ------------------------------------------------------------------------
