@@ -14,10 +14,12 @@ import sys
 import time
 
 from bp_mech import RESULTS_DIR
+from bp_mech.book.step_memory import fake_steps
 from bp_mech.planner import plan as planner
 from bp_mech.planner import sweep
 from bp_mech.planner.pool import default_workers
 from bp_mech.planner.reference_gap import Gap, reference_gap
+from bp_mech.planner.definitions import StepLedger
 from bp_mech.planner.reference_reading import DEFINITIONS
 from bp_mech.records.computed import REFRESH_ENV, cached
 
@@ -33,6 +35,13 @@ def reference_gap_of(semantic_id: str) -> Gap:
     """``planner.reference_gap`` of one course reference under every definition, from its computed record."""
     return cached(f"reference-gap__{semantic_id}", reference_gap, semantic_id, list(DEFINITIONS),
                   workers=default_workers())
+
+
+def fake_steps_of(workload: str, strategies, device: str = "cuda", timelines=()) -> dict[str, StepLedger]:
+    """``book.step_memory.fake_steps``: each strategy's fake-tensor step of a full-size workload (its ledger, and
+    the operator timeline of ``timelines``), from the computed record ``fake-steps__<workload>__<device>``."""
+    return cached(f"fake-steps__{workload}__{device}", fake_steps, workload, list(strategies), device,
+                  list(timelines))
 
 
 def plan(name: str, *args, **kwargs) -> planner.Plan:

@@ -3,8 +3,12 @@ every operator of one steady-state step, per strategy, and the figure that shows
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib.pyplot as plt
 
+from bp_mech.bench.optimizer import StepOptions
+from bp_mech.planner.definitions import StepLedger
 from bp_mech.planner.lifecycle import Session
 from bp_mech.bench.strategy import parse
 from bp_mech.instruments.workload import parse_workload
@@ -20,6 +24,16 @@ def memory_over_step(workload: str = "tiny-b2s64", strategies=("plain", "checkpo
     model (real CPU tensors, or fake ones for a full-size workload), from the same weights."""
     session = Session(parse_workload(workload), "cpu", fake)
     return {name: session.step(parse(name)).timeline for name in strategies}
+
+
+def fake_steps(workload: str, strategies: list[str], device: str = "cuda",
+               timelines: list[str] = ()) -> dict[str, StepLedger]:
+    """{strategy: its steady-state ``StepLedger``}: one fake-tensor step of each strategy on one model and one
+    AdamW (``Session``), with ``device``'s step options (``StepOptions().for_device``: on "cuda" fused AdamW,
+    CUDA's offload threshold and autocast lists); the operator timeline kept for ``timelines`` only."""
+    session = Session(parse_workload(workload), "cpu", fake=True, options=StepOptions().for_device(device))
+    steps = {name: session.step(parse(name)) for name in strategies}
+    return {name: st if name in timelines else dataclasses.replace(st, timeline=()) for name, st in steps.items()}
 
 
 def phase_spans(timeline) -> list[tuple[str, int, int]]:
