@@ -76,13 +76,13 @@ SELF = [
     (ex74.check_self_time_by_name, "total-time-toy", _total_time, "a brute force"),
     (ex74.check_self_time_by_name__profiled_step, "whole-microseconds",
      lambda ivs: self_time([(n, th, float(round(s)), float(round(e))) for n, th, s, e in ivs]),
-     "key_averages|depends on the order"),  # rounding makes ties: the order already tells
+     "key_averages|a brute force"),  # rounding makes ties: the order already tells
     (ex74.check_self_time_by_name, "sorts-in-place", _sorts_in_place,
      "intervals.* was modified in place"),
-    (ex74.check_self_time_by_name, "assumes-sorted", _no_sort, "depends on the order"),
+    (ex74.check_self_time_by_name, "assumes-sorted", _no_sort, "in reverse order"),
     (ex74.check_self_time_by_name, "numpy-float",
      lambda ivs: {k: np.float64(v) for k, v in self_time(ivs).items()}, "expected a float"),
-    (ex74.check_self_time_by_name, "sorted-by-start-only", _sorted_by_start_only, "depends on the order"),
+    (ex74.check_self_time_by_name, "sorted-by-start-only", _sorted_by_start_only, "a brute force"),
     (ex74.check_self_time_by_name, "int-self-times",
      lambda ivs: {k: int(v) if v == int(v) else v for k, v in self_time(ivs).items()}, "is an int, expected a float"),
     (ex74.check_self_time_by_name, "empty-crashes", _empty_crashes, r"raised ValueError at intervals \[\]"),

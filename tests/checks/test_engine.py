@@ -33,7 +33,7 @@ def right(x, dy, k=2.0):
 
 
 def _m(f):
-    return type("Solutions", (), {"f": staticmethod(f)})
+    return type("Solutions", (), {"f": staticmethod(f), "g": staticmethod(f)})
 
 
 def test_a_right_function_passes_and_the_checks_are_named_by_their_declaration():
@@ -230,3 +230,19 @@ def test_a_class_is_graded_through_its_driver():
     off_by_one = type("Counter", (Counter,), {"total": lambda self: self.n + 1})
     with pytest.raises(AssertionError, match=r"^Counter: total is 4, sum gives 3 at steps \[1, 2\]"):
         run(type("S", (), {"Counter": off_by_one}))
+
+
+ORDERLESS = check(Contract("g", lambda c: {"xs": [3, 1, 2], "w": {"a": {"p": 1, "q": 4}, "b": {"r": 2}}},
+                           lambda xs, w: (max(xs) * 10 + max(v for r in w.values() for v in r.values()),), ("m",),
+                           returns=int, orderless=("xs", "w"), examples={"": [{}]}, ref_name="a max"))[0]
+
+
+@pytest.mark.parametrize("wrong", [lambda xs, w: xs[0] * 10 + 4,  # the list's first item
+                                   lambda xs, w: max(xs) * 10 + list(w["a"].values())[-1],  # an inner dict's last
+                                   lambda xs, w: max(xs) * 10 + list(w)[0].count("a") + 3])  # the outer dict's first
+def test_a_documented_order_invariance_rejects_what_reads_the_order(wrong):
+    """Each ``orderless`` argument is reversed (a list's items; a dict's keys, inner dicts too): a result that read
+    the given order differs there, and the message says so; the max of all passes."""
+    ORDERLESS(_m(lambda xs, w: max(xs) * 10 + max(v for r in w.values() for v in r.values())))
+    with pytest.raises(AssertionError, match=r"in reverse order"):
+        ORDERLESS(_m(wrong))

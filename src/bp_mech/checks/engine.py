@@ -11,6 +11,7 @@ holds the solution, for every function alike, to:
 - the value against ``ref`` (finite where it is; a lone non-tensor result of exactly the type ``returns``);
 - the documented defaults left out, as a reader calls it (an argument equal to its default is not passed);
 - inputs unchanged, the same result for non-contiguous views of them, each lower dtype in, that dtype out;
+- the same result with each ``orderless`` argument in reverse order (a list's items, a dict's keys at every level);
 - a tuple of the outputs (a lone output: itself), sharing no storage with an input or with each other, and
   carrying no autograd graph;
 - global state restored, also when it raises: grad mode, inference mode, default dtype, autocast, torch's
@@ -67,6 +68,7 @@ class Contract:
     returns: type | None = None  # a lone non-tensor result's exact type (int, float, bool, list, dict)
     use: Callable | None = None  # the graded object -> the callable the checks call on ``inputs`` (a class's driver)
     keep: tuple[str, ...] = ()  # arguments the docstring lets it modify
+    orderless: tuple[str, ...] = ()  # arguments whose order the docstring says does not matter
     rng: bool = False  # it may draw from torch's global RNG
     note: Callable[[dict], str] | None = None  # case -> what is special about it, for the message
     promise: Callable | None = None  # (case, call, at) -> asserts a promise beyond the values (memory)
@@ -152,6 +154,13 @@ def _map(x, fn):
     return {key: _map(v, fn) for key, v in x.items()} if isinstance(x, dict) else x
 
 
+def _reversed(x):
+    """``x`` in reverse order: a list's items (each as it is), a dict's keys at every level of dicts."""
+    if isinstance(x, dict):
+        return {key: _reversed(v) if isinstance(v, dict) else v for key, v in reversed(x.items())}
+    return type(x)(reversed(x)) if isinstance(x, list) else x
+
+
 def _same(a, b) -> bool:
     return type(a) is type(b) and a == b  # (an int 1 is not a default of 1.0)
 
@@ -226,6 +235,9 @@ def _hold(k: Contract, m, case: dict) -> None:
         views = {n: _map(a, lambda t: strided(t, view) if t.dim() else t) if n in dims else a for n, a in args.items()}
         at_v = f"{', '.join(dims)} as non-contiguous {view} views, {at}"
         _compare(k, _guarded(k, f, views, at_v), want, k.tol, at_v, _dtype(args), views)
+    for n in k.orderless:
+        flipped, at_o = {**args, n: _reversed(args[n])}, f"{n} in reverse order, {at}"
+        _compare(k, _guarded(k, f, flipped, at_o), want, k.tol, at_o, _dtype(args), flipped)
     for dtype, tol in ({} if case.get("float64_only") else k.dtypes).items():
         low = {n: _map(a, lambda t: t.to(dtype) if t.is_floating_point() else t) for n, a in args.items()}
         at_d = f"{str(dtype).removeprefix('torch.')} inputs, {at}"
