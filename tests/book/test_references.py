@@ -66,6 +66,8 @@ def test_the_bibliography_is_whole_and_every_entry_is_cited():
     keys = bib_keys()
     assert len(keys) == len(set(keys)), "a key is defined twice in book/references.bib"
     assert not any(c.isdigit() for k in keys for c in k), "keys carry no digits (test_prose reads role text)"
+    accents = re.findall(r"\{\\['`^\"~]\w\}", BIB.read_text(encoding="utf-8"))
+    assert not accents, f"LaTeX accents {accents}: write the letter in UTF-8 (the appendix's labels spell them out)"
     uncited = sorted(set(keys) - {k for p in PAGES for k in cited(p.read_text(encoding="utf-8"))})
     assert not uncited, f"entries no chapter cites: {uncited}"
     appendix = APPENDIX.read_text(encoding="utf-8")
