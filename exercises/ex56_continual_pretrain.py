@@ -121,10 +121,9 @@ class ReplayStream:
 
         floor((g + 1) * replay / period) > floor(g * replay / period),
 
-    so that after n rows exactly floor(n * replay / period) were replayed, spread
-    evenly (integer arithmetic: no float rounding). Each row is the next batch of the
-    stream it comes from: ``old.next()`` for a replayed row, ``new.next()`` otherwise,
-    in row order.
+    which spreads the replayed rows evenly over the run (integer arithmetic: no float
+    rounding). Each row is the next batch of the stream it comes from: ``old.next()``
+    for a replayed row, ``new.next()`` otherwise, in row order.
 
     Args:
         new: a ``TextStream`` of the new domain, with batch 1.
