@@ -4,9 +4,10 @@
 each chapter of ``bp_mech.checks.cases()`` the graded code is: every top-level function and class of
 ``answers/exNN_*.py``, and, for each function or class the exercise file leaves to the learner (its stub raises
 ``NotImplementedError``) that the answers re-export from ``bp_mech.<module>``, its definition there (of a class, the
-methods the stub declares) and the functions and ``self.`` methods it reaches. cosmic-ray 8 (``requirements/
-mutation.txt``) makes the mutants of those spans (postponed annotations aside); each is judged by that chapter's
-checks only, in a forked child with a timeout (``tools/mutation_run.py``).
+methods the stub declares) and the functions and ``self.`` methods it reaches (``tools/mutation_spans.py``).
+cosmic-ray 8 (``requirements/mutation.txt``) makes the mutants of those spans (postponed annotations and the
+statements listed as ``[[ungraded]]`` in ``tools/mutation_equivalent.toml`` aside: ``mutation_spans.skipped``); each
+is judged by that chapter's checks only, in a forked child with a timeout (``tools/mutation_run.py``).
 
 Counts per chapter: ``generated`` = ``killed`` (a check failed) + ``timed_out`` (the checks outlived the timeout:
 detected, as mutation testers count it) + ``survived`` + ``equivalent`` (a survivor listed, with its reason, in
@@ -34,6 +35,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import mutation_run
+from mutation_spans import graded, graded_spans, skipped
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "tools" / "mutation_report.json"
@@ -53,118 +55,28 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _defs(tree: ast.Module) -> dict[str, ast.AST]:
-    return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-
-
-def _span(node) -> tuple[int, int]:
-    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]), node.end_lineno
-
-
-def _raises_not_implemented(node) -> bool:
-    raised = [n.exc.func if isinstance(n.exc, ast.Call) else n.exc for n in ast.walk(node) if isinstance(n, ast.Raise)]
-    return any(isinstance(r, ast.Name) and r.id == "NotImplementedError" for r in raised)
-
-
-def graded_names(exercise: Path) -> list[str]:
-    """The functions and classes an exercise file leaves to the learner (their stubs raise NotImplementedError)."""
-    tree = ast.parse(exercise.read_text(encoding="utf-8"))
-    return [name for name, node in _defs(tree).items() if not name.startswith("_") and _raises_not_implemented(node)]
-
-
-def _stub_methods(exercise: Path, name: str) -> list[str]:
-    """The methods the exercise file's class ``name`` declares (what the learner writes)."""
-    node = _defs(ast.parse(exercise.read_text(encoding="utf-8")))[name]
-    return [n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-
-
-def _with_helpers(start: list[str], defs: dict[str, ast.AST]) -> list[str]:
-    """The definitions ``start`` names (``f``, ``Class.method``) and, transitively, the module's functions they
-    name and the methods of their own class they reach through ``self.<name>``."""
-    found, todo = [], list(start)
-    while todo:
-        qual = todo.pop(0)
-        if qual in found:
-            continue
-        found.append(qual)
-        cls, _, _ = qual.rpartition(".")
-        for u in ast.walk(_node(qual, defs)):
-            if isinstance(u, ast.Name) and isinstance(defs.get(u.id), (ast.FunctionDef, ast.AsyncFunctionDef)):
-                todo.append(u.id)
-            elif cls and isinstance(u, ast.Attribute) and isinstance(u.value, ast.Name) and u.value.id == "self":
-                todo += [f"{cls}.{u.attr}"] if u.attr in _methods(defs[cls]) else []
-    return found
-
-
-def _methods(cls: ast.ClassDef) -> dict[str, ast.AST]:
-    return {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-
-
-def _node(qual: str, defs: dict[str, ast.AST]) -> ast.AST:
-    cls, _, name = qual.rpartition(".")
-    return _methods(defs[cls])[name] if cls else defs[name]
-
-
-def graded_spans(root: Path, exercise: str) -> dict[str, list[tuple[str, int, int]]]:
-    """``{file relative to root: [(definition, first line, last line)]}``: what is mutated for one chapter."""
-    answers = root / "answers" / f"{exercise}.py"
-    tree = ast.parse(answers.read_text(encoding="utf-8"))
-    defs = _defs(tree)
-    spans = {answers.relative_to(root).as_posix(): [(n, *_span(node)) for n, node in defs.items()]}
-    imported = {a.asname or a.name: (n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom)
-                and (n.module or "").startswith("bp_mech") for a in n.names}
-    for name in graded_names(root / "exercises" / f"{exercise}.py"):
-        if name in defs:
-            continue
-        if name not in imported:
-            raise SystemExit(f"{answers.name}: graded {name!r} is neither defined nor imported from bp_mech")
-        module, original = imported[name]
-        path = root / "src" / Path(*module.split(".")).with_suffix(".py")
-        mdefs = _defs(ast.parse(path.read_text(encoding="utf-8")))
-        if original not in mdefs:
-            raise SystemExit(f"{answers.name}: {original!r} is not defined in {module}")
-        start = [original]
-        if isinstance(mdefs[original], ast.ClassDef):  # only the methods the exercise asks for (and what they use)
-            stub = _stub_methods(root / "exercises" / f"{exercise}.py", name)
-            start = [f"{original}.{m}" for m in stub if m in _methods(mdefs[original])]
-        rows = spans.setdefault(path.relative_to(root).as_posix(), [])
-        rows += [(q, *_span(_node(q, mdefs))) for q in _with_helpers(start, mdefs) if q not in {r[0] for r in rows}]
-    return spans
-
-
-def annotations(tree: ast.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The (start, end) positions of the annotations of a module that postpones them (``from __future__ import
-    annotations``): never evaluated, so a mutant there is equivalent by construction and is not run."""
-    if not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations"
-               for a in n.names) for n in tree.body):
-        return []
-    found = [n.returns for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    found += [n.annotation for n in ast.walk(tree) if isinstance(n, (ast.arg, ast.AnnAssign))]
-    return [((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)) for a in found if a is not None]
-
-
-def graded(spans: list[tuple[str, int, int]], notes, pos: tuple[int, int]) -> bool:
-    """Whether a mutant at ``pos`` (line, column) is in a graded span and outside every annotation."""
-    return any(a <= pos[0] <= b for _, a, b in spans) and not any(a <= tuple(pos) < b for a, b in notes)
+def listed(kind: str, path: Path = EQUIVALENT) -> list[dict]:
+    """The ``[[kind]]`` tables of ``tools/mutation_equivalent.toml``."""
+    return tomllib.loads(path.read_text(encoding="utf-8")).get(kind, []) if path.exists() else []
 
 
 def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
     """``{mutant name: why it is equivalent}`` from ``[[equivalent]]`` tables (``mutant``, ``reason``)."""
-    rows = tomllib.loads(path.read_text(encoding="utf-8")).get("equivalent", []) if path.exists() else []
-    return {r["mutant"]: r["reason"] for r in rows}
+    return {r["mutant"]: r["reason"] for r in listed("equivalent", path)}
 
 
 def summarize(copy: Path, exercise: str, spans, results, equivalent: dict[str, str], timeout: int) -> dict:
     """A chapter's report entry from cosmic-ray's ``(work item, result)`` pairs."""
     trees = {rel: ast.parse((copy / rel).read_text(encoding="utf-8")) for rel in spans}
-    notes = {rel: annotations(tree) for rel, tree in trees.items()}
+    ungraded = [r for r in listed("ungraded") if r["exercise"] == exercise]
+    notes = skipped(copy, spans, ungraded)
     counts = dict.fromkeys(COUNTS, 0)
     survivors, equivalents, listed_but_killed, seconds, seen = [], [], [], 0.0, {}
     for item, result in sorted(results, key=lambda r: mutation_run.order(r[0])):
         m = item.mutations[0]
         rel = Path(m.module_path).resolve().relative_to(copy.resolve()).as_posix()
         if result.worker_outcome.value != "normal" or not graded(spans[rel], notes[rel], m.start_pos):
-            continue  # skipped (not graded, or an annotation) or no mutation possible
+            continue  # skipped (not graded, an annotation, ungraded) or no mutation possible
         name = mutation_run.describe(rel, mutation_run.qualname(trees[rel], m.start_pos[0]), result.diff or "")
         seen[name] = seen.get(name, 0) + 1
         name += f" (#{seen[name]})" if seen[name] > 1 else ""
@@ -185,7 +97,8 @@ def summarize(copy: Path, exercise: str, spans, results, equivalent: dict[str, s
             "graded": [f"{rel}::{n}" for rel, rows in sorted(spans.items()) for n, _, _ in rows],
             **counts, "score": round(detected / judged, 4) if judged else 1.0,
             "seconds": round(seconds, 1), "timeout_s": timeout, "survivors": survivors,
-            "equivalents": equivalents, "listed_equivalent_but_killed": listed_but_killed}
+            "equivalents": equivalents, "listed_equivalent_but_killed": listed_but_killed,
+            "ungraded": ungraded}
 
 
 def run_chapter(copy: Path, marker: str, exercise: str, factor: float) -> dict:
@@ -199,7 +112,7 @@ def run_chapter(copy: Path, marker: str, exercise: str, factor: float) -> dict:
     with use_db(str(copy / f"{marker}.sqlite"), WorkDB.Mode.create) as db:
         if db.num_work_items == 0:
             init([copy / rel for rel in spans], db, {})
-            notes = {rel: annotations(ast.parse((copy / rel).read_text(encoding="utf-8"))) for rel in spans}
+            notes = skipped(copy, spans, [r for r in listed("ungraded") if r["exercise"] == exercise])
             for item in db.work_items:
                 m = item.mutations[0]
                 rel = Path(m.module_path).resolve().relative_to(copy.resolve()).as_posix()

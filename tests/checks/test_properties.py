@@ -54,6 +54,25 @@ def test_call_unmodified_names_what_changed_and_spares_what_may_change():
         P.call_unmodified("g", lambda b: b["ids"].add_(1), batch, names=("batch",), at="")
 
 
+class _Config:  # a config object as transformers' are: attributes, and to_dict() of them
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c, "tied", False), r"^f: cfg.tied was modified in place, True -> False at here$"),
+    (lambda c: setattr(c, "head_dim", 8), r"^f: cfg.head_dim was modified in place, None -> 8 at here$"),
+    (lambda c: delattr(c, "hidden"), r"^f: cfg.hidden was modified in place, 16 -> None at here$"),
+])
+def test_a_config_is_compared_field_by_field(change, message):
+    P.call_unmodified("f", lambda c: c.hidden * 2, _Config(hidden=16, tied=True), names=("cfg",), at="here")
+    with pytest.raises(AssertionError, match=message):
+        P.call_unmodified("f", change, _Config(hidden=16, tied=True), names=("cfg",), at="here")
+
+
 def test_strided_views_hold_the_same_values():
     x = torch.arange(12.0).reshape(3, 4).requires_grad_()
     for how in ("slice", "transpose"):

@@ -13,6 +13,7 @@ import pytest
 
 import mutation
 import mutation_run
+import mutation_spans
 
 REPORT = json.loads(mutation.REPORT.read_text(encoding="utf-8"))
 MEASURED = {m: c for m, c in REPORT["chapters"].items() if "score" in c}
@@ -60,7 +61,7 @@ def test_graded_names_are_the_stubs(tmp_path):
                  "class Todo:\n    def step(self):\n        raise NotImplementedError('ex')\n\n"
                  "def f(a):\n    raise NotImplementedError\n\n"
                  "def _helper():\n    raise NotImplementedError\n")
-    assert mutation.graded_names(f) == ["Todo", "f"]
+    assert mutation_spans.graded_names(f) == ["Todo", "f"]
 
 
 def test_a_mutant_is_named_by_its_definition_and_lines():
@@ -75,15 +76,35 @@ def test_helpers_follow_calls_and_self_methods():
                      "def unused():\n    pass\n\n"
                      "class C:\n    def step(self):\n        return self._apply()\n\n"
                      "    def _apply(self):\n        return f()\n\n    def extra(self):\n        pass\n")
-    defs = mutation._defs(tree)
-    assert sorted(mutation._with_helpers(["f"], defs)) == ["_a", "b", "f"]
-    assert sorted(mutation._with_helpers(["C.step"], defs)) == ["C._apply", "C.step", "_a", "b", "f"]
+    defs = mutation_spans._defs(tree)
+    assert sorted(mutation_spans._with_helpers(["f"], defs)) == ["_a", "b", "f"]
+    assert sorted(mutation_spans._with_helpers(["C.step"], defs)) == ["C._apply", "C.step", "_a", "b", "f"]
 
 
 def test_postponed_annotations_are_not_graded():
     src = "from __future__ import annotations\n\ndef f(a: int | None) -> str | None:\n    return a | 1\n"
-    notes = mutation.annotations(ast.parse(src))
+    notes = mutation_spans.annotations(ast.parse(src))
     spans = [("f", 3, 4)]
-    assert not mutation.graded(spans, notes, (3, 13)) and not mutation.graded(spans, notes, (3, 28))
-    assert mutation.graded(spans, notes, (4, 13)) and not mutation.graded(spans, notes, (5, 0))
-    assert mutation.annotations(ast.parse(src.split("\n", 1)[1])) == []  # evaluated: a mutant there can fail
+    assert not mutation_spans.graded(spans, notes, (3, 13)) and not mutation_spans.graded(spans, notes, (3, 28))
+    assert mutation_spans.graded(spans, notes, (4, 13)) and not mutation_spans.graded(spans, notes, (5, 0))
+    assert mutation_spans.annotations(ast.parse(src.split("\n", 1)[1])) == []  # evaluated: a mutant there can fail
+
+
+def test_an_ungraded_statement_is_left_out_whole_and_a_stale_entry_stops_the_run(tmp_path):
+    (tmp_path / "m.py").write_text("def f(a, half=False):\n    if half:\n        return (a +\n                1)\n"
+                                   "    return a * 2\n")
+    row = {"exercise": "ex", "file": "m.py", "definition": "f", "statement": "return a + 1", "reason": "an extension"}
+    notes = mutation_spans.skipped(tmp_path, ["m.py"], [row])["m.py"]
+    spans = [("f", 1, 5)]
+    assert [mutation_spans.graded(spans, notes, (line, 8)) for line in range(1, 6)] == [True, True, False, False, True]
+    with pytest.raises(SystemExit, match=r"'return a \+ 2': 0 statements of m.py::f, expected one"):
+        mutation_spans.skipped(tmp_path, ["m.py"], [row | {"statement": "return a + 2"}])
+
+
+def test_every_ungraded_entry_names_one_statement_of_graded_code_with_a_reason():
+    rows = mutation.listed("ungraded")
+    assert all(r["reason"].strip() for r in rows)
+    for marker, c in MEASURED.items():
+        mine = [r for r in rows if r["exercise"] == c["exercise"]]
+        assert c.get("ungraded", []) == mine, f"{marker}: the [[ungraded]] list changed since the report: rerun it"
+        mutation_spans.skipped(mutation.ROOT, {r["file"] for r in mine}, mine)  # exactly one statement each

@@ -10,8 +10,8 @@ holds the solution, for every function alike, to:
 
 - the value against ``ref`` (finite where it is; a lone non-tensor result of exactly the type ``returns``);
 - the documented defaults left out, as a reader calls it (an argument equal to its default is not passed);
-- inputs unchanged, the same result for non-contiguous views of them, each lower dtype in, that dtype out;
-- the same result with each ``orderless`` argument in reverse order (a list's items, a dict's keys at every level);
+- inputs unchanged (a config object field by field), the same result for non-contiguous views of them, each
+  lower dtype in, that dtype out, and with each ``orderless`` argument reversed (list items, dict keys);
 - a tuple of the outputs (a lone output: itself), sharing no storage with an input or with each other, and
   carrying no autograd graph;
 - global state restored, also when it raises: grad mode, inference mode, default dtype, autocast, torch's
@@ -174,6 +174,8 @@ def _words(k: Contract, case: dict, args: dict) -> str:
             return f"{name} shape {tuple(v.shape)}"
         if _tensors(v) or isinstance(v, torch.nn.Module):
             return f"{name} {_brief(v)}"
+        if callable(getattr(v, "to_dict", None)):  # a config: the note says what is special about it
+            return f"{name} {describe(v)}"
         if name in k.defaults and _same(v, k.defaults[name]):
             return f"{name} left out (default {v!r})"
         return f"{name} {v:g}" if isinstance(v, float) else f"{name} {v!r}"

@@ -5,7 +5,8 @@ A grader who did not write the answer also checks what the docstring promises ar
 
 - ``explore``: the property is tried on cases *drawn* by hypothesis (seeded, derandomized, no example
   database, a bounded number of examples), and a failure is reported on its minimal counterexample;
-- ``call_unmodified``: the inputs are not modified (clones compared before and after, NaN-aware);
+- ``call_unmodified``: the inputs are not modified (clones compared before and after, NaN-aware; a config
+  object field by field, ``to_dict()``);
 - ``strided``: the same values in a non-contiguous view (a transpose, a slice of a larger storage);
 - ``assert_no_alias``, ``assert_detached``, ``assert_type``, ``assert_json``, ``assert_finite``: what comes
   back does not share an input's storage, carries no autograd graph, is exactly the documented type,
@@ -103,6 +104,8 @@ def _snapshot(x):
         return ("seq", [_snapshot(v) for v in x], len(x))
     if isinstance(x, dict):
         return ("dict", {k: _snapshot(v) for k, v in x.items()}, len(x))
+    if callable(getattr(x, "to_dict", None)):  # a config (transformers' PretrainedConfig): its fields
+        return ("config", x.to_dict())
     return ("value", x) if isinstance(x, (int, float, str, bool)) and not isinstance(x, torch.Tensor) else None
 
 
@@ -131,6 +134,10 @@ def _changes(name: str, snap, x) -> list[tuple[str, float]]:
     if kind == "module":
         state = x.state_dict()
         return [(f"{name}.{k}", max_change(v, state[k]) if k in state else math.inf) for k, v in snap[1].items()]
+    if kind == "config":  # a field changed, added or removed: named with its values
+        now = x.to_dict()
+        return [(f"{name}.{k}", f"{snap[1].get(k)!r} -> {now.get(k)!r}") for k in sorted(set(snap[1]) | set(now))
+                if snap[1].get(k) != now.get(k)]
     if kind == "value":  # a number or a string inside a list or dict (a top-level one cannot change)
         return [(name, 0.0 if snap[1] == x or (snap[1] != snap[1] and x != x) else math.inf)]
     if len(x) != snap[2] or (kind == "dict" and set(x) != set(snap[1])):
@@ -151,8 +158,9 @@ def call_unmodified(fn: str, f, *args, names: tuple[str, ...], at: str, keep: tu
     out = call(fn, f, *args, at=at, **kwargs)
     for k, snap in snaps.items():
         for what, change in _changes(k, snap, named[k]):
-            if change > 0:
-                raise AssertionError(f"{fn}: {what} was modified in place, max change {change:.2g} at {at}")
+            if isinstance(change, str) or change > 0:  # a config's field: its old and new value, in words
+                how = change if isinstance(change, str) else f"max change {change:.2g}"
+                raise AssertionError(f"{fn}: {what} was modified in place, {how} at {at}")
     return out
 
 
