@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-from bp_mech.instruments.workload import WorkloadError, load_text, tokenize
+from bp_mech.instruments.workload import WorkloadError, tokenize
 
 
 def text_sha256(ids: torch.Tensor) -> str:
@@ -113,13 +114,16 @@ def load_texts(domain_path=None, holdout_path=None, w=None) -> dict[str, Text]:
         >>> list(texts), texts["domain"].source, texts["holdout"].source
         (['general', 'domain', 'holdout'], 'shipped:code', 'shipped:prose[-20%:]')
     """
-    general, tail = split_text(tokenize(load_text(SHIPPED["general"]), w), HOLDOUT_FRACTION)
+    def shipped(name: str) -> torch.Tensor:  # package data, read here (instruments.workload's TEXTS stay its own)
+        return tokenize(resources.files("bp_mech").joinpath(f"data/{name}.txt").read_text(encoding="utf-8"), w)
+
+    general, tail = split_text(shipped(SHIPPED["general"]), HOLDOUT_FRACTION)
     cut = f"{HOLDOUT_FRACTION:.0%}"
     out = dict(general=Text(f"shipped:prose[:-{cut}]", general))
     for name, path in (("domain", domain_path), ("holdout", holdout_path)):
         if path is None:
             out[name] = (Text(f"shipped:prose[-{cut}:]", tail) if name == "holdout" else
-                         Text(f"shipped:{SHIPPED[name]}", tokenize(load_text(SHIPPED[name]), w)))
+                         Text(f"shipped:{SHIPPED[name]}", shipped(SHIPPED[name])))
             continue
         try:
             text = Path(path).read_text(encoding="utf-8")

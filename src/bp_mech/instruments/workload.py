@@ -59,7 +59,7 @@ ARCHITECTURES: dict[str, dict] = {
 HUB_IDS = {"qwen05": "Qwen/Qwen2.5-0.5B"}
 BYTE_TOKENIZER = "bytes-v1"  # token id = UTF-8 byte value; ids >= 256 unused
 PAD_ID = 0  # a byte that never occurs in the shipped text
-TEXTS = ("general", "domain", "holdout", "prose", "code")  # prose, code: Part 02 · 56's texts
+TEXTS = ("general", "domain", "holdout")
 
 _ID_RE = re.compile(r"^(?P<arch>[a-z0-9]+)-b(?P<b>\d+)s(?P<s>\d+)(?:-(?P<label>[a-z0-9_]+))?$")
 
