@@ -114,8 +114,8 @@ RULES = (
          "{continual_pretrain.MIN_DOMAIN_GAIN_REL:.0%} of the base's, {continual_pretrain.SPREAD_MULTIPLE} seed "
          "spreads (reject); holdout loss rose by more than {continual_pretrain.MAX_HOLDOUT_DRIFT_REL:.0%}, one seed "
          "spread (tune: forgetting)",
-         "Both bounds come from the page's demo rerun at seeds 0 to 2 on 1 and 2 threads: the largest difference "
-         "between two reruns' relative gain or drift, rounded up, is the seed spread "
+         "Both bounds come from the page's demo rerun at seeds 0 to 2, and on 2 threads instead of 1: the largest "
+         "difference between two reruns' relative gain or drift, rounded up, is the seed spread "
          "{continual_pretrain.SEED_SPREAD_REL:.0%} (threads change no bit on the CPU; a seed changes the init, "
          "the data order, the base). A gain counts at {continual_pretrain.SPREAD_MULTIPLE} spreads, where no "
          "reseed makes or unmakes it; the holdout may move by what a reseed moves it, and a rise beyond that is "
