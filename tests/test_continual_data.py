@@ -33,8 +33,8 @@ def test_the_reader_s_own_files_replace_domain_and_holdout(tmp_path):
     domain = tmp_path / "domain.txt"
     domain.write_text("a domain text of my own, long enough to train on. " * 2, encoding="utf-8")
     texts = load_texts(domain_path=domain)
-    assert texts["domain"].source == str(domain) and texts["general"].source == "shipped:general"
-    assert texts["holdout"].source == "shipped:holdout"
+    assert texts["domain"].source == str(domain) and texts["general"].source == "shipped:prose[:-20%]"
+    assert texts["holdout"].source == "shipped:prose[-20%:]"
     short, bad = tmp_path / "short.txt", tmp_path / "bad.txt"
     short.write_text("tiny", encoding="utf-8")
     bad.write_bytes(b"\xff\xfe\xfa not utf-8")

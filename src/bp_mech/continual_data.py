@@ -1,7 +1,8 @@
 """Part 02 · 56 — the texts of continual pretraining and the training batches cut from them.
 
-The general, domain and holdout texts (``load_texts``: the shipped ones, or the reader's own files for
-the domain and the holdout text), a text's identity (``text_sha256``: results and saved states record
+The general, domain and holdout texts (``load_texts``: the shipped ones — English prose for the general
+text and its held-out tail, Python source for the domain — or the reader's own files for the domain and
+the holdout text), a text's identity (``text_sha256``: results and saved states record
 it), the held-out tail of a text (``split_text``) and the data stream a training loop draws its batches
 from (``TextStream``, whose state is part of the training state). The loop is
 ``bp_mech.continual_pretrain``.
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-from bp_mech.instruments.workload import WorkloadError, load_text, tokenize
+from bp_mech.instruments.workload import WorkloadError, tokenize
 
 
 def text_sha256(ids: torch.Tensor) -> str:
@@ -81,15 +83,24 @@ class Text:
     ids: torch.Tensor  # (N,) token ids
 
 
+# Part 02 · 56's shipped texts (package data, made once and frozen, so a record's sha256 stays valid):
+# "prose" is this book's own English prose (Part 02's pages but 56, code cells, math and markup removed);
+# "code" is this package's own Python source (ten modules with docstrings and comments removed, ast.unparse).
+SHIPPED = dict(general="prose", domain="code")
+HOLDOUT_FRACTION = 0.2  # the prose's tail kept as the holdout, never pretrained on
+
+
 def load_texts(domain_path=None, holdout_path=None, w=None) -> dict[str, Text]:
     """The general, domain and holdout texts, tokenized for workload ``w``.
 
-    The shipped ones, or the reader's own UTF-8 files for the domain and the holdout text. The general
-    text is always the shipped one.
+    General: the shipped prose's first ``1 - HOLDOUT_FRACTION`` (always; the base pretrains on it).
+    Domain: the shipped code, or the reader's own UTF-8 file. Holdout: the prose's last
+    ``HOLDOUT_FRACTION`` (``split_text``: the same distribution as the general text, never trained on),
+    or the reader's own UTF-8 file.
 
     Args:
-        domain_path: a UTF-8 file with the domain text; None: the shipped domain text.
-        holdout_path: a UTF-8 file with the holdout text; None: the shipped holdout text.
+        domain_path: a UTF-8 file with the domain text; None: the shipped code.
+        holdout_path: a UTF-8 file with the holdout text; None: the shipped prose's held-out tail.
         w: the ``instruments.workload.Workload`` whose tokenizer to use; None: the byte-level one.
 
     Returns:
@@ -100,13 +111,19 @@ def load_texts(domain_path=None, holdout_path=None, w=None) -> dict[str, Text]:
 
     Example:
         >>> texts = load_texts()
-        >>> list(texts), texts["domain"].source, len(texts["domain"].ids) > 16
-        (['general', 'domain', 'holdout'], 'shipped:domain', True)
+        >>> list(texts), texts["domain"].source, texts["holdout"].source
+        (['general', 'domain', 'holdout'], 'shipped:code', 'shipped:prose[-20%:]')
     """
-    out = {}
-    for name, path in (("general", None), ("domain", domain_path), ("holdout", holdout_path)):
+    def shipped(name: str) -> torch.Tensor:  # package data, read here (instruments.workload's TEXTS stay its own)
+        return tokenize(resources.files("bp_mech").joinpath(f"data/{name}.txt").read_text(encoding="utf-8"), w)
+
+    general, tail = split_text(shipped(SHIPPED["general"]), HOLDOUT_FRACTION)
+    cut = f"{HOLDOUT_FRACTION:.0%}"
+    out = dict(general=Text(f"shipped:prose[:-{cut}]", general))
+    for name, path in (("domain", domain_path), ("holdout", holdout_path)):
         if path is None:
-            out[name] = Text(f"shipped:{name}", tokenize(load_text(name), w))
+            out[name] = (Text(f"shipped:prose[-{cut}:]", tail) if name == "holdout" else
+                         Text(f"shipped:{SHIPPED[name]}", shipped(SHIPPED[name])))
             continue
         try:
             text = Path(path).read_text(encoding="utf-8")

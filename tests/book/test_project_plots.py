@@ -29,6 +29,9 @@ def test_gain_and_drift_per_update():
     assert list(lines["domain (its held-out part): down = gain"].get_ydata()) == [0.0, -1.0]
     assert list(lines["holdout (general text): up = drift"].get_xdata()) == [0, 5]
     assert abs(lines["holdout (general text): up = drift"].get_ydata()[-1] - 0.2) < 1e-12
+    bounded = _lines(project_plots.plot_gain_drift(evals, "t", bounds=dict(domain=-0.5, holdout=0.1)))
+    assert list(bounded["the rule's gain bound"].get_ydata()) == [-0.5, -0.5]
+    assert list(bounded["the rule's drift bound"].get_ydata()) == [0.1, 0.1] and "the rule's gain bound" not in lines
 
 
 def test_the_resumed_steps_sit_on_the_last_steps_of_the_uninterrupted_run():

@@ -6,6 +6,7 @@ bad saved state as one line with exit status 2."""
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from bp_mech.records import registry, results
 from bp_mech.cli import main
 from bp_mech.experiments import continual_pretrain as experiment, continual_pretrain_rule
 
+RESULTS = Path(__file__).resolve().parents[2] / "book" / "results"
 SMALL = experiment.CPTConfig(cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2),
                              cpt.TrainConfig(updates=6, lr=3e-3, warmup=1, decay=2), save_at=3, eval_every=2,
                              timed=3, warmup=1)
@@ -58,9 +60,9 @@ def test_run_records(small, tmp_path, cpu_only):
 
 
 @pytest.mark.parametrize("first, last, want", [
-    (dict(domain=3.0, holdout=3.0), dict(domain=2.8, holdout=3.01), "accept"),
-    (dict(domain=3.0, holdout=3.0), dict(domain=2.8, holdout=3.2), "tune"),  # drift 6.7 % > 2 %
-    (dict(domain=3.0, holdout=3.0), dict(domain=2.99, holdout=2.9), "reject"),  # gain 0.3 % < 1 %
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.4, holdout=3.1), "accept"),  # gain 20 % >= 18 %, drift 3.3 % <= 6 %
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.4, holdout=3.3), "tune"),  # drift 10 % > 6 %: forgetting
+    (dict(domain=3.0, holdout=3.0), dict(domain=2.7, holdout=2.9), "reject"),  # gain 10 % < 18 %
 ])
 def test_decision_rule(first, last, want):
     gd = continual_eval.gain_and_drift([dict(update=0, **first), dict(update=10, **last)])
@@ -80,7 +82,7 @@ def test_plan():
     assert gpu["state_bytes"] == 12 * 494032768 and gpu["domain_updates"] > gpu["save_at"] > 0
     assert "random-init architecture" in plan["base"] and plan["state_fields"] == list(state_format.FIELDS)
     tiny = registry.dry_run(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "dry_run"))["modes"]["cpu"]
-    assert tiny["pretrain_updates"] == 200 and tiny["threads"] == 1 and tiny["estimated_seconds"] < 30
+    assert tiny["pretrain_updates"] == 1200 and tiny["threads"] == 1 and tiny["estimated_seconds"] < 60
 
 
 def test_conformance_passes():
@@ -151,27 +153,46 @@ def test_real_gpu_tiny(small, tmp_path):
     assert res.decision == "accept", res.metrics["resume"]
 
 
-def _domain_demo(seed: int, threads: int) -> tuple:
+def _domain_demo(seed: int, threads: int, short: bool = False) -> tuple:
     """The page's domain run (the base, then the domain updates, both losses evaluated) at another model seed,
-    data seed and intra-op thread count: (gain_and_drift, the decision)."""
+    data seed and intra-op thread count: (the evaluations, gain_and_drift, the decision). ``short``: its first
+    updates only (a tenth of the pretraining, a tenth of the domain run)."""
     w = parse_workload(registry.get("TRAIN-CONTINUAL-PRETRAIN").cpu_workload, seed=seed)
     inputs = experiment.check_options(registry.make_context("TRAIN-CONTINUAL-PRETRAIN", "cpu", w))
     cfg = inputs["cfg"]
     pre, dom = (dataclasses.replace(c, seed=seed) for c in (cfg.pretrain, cfg.domain))
+    if short:
+        pre, dom = (dataclasses.replace(c, updates=c.updates // 10, warmup=2, decay=c.decay // 10) for c in (pre, dom))
     with timing_threads("cpu", threads):
         model, _ = base_model(w, inputs["texts"]["general"].ids, pre)
         evals = {k: continual_eval.eval_batches(ids, w.seq, experiment.EVAL_BATCH)
                  for k, ids in (("domain", inputs["domain_eval"]), ("holdout", inputs["texts"]["holdout"].ids))}
         trainer = phase_trainer(model, dom, continual_data.TextStream(inputs["train_ids"], w.batch, w.seq, seed))
-        gd = continual_eval.gain_and_drift(cpt.domain_run(trainer, evals, cfg.eval_at, dom.updates)["evals"])
-    return gd, continual_pretrain_rule.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], True)
+        points = cpt.domain_run(trainer, evals, {0, dom.updates}, dom.updates)["evals"]
+    gd = continual_eval.gain_and_drift(points)
+    return points, gd, continual_pretrain_rule.decide_domain(gd["domain_gain_rel"], gd["holdout_drift_rel"], True)
 
 
-def test_the_page_s_decision_does_not_depend_on_the_seed_or_the_thread_count():
-    """Another model init, data order and thread count give the same verdict; the gain clears the rule's floor
-    twice over and exceeds its own difference between the two runs (the spread a machine's rounding could add
-    is far smaller: a different seed is a larger perturbation than any rounding)."""
-    (a, da), (b, db) = _domain_demo(0, 1), _domain_demo(1, 2)
-    assert da.verdict == db.verdict == "accept", (da.reason, db.reason)
-    assert min(a["domain_gain_rel"], b["domain_gain_rel"]) >= 2 * continual_pretrain_rule.MIN_DOMAIN_GAIN_REL
-    assert abs(a["domain_gain"] - b["domain_gain"]) < min(a["domain_gain"], b["domain_gain"])
+def test_the_page_s_decision_does_not_depend_on_the_seed():
+    """The page's record (seed 0) against a rerun at another model init and data order: the same verdict, tune
+    (the domain run forgets); in both, the gain and the drift clear their spread-derived bounds twice over; and
+    the two differ by less than the seed spread those bounds are built from."""
+    rule = continual_pretrain_rule
+    page = results.load_record(RESULTS / "TRAIN-CONTINUAL-PRETRAIN__tiny-b2s64__cpu-default__domain.json")
+    a = {k: page.metrics[k] for k in ("domain_gain_rel", "holdout_drift_rel")}
+    _, b, db = _domain_demo(1, 1)
+    assert page.decision == db.verdict == "tune", (page.metrics["evals"][-1], db.reason)
+    for gd in (a, b):
+        assert gd["domain_gain_rel"] >= 2 * rule.MIN_DOMAIN_GAIN_REL, gd
+        assert gd["holdout_drift_rel"] >= 2 * rule.MAX_HOLDOUT_DRIFT_REL, gd
+    assert all(abs(a[k] - b[k]) <= rule.SEED_SPREAD_REL for k in a), (a, b)
+
+
+def test_the_thread_count_changes_no_bit():
+    """One intra-op thread or two: the same losses, bit for bit, on the run's first updates (the whole run at
+    two threads matched the record bit for bit too, when the seed spread was measured; on a shared machine
+    two threads cost many times one, so the test keeps to a tenth of it). A verdict cannot depend on what
+    changes no bit."""
+    one, _, _ = _domain_demo(0, 1, short=True)
+    two, _, _ = _domain_demo(0, 2, short=True)
+    assert one == two

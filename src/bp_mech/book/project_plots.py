@@ -10,9 +10,11 @@ from bp_mech.projects.diagnosis import POINT_LABELS
 from bp_mech.projects.step_profile import CATEGORIES, StepProfile
 
 
-def plot_gain_drift(evals: list[dict], title: str):
+def plot_gain_drift(evals: list[dict], title: str, bounds: dict[str, float] | None = None):
     """Each loss's change from the base over the domain updates (nats per token; 0: the base): the domain
-    loss's fall is the gain, the holdout loss's rise the drift; the end values are written beside them."""
+    loss's fall is the gain, the holdout loss's rise the drift; the end values are written beside them.
+    ``bounds`` (optional): per loss, the change at the rule's bound (the gain's floor as a fall, the drift's
+    bound as a rise), drawn as a dotted line in the loss's colour."""
     fig, ax = figure(6.4, 3.4)
     x = [e["update"] for e in evals]
     ax.axhline(0.0, color="grey", lw=1, ls="--", label="the base (update 0)")
@@ -22,6 +24,8 @@ def plot_gain_drift(evals: list[dict], title: str):
         line, = ax.plot(x, dy, marker=marker, ms=4, label=label)
         ax.annotate(f"{word} {sign * dy[-1]:+.3f}", (x[-1], dy[-1]), xytext=(6, 0), textcoords="offset points",
                     va="center", fontsize=8, color=line.get_color())
+        if bounds and name in bounds:
+            ax.axhline(bounds[name], color=line.get_color(), lw=1, ls=":", label=f"the rule's {word} bound")
     ax.set_xlim(x[0], x[-1] + 0.2 * (x[-1] - x[0] or 1))
     ax.set_xlabel("domain update")
     ax.set_ylabel("loss − the base's loss (nats per token)")

@@ -111,11 +111,16 @@ RULES = (
          "step landed where the loss is twice as steep; batch-to-batch variation at a stable rate is tens of "
          "percent, and a loss spike need not follow, so the norm catches jumps the loss misses."),
     Rule(("TRAIN-CONTINUAL-PRETRAIN",), "reject / tune", "domain loss fell by less than "
-         "{continual_pretrain.MIN_DOMAIN_GAIN_REL:.0%} of the base's (reject); holdout loss rose by more than "
-         "{continual_pretrain.MAX_HOLDOUT_DRIFT_REL:.0%} (tune)",
-         "The evaluations are deterministic (fixed token sets), so the floors are minimum effects, not noise "
-         "bands: the domain gain must be visible, and the holdout may give up at most twice the smallest gain "
-         "that counts. On the shipped texts they verify the measurement chain, not a recipe."),
+         "{continual_pretrain.MIN_DOMAIN_GAIN_REL:.0%} of the base's, {continual_pretrain.SPREAD_MULTIPLE} seed "
+         "spreads (reject); holdout loss rose by more than {continual_pretrain.MAX_HOLDOUT_DRIFT_REL:.0%}, one seed "
+         "spread (tune: forgetting)",
+         "Both bounds come from the page's demo rerun at seeds 0 to 2, and on 2 threads instead of 1: the largest "
+         "difference between two reruns' relative gain or drift, rounded up, is the seed spread "
+         "{continual_pretrain.SEED_SPREAD_REL:.0%} (threads change no bit on the CPU; a seed changes the init, "
+         "the data order, the base). A gain counts at {continual_pretrain.SPREAD_MULTIPLE} spreads, where no "
+         "reseed makes or unmakes it; the holdout may move by what a reseed moves it, and a rise beyond that is "
+         "forgetting, whose next step is replay. The spread is this demo's: on other texts or models, measure "
+         "yours."),
     Rule(("TRAIN-CONTINUAL-PRETRAIN",), "accept", "every loss after the saved state and every final weight equal "
          "the uninterrupted run's within {continual_pretrain.RESUME_TOL[cpu]} (CPU) or "
          "{continual_pretrain.RESUME_TOL[cuda]} (CUDA), relative (else reject)",
@@ -165,7 +170,9 @@ LINKS = (("timing.MAX_RATIO_SPREAD", "decision.MAX_TIME_RATIO"), ("decision.MAX_
          ("1 + accumulation.MAX_TIME_COST", "decision.MAX_TIME_RATIO"),
          ("amp.LOSS_REL_TOL", "2 * compare.LOW_TOL[0]"), ("ledger.STAGE_TOL", "ledger.LARGE_SHARE"),
          ("profiling.ATTRIBUTION_TOL", "ledger.LARGE_SHARE"),
-         ("continual_pretrain.MAX_HOLDOUT_DRIFT_REL", "2 * continual_pretrain.MIN_DOMAIN_GAIN_REL"),
+         ("continual_pretrain.MIN_DOMAIN_GAIN_REL",
+          "continual_pretrain.SPREAD_MULTIPLE * continual_pretrain.SEED_SPREAD_REL"),
+         ("continual_pretrain.MAX_HOLDOUT_DRIFT_REL", "continual_pretrain.SEED_SPREAD_REL"),
          ("update_dynamics.MAX_UPDATE_RATIO", "100 * update_dynamics.RULE_OF_THUMB_RATIO"),
          ("update_dynamics.MAX_UPDATE_RATIO", "1 / 10"), ("update_dynamics.GRAD_SPIKE_MAX", "2"))
 

@@ -18,7 +18,8 @@ plain float32, whose GradScaler is disabled). Step time and peak are the domain 
 warm-up and timed steps on one intra-op thread on the CPU; the allocator on CUDA). On the CPU the whole
 run uses one intra-op thread (the ``threads`` option: another count): the machines are shared, and a resumed
 run must use the same kernels.
-The shipped texts are small: they verify the measurement chain, not a conclusion about a domain.
+The shipped texts (``continual_data.load_texts``: this book's prose, its held-out tail, this package's Python
+source) are tens of kilobytes: they verify the measurement chain, not a conclusion about a domain.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from bp_mech.experiments.dry_run import own_weights_modes, schedule, steps_per_a
 # the decision rule (domain: gain and drift; resumed: equal to the uninterrupted run), its constants and the
 # warning every decision carries
 from bp_mech.experiments.continual_pretrain_rule import (MAX_HOLDOUT_DRIFT_REL, MIN_DOMAIN_GAIN_REL, RESUME_TOL,
-                                                          SHIPPED_TEXTS_WARNING, decide_domain, decide_resume)
+                                                          SEED_SPREAD_REL, SHIPPED_TEXTS_WARNING, SPREAD_MULTIPLE,
+                                                          decide_domain, decide_resume)
 from bp_mech.records.decision import Decision
 from bp_mech.records.results import json_safe
 
@@ -74,10 +76,11 @@ class CPTConfig:
 
 
 def config_for(arch: str, device, smoke: bool = False) -> CPTConfig:
-    """tiny on the CPU: 200 pretraining updates (past the unigram plateau, where the base's loss no longer
-    depends on when a seed escapes it) and 100 domain updates at a third of that rate (seconds); the
-    domain gain is several times its spread over seeds and thread counts. qwen05 on CUDA (random init):
-    a few updates, since memory and time are what that run measures."""
+    """tiny on the CPU: 1200 pretraining updates on the prose (about three passes over it: the base's
+    holdout loss is still falling, far below the unigram plateau, so it has learned English worth keeping)
+    and 200 domain updates at a third of that rate (seconds); the gain and the drift are many times their
+    spread over seeds and thread counts (``continual_pretrain_rule.SEED_SPREAD_REL``). qwen05 on CUDA
+    (random init): a few updates, since memory and time are what that run measures."""
     rounds, warmup = schedule(device, smoke)
     if smoke:
         return CPTConfig(cpt.TrainConfig(updates=4, lr=3e-3, warmup=1, decay=1),
@@ -87,8 +90,8 @@ def config_for(arch: str, device, smoke: bool = False) -> CPTConfig:
         return CPTConfig(cpt.TrainConfig(updates=6, lr=3e-4, warmup=1, decay=2),
                          cpt.TrainConfig(updates=12, lr=1e-4, warmup=2, decay=4), save_at=6, eval_every=6,
                          timed=rounds, warmup=warmup)
-    return CPTConfig(cpt.TrainConfig(updates=200, lr=3e-3, warmup=10, decay=60),
-                     cpt.TrainConfig(updates=100, lr=1e-3, warmup=10, decay=30), eval_every=20,
+    return CPTConfig(cpt.TrainConfig(updates=1200, lr=3e-3, warmup=20, decay=300),
+                     cpt.TrainConfig(updates=200, lr=1e-3, warmup=10, decay=60), eval_every=20,
                      timed=rounds, warmup=warmup)
 
 
@@ -226,7 +229,8 @@ def domain_record(ctx, cfg: CPTConfig, main: dict, m, state: dict, common: dict)
             **gd, evals=evals, steps=steps, saved_state=state, step_samples_s=m and m.timing.samples,
             wall_samples_s=m and m.timing.wall_samples,
             updates_by_run=dict(domain=applied, measurement=m.updates if m else None), timed_steps=cfg.timed,
-            rule=dict(MIN_DOMAIN_GAIN_REL=MIN_DOMAIN_GAIN_REL, MAX_HOLDOUT_DRIFT_REL=MAX_HOLDOUT_DRIFT_REL), **common)))
+            rule=dict(MIN_DOMAIN_GAIN_REL=MIN_DOMAIN_GAIN_REL, MAX_HOLDOUT_DRIFT_REL=MAX_HOLDOUT_DRIFT_REL,
+                      SEED_SPREAD_REL=SEED_SPREAD_REL, SPREAD_MULTIPLE=SPREAD_MULTIPLE), **common)))
 
 
 def resumed_record(ctx, resumed: dict, resume: dict, state: dict, common: dict):
