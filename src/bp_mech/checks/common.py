@@ -31,6 +31,13 @@ def call(fn: str, f, *args, at: str, **kwargs):
         raise AssertionError(f"{fn}: raised {type(e).__name__} at {at}: {first}") from e
 
 
+def int_as_float(fn: str, got, at: str = "") -> float:
+    """A predicted byte count, which must be exactly an ``int``, as a float for a relative comparison."""
+    if type(got) is not int:
+        raise CheckFailed(f"{fn}: the prediction is {describe(got)}, expected an int (bytes){at}")
+    return float(got)
+
+
 def autograd_grads(fn, inputs, dy) -> tuple:
     """The reference: autograd's gradients of ``fn(*inputs)`` for output gradient ``dy``, w.r.t. fresh
     leaf copies of ``inputs``."""

@@ -15,7 +15,7 @@ out at its documented default 4, global state restored.
 import torch
 from hypothesis import strategies as st
 
-from bp_mech.checks.common import CheckFailed, describe
+from bp_mech.checks.common import int_as_float
 from bp_mech.checks.engine import Contract, checks
 from bp_mech.checks.ex43_measure import (POOL, SHAPES, describe_shape, measure_block_saved_bytes, measure_forward_bytes,
                                          measure_gelu_mlp_saved_bytes, measure_state, shape_config, shape_of)
@@ -87,11 +87,8 @@ GELU = Contract(  # (hidden, intermediate, batch, seq, bytes_per_value)
 def _predict_use(f):
     """An int, read as a float for a relative comparison within ``PREDICT_TOL``."""
     def g(cfg, batch, seq):
-        got = f(cfg, batch, seq)
-        if type(got) is not int:
-            raise CheckFailed(f"predict_forward_bytes: the prediction is {describe(got)}, expected an int (bytes) at "
-                              f"{describe_shape(shape_of(cfg))}, batch {batch}, seq {seq}")
-        return float(got)
+        return int_as_float("predict_forward_bytes", f(cfg, batch, seq),
+                            f" at {describe_shape(shape_of(cfg))}, batch {batch}, seq {seq}")
     return g
 
 

@@ -19,7 +19,7 @@ import random
 
 from hypothesis import strategies as st
 
-from bp_mech.checks.common import CheckFailed, describe
+from bp_mech.checks.common import CheckFailed, int_as_float
 from bp_mech.checks.engine import Contract, Raises, checks
 
 GIB = 2**30
@@ -269,10 +269,7 @@ def _predict_use(f):
         got = f(cfg, batch, seq)
         if cfg.to_dict() != before:
             raise CheckFailed("predict_checkpoint_plan_peak: cfg was modified")
-        if type(got) is not int:
-            raise CheckFailed(f"predict_checkpoint_plan_peak: the prediction is {describe(got)}, expected an int "
-                              f"(bytes)")
-        return float(got)
+        return int_as_float("predict_checkpoint_plan_peak", got)
     return g
 
 
