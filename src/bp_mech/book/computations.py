@@ -15,7 +15,7 @@ import time
 
 from bp_mech import RESULTS_DIR
 from bp_mech.planner import plan as planner
-from bp_mech.planner import sweep
+from bp_mech.planner import calculator, sweep
 from bp_mech.planner.pool import default_workers
 from bp_mech.planner.reference_gap import Gap, reference_gap
 from bp_mech.planner.reference_reading import DEFINITIONS
@@ -40,6 +40,12 @@ def plan(name: str, *args, **kwargs) -> planner.Plan:
     and the cached GPU records key it), traced on all the CPUs this process may use when refreshed."""
     return cached(f"plan__{name}", planner.plan, *args, inputs=gpu_record_files(),
                   workers=default_workers(), **kwargs)
+
+
+def calculator_table(model: str) -> calculator.Table:
+    """``planner.calculator.table(model)``: every point the book's calculator offers for ``model``, traced as
+    ``bp-mech plan`` traces it, from its computed record."""
+    return cached(f"calculator__{model}", calculator.table, model)
 
 
 def sweep_outcomes() -> dict[str, tuple[str, str]]:
