@@ -81,7 +81,8 @@ def drive(driver, url: str, tables: dict, n: int, seed: int, shot: Path | None =
     from selenium.webdriver.support.ui import Select
 
     load(driver, url)
-    errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE" and "favicon" not in e["message"]]
+    errors = [e["message"] for e in driver.get_log("browser")
+              if e["level"] == "SEVERE" and "favicon" not in e["message"]]
     assert not errors, errors
     form = driver.find_element(By.ID, "bp-calc-form")
     rng, compared = random.Random(seed), 0
@@ -121,6 +122,13 @@ def test_the_calculator_in_chromium_is_the_evaluator(driver, tables, tmp_path):
                                         + calculator_page.form_html(tables) + "</body></html>", encoding="utf-8")
     with serve(tmp_path) as url:
         assert drive(driver, url + "calc.html", tables, 40, SEED, tmp_path / "calc.png") > 40
+        # the script's rule at every point, at each row's needs and a byte below it: where a pick can change
+        asked = [(calculator_page.key(e.point), b) for t in tables.values() for e in t.entries
+                 for r in e.rows for b in (r.needs, r.needs - 1)]
+        picks = driver.execute_script("return arguments[0].map(([k, b]) => window.bpCalcPick(k, b));", asked)
+        want = [calculator.evaluate(tables, e.point, b).pick for t in tables.values() for e in t.entries
+                for r in e.rows for b in (r.needs, r.needs - 1)]
+        assert picks == want
 
 
 @pytest.mark.browser

@@ -91,9 +91,9 @@ def test_a_point_not_offered_is_refused():
 
 
 def test_the_request_is_the_command_line():
-    p = calculator.Point("qwen05", "lora", 8, 2048, 4)
+    p = calculator.Point("qwen05", "lora", 8, 512, 4)
     r = calculator.request(p, 2**34)
-    assert (r.workload, r.batch, r.seq, r.gpus, r.shard) == ("qwen05-b4s2048", 4, 2048, 8, "fsdp2")
+    assert (r.workload, r.batch, r.seq, r.gpus, r.shard) == ("qwen05-b4s512", 4, 512, 8, "fsdp2")
     assert r.weights.value == "bfloat16" and r.finetune.lora_rank == calculator.LORA_RANK
     assert [s.name for s in r.candidates] == list(calculator.STRATEGIES)
     q = calculator.request(calculator.Point("llama-3-70b", "full", 8, 2048, 1), 2**34, "x/config.json")

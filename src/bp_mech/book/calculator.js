@@ -57,6 +57,14 @@
       opts.slice(2).concat(["--strategies $S"]).join(" ");
   }
 
+  function rowsOf(point) {
+    return (data.points[point] || []).map((r) => ({
+      strategy: r[0], peak: r[1], needs: r[2], extra: r[3], keepsFloat32: r[4], mechanisms: r[5],
+    }));
+  }
+  // the pick at any point and budget in bytes (the browser test asks it at every point's thresholds)
+  window.bpCalcPick = (point, budget) => recommend(rowsOf(point), budget);
+
   function show() {
     if (form.dataset.model !== field("model").value) {  // the model's own GPUs, sequences and batches
       const m = data.models[field("model").value];
@@ -69,9 +77,7 @@
     for (const k of ["model", "mode", "gpus", "seq", "batch"]) f[k] = field(k).value;
     const point = [f.model, f.mode, f.gpus, f.seq, f.batch].join("|");
     const budget = Math.max(1, Math.floor(Number(field("budget").value) || 1)) * GiB;
-    const rows = (data.points[point] || []).map((r) => ({
-      strategy: r[0], peak: r[1], needs: r[2], extra: r[3], keepsFloat32: r[4], mechanisms: r[5],
-    }));
+    const rows = rowsOf(point);
     const [k, u] = unit(rows);
     document.querySelectorAll("#bp-calc-table th[data-unit]").forEach((th) => {
       th.textContent = th.dataset.unit + " (" + u + ")";
