@@ -47,14 +47,13 @@
   function command(f, budget) {
     const src = data.workloads.includes(f.model) ? "--workload " + f.model + "-b" + f.batch + "s" + f.seq :
       "--config " + f.model + "/config.json --batch " + f.batch + " --seq " + f.seq;
-    const opts = [src, "--budget " + budget / GiB + "GiB"];
-    if (f.mode !== "full") opts.push("--dtype bf16");
-    if (f.mode === "lora") opts.push("--lora-rank " + data.loraRank);
-    if (f.gpus !== "1") opts.push("--gpus " + f.gpus + " --shard fsdp2");
+    const lines = ["bp-mech plan " + src, "--budget " + budget / GiB + "GiB"];
+    if (f.mode !== "full") lines[1] += " --dtype bf16";
+    if (f.mode === "lora") lines[1] += " --lora-rank " + data.loraRank;
+    lines.push((f.gpus !== "1" ? "--gpus " + f.gpus + " --shard fsdp2 " : "") + "--strategies $S");
     const half = Math.ceil(data.strategies.length / 2);
     return "S=" + data.strategies.slice(0, half).join(",") + "\nS=$S," + data.strategies.slice(half).join(",") +
-      "\nbp-mech plan " + opts.slice(0, 2).join(" ") + " \\\n    " +
-      opts.slice(2).concat(["--strategies $S"]).join(" ");
+      "\n" + lines.join(" \\\n    ");
   }
 
   function rowsOf(point) {
