@@ -9,7 +9,7 @@ pick needs (``Row``); the page's record of it is computed by ``make records`` (`
 ``evaluate`` gives a point's rows and pick for a budget from the table, by the plan's own rule
 (``plan.recommend``); the page's script ports that rule. Every offered point is traced, so every offered
 answer is the command's to the byte (tests/planner/test_calculator.py compares at random points; the browser
-test, tests/test_calculator_page.py, compares the page with ``evaluate``).
+test, tests/book/test_calculator_page.py, compares the page with ``evaluate``).
 """
 
 from __future__ import annotations
