@@ -108,6 +108,9 @@
       pick === null ? "Nothing fits this budget." :
       "The plan's pick for " + grouped(budget) + " bytes: " + pick + ".";
     document.getElementById("bp-calc-cmd").textContent = command(f, budget);
+    const absent = data.strategies.filter((n) => !rows.some((r) => r.strategy === n));
+    document.getElementById("bp-calc-absent").textContent = absent.length === 0 ? "" :
+      "Not in the plan at this point (the command says why): " + absent.join(", ") + ".";
   }
 
   options(field("model"), Object.keys(data.models), Object.values(data.models).map((m) => m.label));

@@ -70,6 +70,7 @@ def form_html(tables: dict[str, calculator.Table], budget_gib: int = 80) -> str:
 <div style="overflow-x:auto">
 <table id="bp-calc-table" class="table"><thead><tr>{head}</tr></thead><tbody></tbody></table>
 </div>
+<p id="bp-calc-absent"></p>
 <pre id="bp-calc-cmd" style="overflow-x:auto"></pre>
 <script type="application/json" id="bp-calc-data">{data}</script>
 <script>{SCRIPT.read_text(encoding="utf-8")}</script>
