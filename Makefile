@@ -31,8 +31,8 @@ test: $(STAMP)   ## every test on two workers; the book is built once (make book
 records: $(STAMP)   ## refresh the cached CPU records and the computed records (fake-tensor traces, the sweep)
 	rm -f book/results/*__cpu-*.json book/results/computed/*.json
 	$(VENV)/bin/bp-mech run --suite cpu --out book/results
-	$(PY) tools/book_build.py --records
 	$(PY) -m bp_mech.book.computations
+	$(PY) tools/book_build.py --records
 
 mutation: $(STAMP)   ## mutation score of the graded code under the exercise checks (about an hour on two cores; not in make test)
 	$(PY) -m pip install --quiet -r requirements/mutation.txt

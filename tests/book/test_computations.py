@@ -1,6 +1,8 @@
 """``book.computations``: each page value comes from its computed record under its own key, with the GPU
 records it reads (not the CPU runs') among the plan's inputs; ``records.computed.cached`` stood in for."""
 
+import os
+
 import pytest
 
 from bp_mech.book import computations
@@ -30,3 +32,13 @@ def test_a_reference_gap_under_every_definition_and_the_sweep(calls):
     assert computations.reference_gap_of("TRAIN-OFFLOAD") == "reference-gap__TRAIN-OFFLOAD"
     assert calls[0][2] == ("TRAIN-OFFLOAD", list(computations.DEFINITIONS))
     assert computations.sweep_outcomes() == computations.SWEEP and calls[1][1] is computations.sweep.sweep
+
+
+def test_a_calculator_table_is_read_never_traced_by_a_page(monkeypatch):
+    monkeypatch.setenv(computations.REFRESH_ENV, "refresh")  # make records runs the pages so
+    seen = []
+    monkeypatch.setattr(computations, "cached",
+                        lambda key, fn, *a, **kw: seen.append(os.environ.get(computations.REFRESH_ENV)) or key)
+    assert computations.calculator_table("tiny") == "calculator__tiny" and seen == [None]
+    assert os.environ[computations.REFRESH_ENV] == "refresh"
+    assert computations.calculator_record("qwen05") == "calculator__qwen05"

@@ -15,6 +15,12 @@ def test_qwen2_5_7b_has_its_published_parameter_count():
     assert sum(p.numel() for p in model.parameters()) == 7_615_616_512  # Qwen2.5-7B's model card: 7.61B
 
 
+def test_llama_3_8b_has_its_published_parameter_count():
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(public_config("llama-3-8b"))
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Meta-Llama-3-8B: 8.03B
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_every_field_reaches_the_config(name):
     config = public_config(name)

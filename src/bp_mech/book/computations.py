@@ -1,10 +1,12 @@
 """The computed records the pages and the tests read (``records.computed``): every fake-tensor trace a page
-shows, and the sweep of every model type, each computed by ``make records`` and read back by name.
+shows, the sweep of every model type and the calculator's tables, each computed by ``make records`` and read
+back by name.
 
 A page calls the helper that shows the value (``book.reconciliation.reconcile``, ``plan`` here); the value
 comes from its record in ``book/results/computed/``, refused when stale. ``make records`` runs the pages
 once with ``BP_MECH_COMPUTE=refresh`` (``tools/book_build.py --records``), which computes and saves each
-record a page asks for, then ``python -m bp_mech.book.computations`` for those no page asks for (the sweep).
+record a page asks for, after ``python -m bp_mech.book.computations`` has computed those no page computes (the
+sweep; the calculator's tables, which its page only reads).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from bp_mech import RESULTS_DIR
 from bp_mech.book.step_memory import fake_steps
 from bp_mech.planner import plan as planner
-from bp_mech.planner import sweep
+from bp_mech.planner import calculator, sweep
 from bp_mech.planner.pool import default_workers
 from bp_mech.planner.reference_gap import Gap, reference_gap
 from bp_mech.planner.definitions import StepLedger
@@ -51,17 +53,48 @@ def plan(name: str, *args, **kwargs) -> planner.Plan:
                   workers=default_workers(), **kwargs)
 
 
+def calculator_record(model: str) -> calculator.Table:
+    """``planner.calculator.table(model)``: every point the book's calculator offers for ``model``, traced as
+    ``bp-mech plan`` traces it, from its computed record (computed here with ``BP_MECH_COMPUTE=refresh``)."""
+    return cached(f"calculator__{model}", calculator.table, model)
+
+
+def calculator_table(model: str) -> calculator.Table:
+    """``calculator_record(model)`` read, never computed, even while ``make records`` runs the pages: ``main``
+    computes it (the large models' traces take longer than a page's cell may run)."""
+    refresh = os.environ.pop(REFRESH_ENV, None)
+    try:
+        return calculator_record(model)
+    finally:
+        if refresh is not None:
+            os.environ[REFRESH_ENV] = refresh
+
+
+def _refresh_calculator(model: str) -> tuple[str, int, float]:
+    os.environ[REFRESH_ENV] = "refresh"
+    t0 = time.process_time()
+    return model, len(calculator_record(model).entries), time.process_time() - t0
+
+
 def sweep_outcomes() -> dict[str, tuple[str, str]]:
     """``planner.sweep.sweep()``: every model type's outcome, from its computed record."""
     return cached(SWEEP, sweep.sweep, workers=default_workers())
 
 
 def main() -> int:
-    """``python -m bp_mech.book.computations``: compute and save the records no page asks for (the sweep)."""
+    """``python -m bp_mech.book.computations``: compute and save the records no page computes (the sweep, the
+    calculator's tables: one process per model, up to ``default_workers``, the largest first)."""
+    import concurrent.futures
+    import multiprocessing
+
     os.environ[REFRESH_ENV] = "refresh"
     t0 = time.perf_counter()
     outcomes = sweep_outcomes()
     print(f"{SWEEP}: {len(outcomes)} model types in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    models = sorted(calculator.SPACE, key=lambda m: m in calculator.WORKLOADS)  # the public (large) ones first
+    with concurrent.futures.ProcessPoolExecutor(default_workers(), multiprocessing.get_context("spawn")) as pool:
+        for model, n, cpu in pool.map(_refresh_calculator, models):
+            print(f"calculator__{model}: {n} points in {cpu:.0f} CPU-s", file=sys.stderr)
     return 0
 
 
