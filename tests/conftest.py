@@ -142,7 +142,8 @@ def _mutants_unshrunk(monkeypatch):
 
 # the tests that read the build (tools/book_build.current_build): on the worker that builds it, never waiting
 # on the other
-BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py", "tests/test_rendered_pages.py")
+BOOK_TESTS = ("tests/test_book.py", "tests/test_browser.py", "tests/test_browser_audit.py", "tests/test_rendered_pages.py",
+              "tests/book/test_calculator_page.py")
 
 
 def test_group(nodeid: str) -> str:
