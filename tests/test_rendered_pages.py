@@ -91,7 +91,14 @@ def dash_tables(html: str) -> list[str]:
     return found
 
 
-AUDITS = (empty_sections, repeated_blocks, dash_tables)
+def bold_prose(html: str) -> list[str]:
+    """Glued sentences set in bold: MyST-NB's ``pasted-text`` spans of four words or more without the book's
+    ``pasted-prose`` class (book/_ext/bp_book.py), which bp-book.css sets in the text's own weight."""
+    spans = BeautifulSoup(html, "html.parser").select("span.pasted-text")
+    return [_text(sp)[:60] for sp in spans if len(_text(sp).split()) >= 4 and "pasted-prose" not in sp["class"]]
+
+
+AUDITS = (empty_sections, repeated_blocks, dash_tables, bold_prose)
 
 
 def page(body: str) -> str:
@@ -104,7 +111,7 @@ GOOD = page('<section id="a"><h2>Results</h2><p>The step peaks at 3.2 MiB, check
 
 
 def test_a_page_with_content_passes():
-    assert [audit(GOOD) for audit in AUDITS] == [[], [], []]
+    assert [audit(GOOD) for audit in AUDITS] == [[], [], [], []]
 
 
 def test_a_section_that_only_says_nothing_is_there_fails():
@@ -130,6 +137,13 @@ def test_a_table_mostly_of_dashes_fails():
                 "</table>")
     assert dash_tables(html) == ["arm a b c"]  # column c: four of six "–"
     assert dash_tables(html.replace(f"<td>{DASH}</td></tr>", "<td>2.0</td></tr>")) == []  # c filled, b half "–"
+
+
+def test_a_glued_sentence_in_bold_fails():
+    value = '<p>It took <span class="pasted-text">14.2 s</span>.</p>'
+    sentence = '<p><span class="pasted-text">The holdout loss never rose above the baseline.</span></p>'
+    assert bold_prose(value) == [] and bold_prose(sentence) == ["The holdout loss never rose above the baseline."]
+    assert bold_prose(sentence.replace('"pasted-text"', '"pasted-text pasted-prose"')) == []
 
 
 def _chapters() -> list[Path]:

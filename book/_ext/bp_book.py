@@ -206,6 +206,17 @@ def drop_duplicate_scripts(app: Sphinx, pagename: str, templatename: str, contex
 # (and warn): sphinx_jupyterbook_latex (its transforms edit each page's own doctree; the rest acts for LaTeX builds
 # only) and sphinx_multitoc_numbering (it numbers sections in the main process, after every page is read). Both are
 # safe to read side by side; ``tools/book_build.py`` asks for two pages at a time.
+PROSE_WORDS = 4  # a glued text of this many words or more is a phrase the code chose, not a value
+
+
+def unbold_glued_prose(app: Sphinx, doctree, docname: str) -> None:
+    """MyST-NB sets every glued text in bold (``span.pasted-text``): right for a measured value, wrong for a
+    sentence chosen from the run. Such a span gets the class ``pasted-prose`` (bp-book.css: normal weight)."""
+    for node in doctree.findall(nodes.inline):
+        if "pasted-text" in node["classes"] and len(node.astext().split()) >= PROSE_WORDS:
+            node["classes"].append("pasted-prose")
+
+
 PARALLEL_SAFE = ("sphinx_jupyterbook_latex", "sphinx_multitoc_numbering")
 
 
@@ -226,6 +237,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("builder-inited", declare_parallel_safe)
     app.connect("html-page-context", drop_duplicate_scripts)
     app.connect("build-finished", copy_mathjax)
+    app.connect("doctree-resolved", unbold_glued_prose)
     app.connect("env-get-outdated", always_read)
     app.connect("html-page-context", offer_notebook, priority=400)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
