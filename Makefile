@@ -17,7 +17,7 @@ venv: $(STAMP)
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(foreach r,$(REQS),-r $(r))
+	$(PY) -m pip install --quiet --no-compile $(foreach r,$(REQS),-r $(r))
 	$(PY) -m pip install --quiet --no-deps -e .
 	$(PY) -m pip check
 	touch $@

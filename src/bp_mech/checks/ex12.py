@@ -15,7 +15,6 @@ from functools import lru_cache
 
 import torch
 from hypothesis import strategies as st
-from transformers import get_wsd_schedule
 
 from bp_mech.checks.common import CheckFailed
 from bp_mech.checks.engine import Contract, Raises, checks
@@ -46,6 +45,8 @@ DRAWN_CONFIGS = st.builds(WSDConfig, base_lr=st.sampled_from([1e-3, 3e-4, 2.0, 1
 @lru_cache(maxsize=256)
 def _lam(cfg: WSDConfig):
     """transformers' own multiplier function of the WSD LambdaLR (read directly, no stepping)."""
+    from transformers import get_wsd_schedule  # here, not at the top: it imports peft (seconds) through trainer_utils
+
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     return get_wsd_schedule(opt, cfg.warmup, cfg.decay, num_stable_steps=cfg.stable, decay_type=cfg.decay_type,
                             min_lr_ratio=cfg.min_lr_ratio).lr_lambdas[0]

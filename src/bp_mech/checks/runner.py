@@ -76,9 +76,10 @@ def marker(chapter: str) -> str:
 def chapter_checks(chapter: str) -> tuple[str, list]:
     """(exercise file name without .py, its checks in ``CHECKS`` order)."""
     m = marker(chapter)
-    for mark, module, name in _checks_package().CHAPTERS:
+    package = _checks_package()
+    for mark, module, name in package.CHAPTERS:
         if mark == m:
-            return name, list(module.CHECKS)
+            return name, list(package.module(module).CHECKS)
     raise CheckError(f"chapter {chapter} has no exercise checks yet (src/bp_mech/checks/__init__.py lists none for {m})")
 
 
