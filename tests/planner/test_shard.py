@@ -23,6 +23,7 @@ import torch
 
 from bp_mech.planner import build, lifecycle, shard
 from bp_mech.planner.definitions import STEADY, StepDefinition
+from bp_mech.planner.finetune import FineTune
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, parse
 
@@ -36,10 +37,13 @@ KEEP = StepDefinition(keep_outputs=True)  # the loop that holds ``out`` through 
 LINES = ("parameters", "gradients", "optimizer_states", "saved_activations", "logits_loss", "other",
          "gathered", "collective", "most_gathered", "most_collective")  # most_*: at any moment, not at a snapshot
 MIXED = "checkpoint-all+fp16+micro2+chunked-loss"  # four mechanisms at once under FSDP2
-# (family, sharding, outputs kept, strategy) run by every rank of a world
-CASES = {2: (("qwen2", "fsdp2", False, "plain"), ("qwen2", "fsdp2", True, "plain"), ("qwen2", "fsdp2", False, MIXED),
-             ("gpt_neox", "fsdp2", False, "plain"), ("qwen2", "ddp", False, "plain")),
-         4: (("qwen2", "fsdp2", False, "plain"),)}
+LORA = FineTune(lora_rank=4)  # a PEFT model under FSDP2: fully_shard renames its class (FSDPPeftModelForCausalLM)
+# (family, sharding, outputs kept, strategy, fine-tuning) run by every rank of a world
+CASES = {2: (("qwen2", "fsdp2", False, "plain", None), ("qwen2", "fsdp2", True, "plain", None),
+             ("qwen2", "fsdp2", False, MIXED, None), ("qwen2", "fsdp2", False, "plain", LORA),
+             ("qwen2", "fsdp2", False, "checkpoint-all+chunked-loss", LORA),
+             ("gpt_neox", "fsdp2", False, "plain", None), ("qwen2", "ddp", False, "plain", None)),
+         4: (("qwen2", "fsdp2", False, "plain", None),)}
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny steps, one intra-op thread
 
@@ -80,9 +84,10 @@ def _rank(rank: int, world: int, init: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         for case in CASES[world]:
-            family, how, keep, name = case
+            family, how, keep, name, ft = case
             prepare = shard.fsdp2(init_device_mesh("cpu", (world,))) if how == "fsdp2" else shard.ddp
-            session = lifecycle.Session(build.ConfigWorkload(tiny_config(family), BATCH, SEQ), "cpu", options=CPU,
+            session = lifecycle.Session(build.ConfigWorkload(tiny_config(family), BATCH, SEQ, finetune=ft), "cpu",
+                                        options=CPU,
                                         definition=KEEP if keep else STEADY, prepare=prepare)
             if how == "ddp":  # DDP rebuilds its buckets in the second forward: the steady state is the third step
                 session.ledger(PLAIN)
@@ -130,15 +135,18 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases],
-                         ids=lambda x: x if isinstance(x, int) else "-".join(x[:2]) + "-kept" * x[2] + f"-{x[3]}")
+                         ids=lambda x: x if isinstance(x, int) else
+                         "-".join(x[:2]) + "-kept" * x[2] + f"-{x[3]}" + "-lora" * bool(x[4]))
 def test_every_rank_matches_the_one_process_plan(world, case, ranks):
-    family, how, keep, name = case
+    family, how, keep, name, ft = case
     d, s = KEEP if keep else STEADY, parse(name)
-    plan = shard.rank_ledger(tiny_config(family), BATCH, SEQ, world, how, s, CPU, d)
-    one = shard.rank_ledger(tiny_config(family), BATCH, SEQ, 1, "ddp", s, CPU, d)  # one device
+    plan = shard.rank_ledger(tiny_config(family), BATCH, SEQ, world, how, s, CPU, d, ft)
+    one = shard.rank_ledger(tiny_config(family), BATCH, SEQ, 1, "ddp", s, CPU, d, ft)  # one device
     want = lines(plan)
     assert plan.ledger.source == "fake-tensor" and want["collective"] > 0
-    if how == "fsdp2":  # sharded: less than one device; gathered: the root's and one block's, all freed by the end
+    if ft is not None:  # sharded weights at rest; at tiny size the gathered blocks outweigh the tiny LoRA state
+        assert plan.ledger.total("load") < one.ledger.total("load")
+    elif how == "fsdp2":  # sharded: less than one device; gathered: the root's and one block's, all freed by the end
         root, blocks = unsharded_bytes(family)
         block = max(blocks)
         assert plan.ledger.total("load") < one.ledger.total("load") and plan.peak < one.peak

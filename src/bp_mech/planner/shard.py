@@ -181,7 +181,8 @@ def check(shard: str, gpus: int) -> None:
 
 
 def rank_ledger(config, batch: int, seq: int, gpus: int, shard: str, strategy: Strategy = PLAIN,
-                options: StepOptions = StepOptions(), definition: StepDefinition = STEADY) -> RankLedger:
+                options: StepOptions = StepOptions(), definition: StepDefinition = STEADY,
+                finetune=None) -> RankLedger:
     """Rank 0's ledger of one step (``definition``: the steady state by default) on ``gpus`` devices
     sharded by ``shard``, traced in this process under fake tensors at full size.
 
@@ -196,6 +197,7 @@ def rank_ledger(config, batch: int, seq: int, gpus: int, shard: str, strategy: S
         options: how the step runs (``StepOptions``: AdamW implementation, offload threshold); pass
             ``options.for_device("cuda")`` to estimate a GPU.
         definition: which step (``planner.definitions.StepDefinition``).
+        finetune: frozen parameters or LoRA (``planner.finetune.FineTune``); None: full training.
 
     Returns:
         A ``RankLedger``: ``.ledger`` (source "fake-tensor": bytes per stage and class, ``.peak``), the
@@ -213,6 +215,6 @@ def rank_ledger(config, batch: int, seq: int, gpus: int, shard: str, strategy: S
         (True, True)
     """
     with planning(shard, gpus) as (prepare, trace):
-        session = lifecycle.Session(build.ConfigWorkload(config, batch, seq), fake=True, options=options,
-                                    definition=definition, prepare=prepare)
+        session = lifecycle.Session(build.ConfigWorkload(config, batch, seq, finetune=finetune), fake=True,
+                                    options=options, definition=definition, prepare=prepare)
         return trace(session, strategy)
