@@ -183,3 +183,17 @@ def test_verbose_shows_pytest_output():
     stubs, answers = run(), run("--dir", "answers")
     assert stubs.returncode == 1 and "NotImplementedError" in stubs.stdout and "FAILED" in stubs.stdout
     assert answers.returncode == 0 and "PASSED" in answers.stdout and " passed" in answers.stdout
+
+
+def test_checking_a_chapter_imports_its_checks_only():
+    """A page runs its own chapter's checks while the book builds: importing every chapter's references (peft
+    through transformers' WSD schedule, among them) cost each page seconds. In a fresh interpreter, checking
+    chapter 19 imports its own checks modules (ex19 and its variant's), no other chapter's, and not peft."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from bp_mech.checks.runner import chapter_checks; chapter_checks('19'); "
+            "print(sorted(m for m in sys.modules if m.startswith('bp_mech.checks.ex') or m == 'peft'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    imported = eval(out)  # a list of module names
+    assert "bp_mech.checks.ex19" in imported and all(m.startswith("bp_mech.checks.ex19") for m in imported), out
