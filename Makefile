@@ -6,8 +6,9 @@ PYTHON ?= python3
 # others' (make test: 19 CPU-minutes and 9.7 min of pytest on a clean clone at the default, 13 and 7.3 at one
 # thread). One thread also makes the pages' live runs the same on every machine, whatever its cores. Tests that
 # measure threads set them themselves; `make records` keeps the default.
-# The packages' bytecode is compiled once, on every core (pip compiles on one: 40 s of a 73 s install); left to
-# the first imports, the book's parallel pages would each compile the same modules.
+# The packages' bytecode is compiled once, on every core (pip compiles on one: 40 s of a 73 s install). Not left
+# to the first imports: where PYTHONDONTWRITEBYTECODE is set (these machines set it) none would be written, and
+# every process would compile what it imports again (a cold build took 215 s instead of 133 s).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-train-cpu
