@@ -44,10 +44,10 @@ class Space:
 # offer few points: ``make records`` traces them all (book/appendix/memory-calculator.md states the set).
 SPACE = {
     "tiny": Space("tiny (the book's CPU model)", (32, 128), (1, 2)),
-    "qwen05": Space("Qwen2.5-0.5B", (512,), (1, 8), (1, 2, 4)),
-    "qwen2.5-7b": Space("Qwen2.5-7B", (2048,), (1, 8), (1, 2)),
-    "llama-3-8b": Space("Llama-3-8B", (2048,), (1, 8), (1, 2)),
-    "llama-3-70b": Space("Llama-3-70B", (2048,), (8,), (1,)),
+    "qwen05": Space("Qwen2.5-0.5B", (512,), (1, 2, 4, 8), (1, 2, 4)),
+    "qwen2.5-7b": Space("Qwen2.5-7B", (2048,), (1, 2, 4, 8), (1, 2)),
+    "llama-3-8b": Space("Llama-3-8B", (2048,), (1, 2, 4, 8), (1, 2)),
+    "llama-3-70b": Space("Llama-3-70B", (2048,), (4, 8), (1,)),
 }
 
 
