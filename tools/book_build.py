@@ -38,7 +38,7 @@ SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", "_build"}
 JOBS = int(os.environ.get("BP_MECH_BOOK_JOBS", min(2, os.cpu_count() or 1)))
 # jupyter-book's command line, with Sphinx's ``parallel`` (its ``build_sphinx`` takes ``jobs``; the CLI offers none)
 # and one page per parallel chunk, longest first (``page_order``). Sphinx cuts the sorted pages into ``jobs``
-# runs of consecutive pages: the live-run chapters (43 to 76) fell into one, which took 176 s of executed pages
+# runs of consecutive pages: the live-run chapters (19 to 76) fell into one, which took 176 s of executed pages
 # while the other was done after 111 s. Page by page, longest first (``chunks``), a free worker takes the next.
 _JB = """
 import functools, json, sys

@@ -189,11 +189,12 @@ def test_checking_a_chapter_imports_its_checks_only():
     """A page runs its own chapter's checks while the book builds: importing every chapter's references (peft
     through transformers' WSD schedule, among them) cost each page seconds. In a fresh interpreter, checking
     chapter 19 imports its own checks modules (ex19 and its variant's), no other chapter's, and not peft."""
+    import json
     import subprocess
     import sys
 
-    code = ("import sys; from bp_mech.checks.runner import chapter_checks; chapter_checks('19'); "
-            "print(sorted(m for m in sys.modules if m.startswith('bp_mech.checks.ex') or m == 'peft'))")
+    code = ("import json, sys; from bp_mech.checks.runner import chapter_checks; chapter_checks('19'); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('bp_mech.checks.ex') or m == 'peft')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    imported = eval(out)  # a list of module names
+    imported = json.loads(out)
     assert "bp_mech.checks.ex19" in imported and all(m.startswith("bp_mech.checks.ex19") for m in imported), out

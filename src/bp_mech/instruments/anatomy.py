@@ -28,8 +28,9 @@ def unwrapped(model) -> nn.Module:
     """The Transformers model itself: a PEFT model's base model, DDP's ``module``, else ``model``."""
     if isinstance(getattr(model, "module", None), nn.Module) and type(model).__name__ == "DistributedDataParallel":
         model = model.module
-    get = getattr(model, "get_base_model", None)  # (by any class of its MRO: FSDP2's fully_shard makes a PEFT
-    peft = any(c.__name__.startswith("Peft") for c in type(model).__mro__)  # model an FSDPPeft<name> subclass)
+    # a PEFT model by any class of its MRO: FSDP2's fully_shard makes it an FSDPPeft<name> subclass
+    get = getattr(model, "get_base_model", None)
+    peft = any(c.__name__.startswith("Peft") for c in type(model).__mro__)
     return get() if callable(get) and peft else model
 
 
