@@ -6,9 +6,12 @@ PYTHON ?= python3
 # others' (make test: 19 CPU-minutes and 9.7 min of pytest on a clean clone at the default, 13 and 7.3 at one
 # thread). One thread also makes the pages' live runs the same on every machine, whatever its cores. Tests that
 # measure threads set them themselves; `make records` keeps the default.
-# The packages' bytecode is compiled once, on every core (pip compiles on one: 40 s of a 73 s install). Not left
-# to the first imports: where PYTHONDONTWRITEBYTECODE is set (these machines set it) none would be written, and
-# every process would compile what it imports again (a cold build took 215 s instead of 133 s).
+# Bytecode is written by the first process that imports a module, into the venv and src/ (both ignored by git):
+# these machines set PYTHONDONTWRITEBYTECODE, under which every page's process would compile torch and transformers
+# again (a cold build took 215 s instead of 133 s), so make unexports it. Compiling the whole venv ahead instead
+# (compileall on every core) spent 34 s on 14,000 modules of which the book and the tests import about 5,000:
+# a cold `make book` took 153 s that way and 140 s this way, side by side on one quiet machine.
+unexport PYTHONDONTWRITEBYTECODE
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-train-cpu
@@ -21,7 +24,6 @@ $(STAMP): $(REQS) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile $(foreach r,$(REQS),-r $(r))
-	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	$(PY) -m pip install --quiet --no-deps -e .
 	$(PY) -m pip check
 	touch $@
