@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Time ``bp-mech plan`` end to end (the real command, in a subprocess) against the issue's speed targets.
 
-    tools/bench_plan.py [--rows tiny,05b,7b,70b] [--repeats 3] [--workers N] [--after "FLAGS"]
+    tools/bench_plan.py [--rows tiny,05b,7b,70b] [--repeats 3] [--workers N] [--before "FLAGS"] [--after "FLAGS"]
 
 Each row times two arms side by side, interleaved run by run (before, after, before, ...) so that the shared
-machine's load falls on both alike: ``before`` is today's command (every candidate, the full trace); ``after``
-is the same command with ``--after``'s extra flags (e.g. ``--strategies checkpoint-all,offload``, or a faster
-path's flag), the new path the issue's targets are for. Reported per arm: the median and P95 of its runs,
+machine's load falls on both alike: ``before`` is the command with ``--before``'s flags (default
+``--full-depth``: every candidate traced at full depth, the command before ``planner.depth``); ``after`` is the
+command with ``--after``'s (default none: every candidate, extrapolated in depth), the path the issue's
+targets are for. Reported per arm: the median and P95 of its runs,
 and the ratio of the medians (after / before).
 
 Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
@@ -67,8 +68,11 @@ def command() -> list[str]:
 
 
 def environment() -> dict:
+    """The command's environment: offline, this source tree, bytecode written (as make does: where
+    PYTHONDONTWRITEBYTECODE is set every run would compile what it imports again)."""
     src = str(ROOT / "src")
-    return dict(os.environ, HF_HUB_OFFLINE="1",
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return dict(env, HF_HUB_OFFLINE="1",
                 PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
 
 
@@ -105,7 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per arm and row (median and P95 reported)")
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to the command (default: its own)")
-    ap.add_argument("--after", default="", help="extra flags of the 'after' arm (default: none, the same command)")
+    ap.add_argument("--after", default="", help="extra flags of the 'after' arm (default: none, the command as is)")
+    ap.add_argument("--before", default="--full-depth",
+                    help="extra flags of the 'before' arm (default: --full-depth, every block traced: the command "
+                         "before the extrapolation in depth)")
     a = ap.parse_args(argv)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     if unknown := [r for r in rows if r not in ROWS]:
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
     print(f"bp-mech plan, {a.repeats} run(s) per arm and row, {os.cpu_count()} CPUs visible, "
           f"affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}; "
           f"--gpus/--shard {'accepted' if sharded else 'NOT accepted by this bp-mech: the 70b row runs on one device'}; "
-          f"after: {a.after or '(the same command)'}", flush=True)
+          f"before: {a.before or '(the command as is)'}; after: {a.after or '(the command as is)'}", flush=True)
     table, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         for name in rows:
@@ -130,7 +137,7 @@ def main(argv=None) -> int:
                 label += "" if sharded else " (one device)"
             if a.workers:
                 args += ["--workers", str(a.workers)]
-            arms = {"before": args, "after": args + a.after.split()}
+            arms = {"before": args + a.before.split(), "after": args + a.after.split()}
             runs = {arm: [] for arm in arms}
             for _ in range(a.repeats):  # interleaved: the machine's load falls on both arms alike
                 for arm, flags in arms.items():
@@ -143,7 +150,8 @@ def main(argv=None) -> int:
                 med[arm] = statistics.median(walls)
                 ok = arm == "before" or (not errors and med[arm] <= target)
                 failed |= bool(errors) or not ok
-                table.append((label, arm, shown + (f" {a.after}" if arm == "after" and a.after else ""),
+                extra = a.after if arm == "after" else a.before
+                table.append((label, arm, shown + (f" {extra}" if extra else ""),
                               f"{med[arm]:.1f}", f"{p95(walls):.1f}", " ".join(f"{w:.1f}" for w in walls),
                               f"{target:.0f}" if arm == "after" else "-",
                               ("pass" if ok else "FAIL") + (f" ({errors[0]})" if errors else "")

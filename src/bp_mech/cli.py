@@ -119,7 +119,7 @@ def plan_request(a: argparse.Namespace) -> PlanRequest:
     """
     flags = vars(a)
     typed = {k: flags[k] for k in ("config", "workload", "device_name", "json", "workers", "keep_outputs", "optimizer",
-                                   "optimizer_impl", "freeze", "lora_rank", "gpus", "shard")}
+                                   "optimizer_impl", "freeze", "lora_rank", "gpus", "shard", "full_depth")}
     return PlanRequest.from_flags(budget=flags["budget"], batch=flags["batch"], seq=flags["seq"], dtype=flags["dtype"],
                                   lora_targets=flags["lora_targets"], strategies=flags["strategies"], **typed)
 
@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strategies", metavar="A,B,C", help="plan only these candidates (plain always), e.g. "
                     "checkpoint-all,offload; default: every candidate")
     pl.add_argument("--workers", type=int, help="processes tracing the strategies (default: CPUs, at most 4)")
+    pl.add_argument("--full-depth", action="store_true",
+                    help="trace every decoder block of each step (slower, the same plan) instead of extrapolating "
+                         "from three shallow copies of the stack")
     pl.add_argument("--keep-outputs", action="store_true",
                     help="plan the hand-written loop whose outputs (the logits) stay alive through backward "
                          "(out = model(**batch); out.loss.backward()); default: dropped before it, as Trainer does")

@@ -41,7 +41,7 @@ from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
-from bp_mech.planner.trace import ledgers, one_line
+from bp_mech.planner.trace import by_depth, ledgers, one_line
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -170,7 +170,7 @@ def _row(led, s: Strategy, budget: int, flops, link: float, cached: dict, sharde
 def plan(config, batch: int, seq: int, budget: int, device_name: str | None = None, candidates=CANDIDATES,
          options: StepOptions = StepOptions().for_device("cuda"), progress=None, workers: int = 1,
          results_dir=None, definition: StepDefinition = STEADY, fit: str | None = None,
-         finetune: FineTune | None = None, gpus: int = 1, shard: str | None = None) -> Plan:
+         finetune: FineTune | None = None, gpus: int = 1, shard: str | None = None, full_depth: bool = False) -> Plan:
     """The ``Plan`` of ``config`` at (batch, seq) for ``budget`` bytes; ``workers``: processes that trace
     the candidates (``ledgers``); ``results_dir``: the cached records (``costs.cached_ratios``);
     ``definition``: the step traced (``planner.definitions.StepDefinition``, e.g. the first step, whose
@@ -180,7 +180,9 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
     parameters or LoRA (``planner.finetune.FineTune``); the optimizer and its implementation are ``options``'.
     ``fit``: "batch" or "seq": per strategy the largest batch (at ``seq``) or sequence (at ``batch``) that fits
     the budget (``Plan.fits``, ``largest_sizes``). ``shard``: "fsdp2" or "ddp": rank 0 of ``gpus`` devices, at
-    ``batch`` sequences per device (``planner.shard``)."""
+    ``batch`` sequences per device (``planner.shard``). Each step is extrapolated from three shallow ones
+    (``planner.depth``: the full trace's ledger to the byte) where the model is one repeated block;
+    ``full_depth``: trace every step at full depth instead."""
     t0, threads = time.perf_counter(), torch.get_num_threads()
     check_shape(config, batch, seq)
     if missing := missing_package(options.optimizer, finetune):
@@ -194,8 +196,10 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
     try:
         with planning(shard, gpus) if shard else contextlib.nullcontext((None, None)) as (prepare, trace):
             sess = session(config, batch, seq, options, definition, finetune, prepare)
+            deep = None if full_depth else lambda todo: by_depth(
+                sess, config, lambda c: session(c, batch, seq, options, definition, finetune, prepare), todo, shard, gpus)
             p = _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir,
-                      definition, fit, trace)
+                      definition, fit, trace, deep)
     finally:
         torch.set_num_threads(threads)
     p.finetune, p.gpus, p.shard = finetune, gpus, shard
@@ -204,8 +208,9 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
 
 
 def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
-          fit, trace) -> Plan:
-    """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None."""
+          fit, trace, deep=None) -> Plan:
+    """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
+    ``deep(strategies)``: ``planner.trace.by_depth``'s extrapolation for them, or None (full depth)."""
     try:
         flops = forward_flops(sess)
     except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
@@ -221,7 +226,8 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     todo = [s for s in candidates if s.name not in skipped]
     # and plain's step in the other loop (what dropping the outputs saves), traced beside them
     loop = [(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))] if PLAIN in todo else []
-    steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace), desc="strategies",
+    deep = deep and deep(todo)
+    steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep), desc="strategies",
                                                       total=len(todo) + len(loop)))
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
     rows = []

@@ -180,7 +180,7 @@ def run(r: PlanRequest, progress=None) -> int:
     definition = StepDefinition(keep_outputs=r.keep_outputs, weights=r.weights and r.weights.value)
     p = plan(config, batch, seq, r.budget, r.device_name, options=r.options, progress=progress,
              workers=r.workers or default_workers(), definition=definition, finetune=r.finetune, fit=fit,
-             gpus=r.gpus, shard=r.shard, candidates=r.candidates)
+             gpus=r.gpus, shard=r.shard, candidates=r.candidates, full_depth=r.full_depth)
     print(json.dumps(p.to_dict(), indent=1, default=str) if r.json else format_text(p))
     if p.recommended is None:
         print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)

@@ -79,6 +79,7 @@ class PlanRequest:
     gpus: int = 1  # --gpus: devices the step is spread over
     shard: str | None = None  # --shard: fsdp2 or ddp, with --gpus N > 1
     strategies: tuple[str, ...] | None = None  # --strategies: the candidates to plan (plain always); None: all
+    full_depth: bool = False  # --full-depth: trace every block of every step (no extrapolation in depth)
 
     def __post_init__(self):
         if bool(self.config) == bool(self.workload):

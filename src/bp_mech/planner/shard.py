@@ -97,20 +97,25 @@ def ddp(model):
 
 
 def tracked(session: lifecycle.Session, s: Strategy = PLAIN, definition: StepDefinition | None = None,
-            shard: str = "fsdp2", gpus: int = 1) -> RankLedger:
-    """One step of ``session`` (sharded by its ``prepare``) tracked by a ``ShardTracker``: its ``RankLedger``.
-    The test's gloo ranks call it on real sessions; ``rank_ledger`` on a fake one."""
-    made = []
+            shard: str = "fsdp2", gpus: int = 1, tracker=ShardTracker) -> RankLedger:
+    """One step of ``session`` (sharded by its ``prepare``) tracked by a ``ShardTracker`` (``tracker``: that class
+    or a subclass): its ``RankLedger``.
+    The test's gloo ranks call it on real sessions; ``rank_ledger`` on a fake one. Every step starts from the
+    steady state, the root resharded as the last backward left it (a no-grad forward, such as the FLOP count's,
+    leaves it gathered: an offload entered then would take its gathered weights for parameters and keep them)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def tracker(device):
-        from torch.distributed.fsdp import FSDPModule
+    made, fsdp = [], isinstance(session.model, FSDPModule)
 
-        if isinstance(session.model, FSDPModule):  # as a backward would: the fake step's kept outputs come from a
-            session.model.reshard()  # no-grad forward, which leaves the root gathered
-        made.append(tr := ShardTracker(device))
+    def new(device):
+        if fsdp:  # as a backward would: the fake step's kept outputs come from a no-grad forward, which leaves
+            session.model.reshard()  # the root gathered
+        made.append(tr := tracker(device))
         return tr
 
-    session.tracker = tracker
+    if fsdp:
+        session.model.reshard()
+    session.tracker = new
     try:
         led = session.ledger(s, definition)
     finally:

@@ -1,0 +1,78 @@
+"""``planner.depth``: a step's ledger extrapolated in depth from three shallow traces equals the full-depth
+trace's to the byte, on every validated family, for the strategies whose steps differ most (checkpointing
+every second block: period 2; offload, fp16, chunked loss together), and in the loop that keeps the outputs;
+a stack whose blocks differ is traced at full depth. Every mode and both shardings: test_depth_modes.py."""
+
+import contextlib
+
+import pytest
+
+from bp_mech.bench.optimizer import StepOptions
+from bp_mech.bench.strategy import PLAIN, parse, unsupported
+from bp_mech.planner import depth, plan, shard as sharding, trace
+from bp_mech.planner.costs import forward_flops
+from bp_mech.planner.definitions import STEADY
+from bp_mech.planner.finetune import FineTune
+from tests.planner.test_plan import FAMILY_FIELDS, TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CUDA = StepOptions().for_device("cuda")
+DIFFERENT = ("plain", "checkpoint-every2", "checkpoint-all+offload+fp16+chunked-loss")
+LAYERS = 8  # > a + 2p for both periods: depths (2, 3, 4) and (2, 4, 6)
+
+
+def config(family: str, layers: int = LAYERS):
+    from transformers import AutoConfig
+
+    kw = dict(TINY, **FAMILY_FIELDS[family], num_hidden_layers=layers)
+    if "n_layer" in kw:
+        kw["n_layer"] = layers
+    return AutoConfig.for_model(family, **kw)
+
+
+def compare(family, names=DIFFERENT, shard=None, gpus=1, options=CUDA, definition=STEADY, finetune=None,
+            layers=LAYERS):
+    """Each named strategy's extrapolated ledger against its full-depth trace: the names that differ or
+    did not extrapolate (an empty list: every one equal, none traced at full depth)."""
+    cfg = config(family, layers)
+    bad = []
+    with sharding.planning(shard, gpus) if shard else contextlib.nullcontext((None, None)) as (prepare, full):
+        make = lambda c: plan.session(c, 2, 32, options, definition, finetune, prepare)  # noqa: E731
+        sess = make(cfg)
+        forward_flops(sess)  # as plan does before tracing
+        todo = [s for s in map(parse, names) if not unsupported(sess.model, s) and not (definition.weights and s.amp)]
+        shallow = trace.shallow_sessions(sess, cfg, make, todo, shard, gpus)
+        for task in [*todo, (PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))]:
+            s, d = task if isinstance(task, tuple) else (task, None)
+            got = trace.extrapolated(shallow, layers, task, shard, gpus)
+            want = sharding.tracked(sess, s, d, "ddp", gpus) if shard == "ddp" else trace.traced(sess, full, task)
+            if got is None or got != want:
+                bad.append(f"{s.name}{'/other loop' if d else ''}: {'not extrapolated' if got is None else 'differs'}")
+    return bad
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FIELDS))
+def test_every_family_extrapolates_to_the_full_trace(family):
+    assert compare(family) == []
+
+
+def test_a_stack_whose_layers_differ_is_traced_at_full_depth():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen2", **dict(TINY, **FAMILY_FIELDS["qwen2"], num_hidden_layers=6, use_sliding_window=True,
+                                               max_window_layers=3))
+    assert len(set(cfg.layer_types)) == 2 and depth.shallow(cfg, 2) is None
+    alike = config("qwen2", 6)
+    assert depth.shallow(alike, 3).num_hidden_layers == 3 and len(depth.shallow(alike, 3).layer_types) == 3
+    frozen = plan.session(alike, 2, 32, CUDA, finetune=FineTune(freeze=r"layers\.0\."))
+    assert trace.shallow_sessions(frozen, alike, None, [PLAIN]) == {}  # frozen by block
+    jamba = AutoConfig.for_model("jamba", **dict(TINY, num_hidden_layers=8, attn_layer_period=4, attn_layer_offset=3,
+                                                 expert_layer_period=2, expert_layer_offset=1, num_experts=2))
+    sess = plan.session(jamba, 2, 32, CUDA)  # (mamba and attention layers, every second one with experts)
+    assert trace.shallow_sessions(sess, jamba, None, [PLAIN]) == {}
+
+
+def test_depths():
+    assert depth.depths(8, 1) == (2, 3, 4) and depth.depths(8, 2) == (2, 4, 6) and depth.depths(9, 2) == (3, 5, 7)
+    assert depth.depths(4, 1) is None and depth.depths(6, 2) is None  # the full depth is no deeper: traced as is
