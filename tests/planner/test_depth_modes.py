@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from bp_mech.bench.strategy import CANDIDATES, parse
 from bp_mech.planner import plan
 from bp_mech.planner.definitions import STEADY
 from bp_mech.planner.finetune import FineTune
@@ -42,6 +43,8 @@ def test_both_shardings_extrapolate_to_the_full_trace(family, shard, gpus):
 
 def test_the_plan_by_depth_is_the_full_depth_plan():
     cfg = config("llama", 7)
-    a, b = (plan.plan(cfg, 2, 32, 2**30, full_depth=f).to_dict() for f in (False, True))
-    a.pop("elapsed_s"), b.pop("elapsed_s")
-    assert a == b
+    # every candidate, something fits; nothing fits: what would fit instead, traced at other shapes
+    for budget, few in ((2**30, CANDIDATES), (2**20, [parse("plain"), parse("checkpoint-every2+micro2")])):
+        a, b = (plan.plan(cfg, 4, 32, budget, candidates=few, full_depth=f).to_dict() for f in (False, True))
+        a.pop("elapsed_s"), b.pop("elapsed_s")
+        assert a == b and (a["recommended"] is None) == (budget == 2**20)

@@ -41,7 +41,7 @@ from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
-from bp_mech.planner.trace import by_depth, ledgers, one_line
+from bp_mech.planner.trace import by_depth, ledgers, one_line, traced
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -239,7 +239,11 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     if not rows:
         why = skipped.get(PLAIN.name) or next(iter(skipped.values()), "no candidates")
         raise PlanError(f"cannot trace {config.model_type!r}: no strategy's step could be traced ({why})")
-    step = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
+    full = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
+
+    def step(s, d=None):  # (what fits instead, the largest sizes: by depth too, at the session's shape now)
+        led = traced(sess, trace, (s, d) if d is not None else s, deep) if deep is not None else None
+        return getattr(led, "ledger", led) if led is not None and not isinstance(led, Failed) else full(s, d)
     plain = next((r for r in rows if r.strategy == PLAIN.name), None)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
     text = config.get_text_config()

@@ -150,6 +150,7 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
     """``deep`` for ``traced``: ``task -> ledger | None``, each task's ledger extrapolated from the shallow
     sessions (``shallow_sessions``, ``extrapolated``; DDP's buckets added for the full model); None where the
     model is not one repeated block."""
+    from bp_mech.planner.fit import reshape
     from bp_mech.planner.shard import _with_buckets, ddp_bucket_bytes
 
     shallow = shallow_sessions(sess, config, make, strategies, shard, gpus)
@@ -159,6 +160,10 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
     bucket = ddp_bucket_bytes(sess.model) if shard == "ddp" and gpus > 1 else 0
 
     def deep(task):
+        shape = tuple(sess.batch["input_ids"].shape)  # (what fits instead traces the session at other shapes)
+        for x in shallow.values():
+            if tuple(x.batch["input_ids"].shape) != shape:
+                reshape(x, *shape)
         r = extrapolated(shallow, layers, task, shard, gpus)
         return r if r is None or shard != "ddp" else _with_buckets(r, bucket)
     return deep
