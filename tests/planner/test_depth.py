@@ -60,8 +60,8 @@ def test_every_family_extrapolates_to_the_full_trace(family):
 def test_a_stack_whose_layers_differ_is_traced_at_full_depth():
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("qwen2", **dict(TINY, **FAMILY_FIELDS["qwen2"], num_hidden_layers=6, use_sliding_window=True,
-                                               max_window_layers=3))
+    cfg = AutoConfig.for_model("qwen2", **dict(TINY, **FAMILY_FIELDS["qwen2"], num_hidden_layers=6,
+                                               use_sliding_window=True, max_window_layers=3))
     assert len(set(cfg.layer_types)) == 2 and depth.shallow(cfg, 2) is None
     alike = config("qwen2", 6)
     assert depth.shallow(alike, 3).num_hidden_layers == 3 and len(depth.shallow(alike, 3).layer_types) == 3

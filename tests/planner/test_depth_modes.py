@@ -38,7 +38,8 @@ def test_every_mode_extrapolates_to_the_full_trace(mode):
 @pytest.mark.parametrize("family,shard,gpus", [("qwen2", "fsdp2", 2), ("llama", "fsdp2", 4), ("mixtral", "fsdp2", 2),
                                                ("falcon", "ddp", 4)])
 def test_both_shardings_extrapolate_to_the_full_trace(family, shard, gpus):
-    assert compare(family, ("plain", "checkpoint-every2", "checkpoint-all+offload+fp16+chunked-loss"), shard, gpus) == []
+    names = ("plain", "checkpoint-every2", "checkpoint-all+offload+fp16+chunked-loss")
+    assert compare(family, names, shard, gpus) == []
 
 
 def test_the_plan_by_depth_is_the_full_depth_plan():

@@ -1,8 +1,8 @@
 """A deep model's plan from three shallow ones: the step's memory events extrapolated in depth, exactly.
 
 A decoder stack repeats one block. Traced at depths ``a``, ``a + p`` and ``a + 2p`` (``p``: the strategy's
-period, 2 for checkpoint-every2, else 1), a step's storage events (the ``log`` a ``recording`` tracker keeps: each
-storage born and freed, each operator's end, each phase opened and stage marked) differ in a regular way:
+period, 2 for checkpoint-every2, else 1), a step's storage events (the log ``planner.trace.recording`` keeps:
+each storage born and freed, each operator's end, each phase opened and stage marked) differ in a regular way:
 between two marks, depth ``a + p`` is depth ``a`` with units of operators inserted (a block's forward, its
 backward, an optimizer's per-parameter operators) and the rest kept, each kept operator's bytes grown by a
 constant step (a foreach operator over all the parameters). ``extended`` finds that structure from depths
@@ -221,53 +221,7 @@ def counts_at(ca: Counts, cb: Counts, cc: Counts, n: int) -> Counts | None:
     return Counts(*(x + n * (y - x) for x, y in zip(a, b)))
 
 
-def recording(cls):
-    """``cls`` (a storage tracker) keeping a ``log`` of what happened in order: ("B" | "F", serial) a device
-    storage born / freed, ("G", serial) one counted in a sharded kind, ("O", phase, outputs?, operator) an
-    operator's end, ("S", phase) a phase opened, ("M", stage, host) a mark. Each one made is in ``made``."""
-    from bp_mech.instruments.tracking import _DEVICE, _strided
-
-    class Recording(cls):
-        made: list = []
-
-        def __init__(self, device="cpu"):
-            super().__init__(device)
-            self.log = []
-            Recording.made.append(self)
-
-        def _free(self, serial, ref) -> None:
-            alive = serial in self.live
-            super()._free(serial, ref)
-            if alive:
-                self.log.append(("F", serial))
-
-        def _count(self, storage, label, host):
-            serial = super()._count(storage, label, host)
-            if not host:
-                self.log.append(("B", serial))
-            return serial
-
-        def _grow(self, serial, kind) -> None:
-            super()._grow(serial, kind)
-            self.log.append(("G", serial))
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            if func is not _DEVICE:
-                self.log.append(("O", self.phase, bool(_strided(out, [])), func))
-            return out
-
-        def start(self, phase: str) -> None:
-            super().start(phase)
-            self.log.append(("S", phase))
-
-        def mark(self, stage: str, host: int = 0) -> None:
-            super().mark(stage, host)
-            self.log.append(("M", stage, host))
-    return Recording
-
-
-def extended(traced, s_name: str, n: int):
+def extended(traced, n: int):
     """The ledger (or rank ledger) ``n`` periods past depth a, from the three shallow ``traced`` results
     ((ledger, rows) at a, a + p, a + 2p); None where the step does not repeat so."""
     from bp_mech.planner.shard import PEAKS, RankLedger

@@ -150,7 +150,7 @@ def ddp_bucket_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def _with_buckets(r: RankLedger, bucket: int) -> RankLedger:
+def with_buckets(r: RankLedger, bucket: int) -> RankLedger:
     """``r`` (a one-device ledger) plus DDP's buckets in "other" at every stage and in the forward's peak."""
     led = r.ledger
     led = dataclasses.replace(led, stages={x: dict(c, other=c["other"] + bucket) for x, c in led.stages.items()},
@@ -170,7 +170,7 @@ def planning(shard: str, gpus: int):
     if shard == "ddp":
         def trace(session, s, definition=None):
             r = tracked(session, s, definition, "ddp", gpus)
-            return _with_buckets(r, ddp_bucket_bytes(session.model) if gpus > 1 else 0)
+            return with_buckets(r, ddp_bucket_bytes(session.model) if gpus > 1 else 0)
         yield None, trace
         return
     with fake_group(gpus) as mesh:

@@ -1,13 +1,17 @@
 """How ``bp-mech plan`` traces its candidates: one strategy's step at a time (``traced``: its ledger, or a
 ``bench.oom.Failed`` with the one-line reason it could not be traced: the strategy's failure, not the plan's
-end), in forked processes that inherit the fake session (``ledgers``, on ``planner.pool``), and an
-exception as one line (``one_line``)."""
+end), in forked processes that inherit the fake session (``ledgers``, on ``planner.pool``), each extrapolated
+in depth from shallow copies of the stack where it is one repeated block (``by_depth``: ``planner.depth`` on
+the ``recording`` tracker's log), and an exception as one line (``one_line``)."""
 
 from __future__ import annotations
+
+import torch
 
 from bp_mech.bench.oom import Failed
 from bp_mech.bench.strategy import PLAIN
 from bp_mech.instruments import anatomy
+from bp_mech.instruments.tracking import storage_of
 from bp_mech.planner import depth
 from bp_mech.planner.pool import forked_map
 
@@ -116,13 +120,68 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
     return out
 
 
+def _outputs(tree) -> bool:
+    """Whether an operator returned a strided tensor (the tracker then checks its phase's peak)."""
+    if isinstance(tree, (tuple, list)):
+        return any(_outputs(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_outputs(x) for x in tree.values())
+    return storage_of(tree) is not None
+
+
+def recording(cls):
+    """``cls`` (a storage tracker) keeping a ``log`` of what happened in order: ("B" | "F", serial) a device
+    storage born / freed, ("G", serial) one counted in a sharded kind, ("O", phase, outputs?, operator) an
+    operator's end, ("S", phase) a phase opened, ("M", stage, host) a mark. Each one made is in ``made``."""
+    device = torch.ops.prim.device.default  # ``tensor.device``: the tracker counts no operator there
+
+    class Recording(cls):
+        made: list = []
+
+        def __init__(self, device="cpu"):
+            super().__init__(device)
+            self.log = []
+            Recording.made.append(self)
+
+        def _free(self, serial, ref) -> None:
+            alive = serial in self.live
+            super()._free(serial, ref)
+            if alive:
+                self.log.append(("F", serial))
+
+        def _count(self, storage, label, host):
+            serial = super()._count(storage, label, host)
+            if not host:
+                self.log.append(("B", serial))
+            return serial
+
+        def _grow(self, serial, kind) -> None:
+            super()._grow(serial, kind)
+            self.log.append(("G", serial))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is not device:
+                self.log.append(("O", self.phase, _outputs(out), func))
+            return out
+
+        def start(self, phase: str) -> None:
+            super().start(phase)
+            self.log.append(("S", phase))
+
+        def mark(self, stage: str, host: int = 0) -> None:
+            super().mark(stage, host)
+            self.log.append(("M", stage, host))
+    return Recording
+
+
 def shallow_trace(sess, s, definition, shard: str | None, gpus: int):
-    """One step of ``s`` on a shallow session, recorded (``depth.recording``): (its ledger, ``depth.rows``)."""
+    """One step of ``s`` on a shallow session, recorded (``recording``): (its ledger, ``depth.rows``)."""
     from bp_mech.instruments.tracking import StorageTracker
     from bp_mech.planner import shard as sharding
     from bp_mech.planner.shard_tracking import ShardTracker
 
-    made = depth.recording(ShardTracker if shard else StorageTracker)
+    made = recording(ShardTracker if shard else StorageTracker)
     if shard is None:
         sess.tracker = made
         try:
@@ -143,7 +202,7 @@ def extrapolated(shallow: dict, layers: int, task, shard: str | None = None, gpu
     if at is None or any(x not in shallow for x in at):
         return None
     traced = [shallow_trace(shallow[x], s, d, shard, gpus) for x in at]
-    return depth.extended(traced, s.name, (layers - at[0]) // period(s))
+    return depth.extended(traced, (layers - at[0]) // period(s))
 
 
 def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int = 1):
@@ -151,7 +210,7 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
     sessions (``shallow_sessions``, ``extrapolated``; DDP's buckets added for the full model); None where the
     model is not one repeated block."""
     from bp_mech.planner.fit import reshape
-    from bp_mech.planner.shard import _with_buckets, ddp_bucket_bytes
+    from bp_mech.planner.shard import ddp_bucket_bytes, with_buckets
 
     shallow = shallow_sessions(sess, config, make, strategies, shard, gpus)
     if not shallow:
@@ -165,5 +224,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
             if tuple(x.batch["input_ids"].shape) != shape:
                 reshape(x, *shape)
         r = extrapolated(shallow, layers, task, shard, gpus)
-        return r if r is None or shard != "ddp" else _with_buckets(r, bucket)
+        return r if r is None or shard != "ddp" else with_buckets(r, bucket)
     return deep
