@@ -8,74 +8,11 @@ figure; the page glues it under its title.
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+from matplotlib.patches import FancyBboxPatch, Patch
 
-FWD, BWD, SAVED, OP = "#1f4e79", "#c0392b", "#f8c471", "#eaf2f8"  # forward, backward, saved, operation fill
-D2H, H2D, RECOMPUTE = "#7d3c98", "#1e8449", "#7d3c98"  # the two copy directions; a re-run forward
-BOX_H = 0.5  # an operation box's height (data units)
-
-
-def _canvas(width: float, height: float, xlim: tuple[float, float], ylim: tuple[float, float], rows: int = 1):
-    fig, axes = plt.subplots(rows, 1, figsize=(width, height), layout="constrained", squeeze=False)
-    for ax in axes[:, 0]:
-        ax.set_xlim(*xlim)
-        ax.set_ylim(*ylim)
-        ax.set_axis_off()
-    return fig, list(axes[:, 0])
-
-
-def _box(ax, x: float, y: float, w: float, text: str, fc: str = OP, ec: str = FWD, ls: str = "-",
-         hatch: str | None = None, size: float = 9, h: float = BOX_H):
-    """A rounded box of width ``w`` centred at (x, y) with its text."""
-    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.08",
-                                fc=fc, ec=ec, ls=ls, hatch=hatch, lw=1.2, zorder=2))
-    return ax.text(x, y, text, ha="center", va="center", fontsize=size, zorder=3)
-
-
-def _arrow(ax, a, b, color: str, ls: str = "-", rad: float = 0.0, lw: float = 1.4):
-    ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=11, color=color, ls=ls, lw=lw,
-                                 connectionstyle=f"arc3,rad={rad}", shrinkA=0, shrinkB=0, zorder=1))
-
-
-def _edge_point(node: tuple, toward: tuple) -> tuple[float, float]:
-    """Where the segment from ``node``'s centre toward a point leaves its box (the centre for a point)."""
-    x, y, _, w = node
-    dx, dy = toward[0] - x, toward[1] - y
-    if w == 0 or (dx == 0 and dy == 0):
-        return x, y
-    t = min(w / 2 / abs(dx) if dx else float("inf"), BOX_H / 2 / abs(dy) if dy else float("inf"))
-    return x + t * dx, y + t * dy
-
-
-def _graph(title: str, nodes: dict[str, tuple], edges: list[tuple], xlim, ylim, size=(8.6, 3.4)):
-    """Operations as boxes, tensors as arrows labelled with their names; the saved ones highlighted, each
-    forward arrow doubled by a backward one in the second colour, below it."""
-    fig, (ax,) = _canvas(*size, xlim, ylim)
-    for x, y, label, w in nodes.values():
-        if w:
-            _box(ax, x, y, w, label)
-    for src, dst, tensor, saved in edges:
-        a, b = nodes[src], nodes[dst]
-        p, q = _edge_point(a, b[:2]), _edge_point(b, a[:2])
-        dx, dy = q[0] - p[0], q[1] - p[1]
-        norm = (dx * dx + dy * dy) ** 0.5
-        nx, ny = -dy / norm, dx / norm  # the left normal (above a rightward edge)
-        _arrow(ax, p, q, FWD)
-        off = 0.1
-        _arrow(ax, (q[0] - off * nx, q[1] - off * ny), (p[0] - off * nx, p[1] - off * ny), BWD, ls="--", lw=1.1)
-        if tensor:
-            ax.text((p[0] + q[0]) / 2 + 0.24 * nx, (p[1] + q[1]) / 2 + 0.24 * ny, tensor, ha="center",
-                    va="center", fontsize=10, zorder=4, fontweight="bold" if saved else "normal",
-                    bbox=dict(boxstyle="round,pad=0.2", fc=SAVED if saved else "white",
-                              ec="#b9770e" if saved else "none"))
-    ax.set_title(title, fontsize=11)
-    fig.legend(handles=[Line2D([], [], color=FWD, lw=1.4, label="forward: a tensor flows to the next operation"),
-                        Line2D([], [], color=BWD, lw=1.1, ls="--", label="backward: its gradient flows back"),
-                        Patch(fc=SAVED, ec="#b9770e", label="saved for the backward")],
-               loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    return fig
+from bp_mech.book.drawing import (BOX_H, BWD, D2H, FWD, H2D, OP, RECOMPUTE, SAVED, arrow, box, canvas,
+                                    graph)
 
 
 def mlp_graph():
@@ -99,7 +36,7 @@ def mlp_graph():
     edges = [("in", "fork", "$x$", True), ("fork", "gate", None, False), ("fork", "up", None, False),
              ("gate", "silu", "$g$", True), ("silu", "mul", "$a$", True), ("up", "mul", "$u$", True),
              ("mul", "down", "$h$", True), ("down", "out", "$y$", False)]
-    return _graph(r"The SwiGLU MLP's forward: what its backward reads", nodes, edges, (-1.1, 11.0), (-1.6, 1.6))
+    return graph(r"The SwiGLU MLP's forward: what its backward reads", nodes, edges, (-1.1, 11.0), (-1.6, 1.6))
 
 
 def attention_graph():
@@ -126,7 +63,7 @@ def attention_graph():
              ("rq", "s", r"$\tilde q$", True), ("rk", "s", r"$\tilde k$", True), ("s", "sm", "$S$", False),
              ("sm", "pv", r"$P$ ($T\times T$)", True), ("v", "pv", "$v$", True), ("pv", "o", "$O$", True),
              ("o", "out", "$y$", False)]
-    return _graph("One attention head's forward: what an eager backward reads", nodes, edges, (-1.0, 15.6),
+    return graph("One attention head's forward: what an eager backward reads", nodes, edges, (-1.0, 15.6),
                   (-1.9, 2.0), size=(9.8, 3.8))
 
 
@@ -148,23 +85,23 @@ def checkpoint_stack(layers: int = 4):
         True
     """
     step = 2.6
-    fig, axes = _canvas(8.8, 4.6, (-0.7, step * layers + 1.0), (-1.75, 0.75), rows=2)
+    fig, axes = canvas(8.8, 4.6, (-0.7, step * layers + 1.0), (-1.75, 0.75), rows=2)
     for ax, ckpt in zip(axes, (False, True)):
         for i in range(layers + 1):  # the layer inputs (and the last output)
             ax.text(i * step, 0, f"$h_{i}$", ha="center", va="center", fontsize=10, fontweight="bold",
                     bbox=dict(boxstyle="round,pad=0.2", fc=SAVED, ec="#b9770e"))
         for i in range(layers):
             x = i * step + step / 2
-            _box(ax, x, 0, 1.5, f"layer {i + 1}")
-            _arrow(ax, (i * step + 0.3, 0), (x - 0.75, 0), FWD)
-            _arrow(ax, (x + 0.75, 0), ((i + 1) * step - 0.3, 0), FWD)
+            box(ax, x, 0, 1.5, f"layer {i + 1}")
+            arrow(ax, (i * step + 0.3, 0), (x - 0.75, 0), FWD)
+            arrow(ax, (x + 0.75, 0), ((i + 1) * step - 0.3, 0), FWD)
             if ckpt:
-                _box(ax, x, -0.85, 1.5, "recomputed", fc="white", ec="grey", ls="--", size=8)
-                _arrow(ax, (i * step + 0.05, -0.25), (x - 0.78, -0.85), RECOMPUTE, ls=":", rad=0.3, lw=1.2)
+                box(ax, x, -0.85, 1.5, "recomputed", fc="white", ec="grey", ls="--", size=8)
+                arrow(ax, (i * step + 0.05, -0.25), (x - 0.78, -0.85), RECOMPUTE, ls=":", rad=0.3, lw=1.2)
             else:
-                _box(ax, x, -0.85, 1.5, "activations", fc=SAVED, ec="#b9770e", size=8)
+                box(ax, x, -0.85, 1.5, "activations", fc=SAVED, ec="#b9770e", size=8)
                 ax.plot([x, x], [-0.25, -0.6], color="#b9770e", lw=1, ls=":")
-        _arrow(ax, (layers * step + 0.6, -1.45), (0.3, -1.45), BWD, ls="--", lw=1.1)
+        arrow(ax, (layers * step + 0.6, -1.45), (0.3, -1.45), BWD, ls="--", lw=1.1)
         ax.text(layers * step / 2 + 0.4, -1.45, "backward, last layer first", fontsize=8, color=BWD,
                 ha="center", va="center", bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
         ax.set_title("checkpointed: each layer keeps only its input $h$; backward re-runs its forward" if ckpt
@@ -195,12 +132,12 @@ def offload_timeline(layers: int = 4):
         ['$a_1$ on the host', '$a_2$ on the host', '$a_3$ on the host']
     """
     n = 2 * layers + 1  # forward, the loss, backward
-    fig, (ax,) = _canvas(8.8, 3.6, (-1.9, n + 0.1), (-0.55 - 0.5 * layers, 1.9))
+    fig, (ax,) = canvas(8.8, 3.6, (-1.9, n + 0.1), (-0.55 - 0.5 * layers, 1.9))
     slots = [f"fwd {i + 1}" for i in range(layers)] + ["loss"] + [f"bwd {layers - i}" for i in range(layers)]
     for k, name in enumerate(slots):
         back = k > layers
-        _box(ax, k + 0.5, 1.2, 0.8, name, fc="#fdedec" if back else OP, ec=BWD if back else FWD, size=8)
-    _arrow(ax, (0.1, 1.75), (n - 0.1, 1.75), "black", lw=1)
+        box(ax, k + 0.5, 1.2, 0.8, name, fc="#fdedec" if back else OP, ec=BWD if back else FWD, size=8)
+    arrow(ax, (0.1, 1.75), (n - 0.1, 1.75), "black", lw=1)
     ax.text(-1.8, 1.75, "time", fontsize=8, va="center")
     ax.text(-1.8, 1.2, "device", fontsize=9, va="center", fontweight="bold")
     ax.text(-1.8, -0.25 - 0.25 * layers, "host\nmemory", fontsize=9, va="center", fontweight="bold")
@@ -211,8 +148,8 @@ def offload_timeline(layers: int = 4):
         ax.add_patch(FancyBboxPatch((start, y - 0.15), end - start, 0.3, boxstyle="round,pad=0,rounding_size=0.05",
                                     fc=SAVED, ec="#b9770e", zorder=2))
         ax.text((start + end) / 2, y, f"$a_{i + 1}$ on the host", ha="center", va="center", fontsize=8, zorder=3)
-        _arrow(ax, (start - 0.02, 0.93), (start, y + 0.15), D2H)
-        _arrow(ax, (end, y + 0.15), (end + 0.02, 0.93), H2D)
+        arrow(ax, (start - 0.02, 0.93), (start, y + 0.15), D2H)
+        arrow(ax, (end, y + 0.15), (end + 0.02, 0.93), H2D)
     ax.set_title("Offload: each layer's saved tensors wait on the host between its forward and its backward",
                  fontsize=10)
     fig.legend(handles=[Line2D([], [], color=D2H, label="copy device → host (forward, pack)"),
@@ -236,20 +173,20 @@ def data_parallel():
         >>> any("all-reduce" in t.get_text() for t in fig.axes[0].texts)
         True
     """
-    fig, (ax,) = _canvas(8.4, 4.8, (-0.3, 9.3), (-0.3, 6.6))
+    fig, (ax,) = canvas(8.4, 4.8, (-0.3, 9.3), (-0.3, 6.6))
     cols = {"rank $0$": 1.4, "rank $1$": 4.5, "rank $P-1$": 7.6}
-    _box(ax, 4.5, 6.2, 6.4, "one update's rows: $k$ micro-batches of $G$ rows", fc="white")
+    box(ax, 4.5, 6.2, 6.4, "one update's rows: $k$ micro-batches of $G$ rows", fc="white")
     ax.text(6.05, 3.95, r"$\cdots$", ha="center", va="center", fontsize=14)
     rows = [(5.05, "its $G/P$ rows of each\nmicro-batch", "white", 0.6), (3.95, "model copy $\\theta$", OP, BOX_H),
             (2.85, "local gradient $g_r$", "#fdedec", BOX_H)]
     for name, x in cols.items():
         ax.text(x - 1.25, 5.65, name, fontsize=9, fontweight="bold", va="center")
-        _arrow(ax, (x, 5.95), (x, 5.35), FWD)
+        arrow(ax, (x, 5.95), (x, 5.35), FWD)
         for (y, text, fc, h), (y2, *_, h2) in zip(rows, rows[1:] + [(1.75, "", "", 0.6)]):
-            _box(ax, x, y, 2.4, text, fc=fc, h=h, size=8)
-            _arrow(ax, (x, y - h / 2), (x, y2 + h2 / 2), BWD if y2 <= 2.85 else FWD)
-        _box(ax, x, 0.2, 2.4, r"update $\theta \leftarrow$ AdamW$(\theta, \bar g)$", fc=OP, size=8)
-        _arrow(ax, (x, 1.45), (x, 0.45), FWD)
+            box(ax, x, y, 2.4, text, fc=fc, h=h, size=8)
+            arrow(ax, (x, y - h / 2), (x, y2 + h2 / 2), BWD if y2 <= 2.85 else FWD)
+        box(ax, x, 0.2, 2.4, r"update $\theta \leftarrow$ AdamW$(\theta, \bar g)$", fc=OP, size=8)
+        arrow(ax, (x, 1.45), (x, 0.45), FWD)
     ax.add_patch(FancyBboxPatch((0.1, 1.45), 8.8, 0.6, boxstyle="round,pad=0,rounding_size=0.1", fc=SAVED,
                                 ec="#b9770e", zorder=2))
     ax.text(4.5, 1.75, r"all-reduce (mean): every rank receives $\bar g = (g_0 + g_1 + \cdots + g_{P-1})\,/\,P$", ha="center",
