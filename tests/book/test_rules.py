@@ -56,7 +56,7 @@ def test_rows_read_the_values_now(monkeypatch):
     assert any(r["when"] == "median step at most 1.7× plain's (else tune)" for r in rows)
     assert any(r["when"].startswith("median step at most 25% above FP32's") for r in rows)
     assert all(set(r) == {"chapters", "outcome", "when", "why", "constants"} for r in rows)
-    assert rows[0]["chapters"] == "11, Mixed-precision backward, 19, 42, 76"
+    assert rows[0]["chapters"] == "11, 12b, 19, 42, 76"
 
 
 def test_bytes_and_plain_floats_are_formatted():

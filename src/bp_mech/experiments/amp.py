@@ -289,7 +289,7 @@ def conformance():
     ref_norm = float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.5))
     err = max([abs(norm - ref_norm) / ref_norm] + [((a - q.grad).abs().max() / q.grad.abs().max()).item()
                                                    for a, q in zip(mine, w.parameters())])
-    return ConformanceRow("Mixed-precision backward", "TRAIN-AMP-BACKWARD",
+    return ConformanceRow("Part 02 · 12b", "TRAIN-AMP-BACKWARD",
                           "torch.amp.GradScaler + clip_grad_norm_", same and err <= CONFORMANCE_TOL,
                           f"scaler model equals GradScaler's scale and skips over 12 steps: {same}; "
                           f"unscale+clip max rel. error {err:.1e} (tol {CONFORMANCE_TOL:g}, float32)")

@@ -57,7 +57,7 @@ class Experiment:
 
 # GPU suite order: numeric paths first (AMP, 11, 19, 42), then 55, 56, 76, then the projects 73, 74.
 EXPERIMENTS: dict[str, Experiment] = {e.semantic_id: e for e in [
-    Experiment("TRAIN-AMP-BACKWARD", "Mixed-precision backward", "amp", "bp_mech.experiments.amp", "book/part02/12b-amp-backward.md",
+    Experiment("TRAIN-AMP-BACKWARD", "Part 02 · 12b", "amp", "bp_mech.experiments.amp", "book/part02/12b-amp-backward.md",
        "FP32 → AMP, plus overflow samples", "finiteness, loss scale, skipped steps, peak, step time", True),
     Experiment("TRAIN-GRADIENT-ACCUMULATION", "Part 02 · 11", "11", "bp_mech.experiments.accumulation",
        "book/part02/11-gradient-accumulation.md", "full batch → 2 / 4 micro-batches accumulated",
