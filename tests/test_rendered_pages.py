@@ -1,5 +1,6 @@
 """The rendered chapters hold no filler: no section whose only content says that nothing is there, no
-block of text printed twice on one page, no table whose cells are mostly "–".
+block of text printed twice on one page, no table whose cells are mostly "–"; and each opens with its picture
+(a figure with alt text and a caption under the title, before the first section: issue 29's reader's order).
 
 Each audit reads one page's HTML (BeautifulSoup, the standard-library parser) and returns what it found;
 the synthetic pages below show each one fails on its defect. ``test_built_chapters`` runs them on every
@@ -101,6 +102,24 @@ def bold_prose(html: str) -> list[str]:
 AUDITS = (empty_sections, repeated_blocks, dash_tables, bold_prose)
 
 
+def no_opening_picture(html: str) -> list[str]:
+    """The page's title section, when nothing between its title and its first section is a figure with alt
+    text and a caption: ["<title>"] (else [])."""
+    h1 = BeautifulSoup(html, "html.parser").select_one("section > h1")
+    if h1 is None:
+        return ["(no title section)"]
+    for el in h1.find_next_siblings():
+        if el.name == "section":
+            break
+        img = el.find("img") if el.name == "figure" else None
+        if img is not None and img.get("alt", "").strip() and el.find("figcaption") is not None:
+            return []
+    return [_text(h1)]
+
+
+CHAPTER_AUDITS = (*AUDITS, no_opening_picture)  # (a chapter has a title section; the synthetic pages need none)
+
+
 def page(body: str) -> str:
     return f'<html><body><article class="bd-article">{body}</article></body></html>'
 
@@ -146,6 +165,18 @@ def test_a_glued_sentence_in_bold_fails():
     assert bold_prose(sentence.replace('"pasted-text"', '"pasted-text pasted-prose"')) == []
 
 
+def test_a_chapter_that_opens_with_text_or_a_bare_image_fails():
+    figure = ('<figure id="f"><img alt="A stack of layers, plain above, checkpointed below." src="a.png">'
+              '<figcaption><p>What this chapter is about, in one picture.</p></figcaption></figure>')
+    opening = '<section id="c"><h1>Part 02 · 19 — Checkpointing</h1><p class="experiment-header">X</p>{}{}</section>'
+    later = '<section id="q"><h2>The question</h2><p>Why?</p></section>'
+    assert no_opening_picture(page(opening.format(figure, later))) == []
+    assert no_opening_picture(page(opening.format(later, figure))) == ["Part 02 · 19 — Checkpointing"]
+    assert no_opening_picture(page(opening.format(figure.replace('A stack of layers, plain above, checkpointed below.', ' '), later))) != []
+    assert no_opening_picture(page(opening.format(figure.replace("<figcaption>", "<div>").replace(
+        "</figcaption>", "</div>"), later))) != []
+
+
 def _chapters() -> list[Path]:
     override = os.environ.get("BP_MECH_BOOK_HTML")
     if override:
@@ -162,11 +193,11 @@ def _chapters() -> list[Path]:
 
 @pytest.mark.book
 def test_built_chapters():
-    """Every chapter of the build passes the three audits."""
+    """Every chapter of the build passes every audit and opens with its picture."""
     found = {}
     for path in _chapters():
         text = path.read_text(encoding="utf-8")
-        for audit in AUDITS:
+        for audit in CHAPTER_AUDITS:
             if hits := audit(text):
                 found[f"{path.stem} {audit.__name__}"] = hits
     assert not found, "\n".join(f"{k}: {v}" for k, v in found.items())
