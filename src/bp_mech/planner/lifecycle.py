@@ -161,7 +161,12 @@ class Session:
             self.model = self.model if prepare is None else prepare(self.model)
             self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.dtype = next(self.model.parameters()).dtype
-        self.opt = self.optimizer(definition.adamw or self.options.adamw)
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The session's steady optimizer, made when first asked for (a plan that extrapolates in depth
+        never steps the full-depth session: 70B on 8 fake ranks spent most of its session here)."""
+        return self.optimizer(self.definition.adamw or self.options.adamw)
 
     def optimizer(self, impl: str):
         """The session's optimizer (``options.optimizer``: AdamW unless told otherwise) of implementation

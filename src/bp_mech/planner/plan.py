@@ -36,7 +36,8 @@ from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, unsupported
-from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
+from bp_mech.planner.costs import (LINK_BYTES_S, CachedRatio, Cost, Flops, cached_ratios, cost, flops_by_depth,
+                                   forward_flops)
 from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
@@ -207,14 +208,25 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
     return p
 
 
+def plain_flops(sess, config, deep=None) -> Flops:
+    """The plain forward's FLOPs: from ``deep``'s shallow sessions (``costs.flops_by_depth``) where the plan
+    extrapolates in depth, else counted on the full model (``costs.forward_flops``); a ``PlanError`` where the
+    model's forward cannot run on fake tensors."""
+    try:
+        if deep is not None and (f := flops_by_depth(deep.shallow, config.get_text_config().num_hidden_layers)):
+            return f
+    except Exception:  # noqa: BLE001 (a shallow forward that fails: the full one says why, or succeeds)
+        pass
+    try:
+        return forward_flops(sess)
+    except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
+        raise PlanError(f"cannot trace {config.model_type!r} with fake tensors: {one_line(e)}") from None
+
+
 def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
           fit, trace, deep=None) -> Plan:
     """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
     ``deep(strategies)``: ``planner.trace.by_depth``'s extrapolation for them, or None (full depth)."""
-    try:
-        flops = forward_flops(sess)
-    except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
-        raise PlanError(f"cannot trace {config.model_type!r} with fake tensors: {one_line(e)}") from None
     cached, errors = cached_ratios(device_name, results_dir)
     link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
@@ -227,6 +239,7 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     # and plain's step in the other loop (what dropping the outputs saves), traced beside them
     loop = [(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))] if PLAIN in todo else []
     deep = deep and deep(todo)
+    flops = plain_flops(sess, config, deep)
     steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep), desc="strategies",
                                                       total=len(todo) + len(loop)))
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None

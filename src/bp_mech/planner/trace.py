@@ -225,4 +225,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
                 reshape(x, *shape)
         r = extrapolated(shallow, layers, task, shard, gpus)
         return r if r is None or shard != "ddp" else with_buckets(r, bucket)
+    deep.shallow = shallow  # (``plan.plain_flops`` counts the forward's FLOPs on them)
     return deep
