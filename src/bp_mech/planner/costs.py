@@ -59,7 +59,7 @@ def forward_flops(session) -> Flops:
 
 def flops_by_depth(sessions: dict, layers: int) -> Flops | None:
     """``forward_flops`` at ``layers`` blocks from ``sessions`` ({depth: session} of one repeated block,
-    ``planner.trace.shallow_sessions``): each block's FLOPs are the same, so the total is affine in the depth.
+    ``planner.shallow.shallow_sessions``): each block's FLOPs are the same, so the total is affine in the depth.
     The step per block from the two shallowest, checked on every other depth; None where a block's FLOPs
     differ between blocks or depths, or the total is not affine (the caller counts the full model)."""
     counted = {d: forward_flops(s) for d, s in sorted(sessions.items())}

@@ -183,6 +183,16 @@ class Session:
                     opt.zero_grad(set_to_none=True)
         return self.optimizers[impl]
 
+    @contextlib.contextmanager
+    def tracking(self, tracker):
+        """The steps inside tracked by ``tracker`` (a tracker class, or any callable of the device that makes
+        one), the session's own tracker again after."""
+        before, self.tracker = self.tracker, tracker
+        try:
+            yield self
+        finally:
+            self.tracker = before
+
     def active(self):
         """The session's mode: ``FakeTensorMode`` and ``planner.fake_ops.patched()`` when fake, else nothing."""
         stack = contextlib.ExitStack()

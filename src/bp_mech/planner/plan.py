@@ -42,7 +42,8 @@ from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
-from bp_mech.planner.trace import by_depth, ledgers, one_line, traced
+from bp_mech.planner.shallow import by_depth
+from bp_mech.planner.trace import ledgers, one_line
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -226,7 +227,7 @@ def plain_flops(sess, config, deep=None) -> Flops:
 def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
           fit, trace, deep=None) -> Plan:
     """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
-    ``deep(strategies)``: ``planner.trace.by_depth``'s extrapolation for them, or None (full depth)."""
+    ``deep(strategies)``: ``planner.shallow.by_depth``'s extrapolation for them, or None (full depth)."""
     cached, errors = cached_ratios(device_name, results_dir)
     link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
@@ -255,8 +256,11 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     full = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
 
     def step(s, d=None):  # (what fits instead, the largest sizes: by depth too, at the session's shape now)
-        led = traced(sess, trace, (s, d) if d is not None else s, deep) if deep is not None else None
-        return getattr(led, "ledger", led) if led is not None and not isinstance(led, Failed) else full(s, d)
+        led = None
+        if deep is not None:
+            with contextlib.suppress(Exception):  # (a shallow step that fails: the full one says why)
+                led = deep((s, d) if d is not None else s)
+        return getattr(led, "ledger", led) if led is not None else full(s, d)
     plain = next((r for r in rows if r.strategy == PLAIN.name), None)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
     text = config.get_text_config()
