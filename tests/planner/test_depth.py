@@ -41,8 +41,9 @@ def compare(family, names=DIFFERENT, shard=None, gpus=1, options=CUDA, definitio
         make = lambda c: plan.session(c, 2, 32, options, definition, finetune, prepare)  # noqa: E731
         sess = make(cfg)
         todo = [s for s in map(parse, names) if not unsupported(sess.model, s) and not (definition.weights and s.amp)]
-        cut = shallow.shallow_sessions(sess, cfg, make, todo, shard, gpus)
-        if flops_by_depth(cut, layers) != forward_flops(sess):  # (the plan counts its FLOPs on the shallow ones)
+        counted = {}
+        cut = shallow.shallow_sessions(sess, cfg, make, todo, shard, gpus, counted)
+        if flops_by_depth(counted, layers) != forward_flops(sess):  # (the plan counts its FLOPs on the shallow ones)
             bad.append("forward FLOPs")
         for task in [*todo, (PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))]:
             s, d = task if isinstance(task, tuple) else (task, None)

@@ -57,12 +57,20 @@ def forward_flops(session) -> Flops:
     return Flops(attn, mlp, flops(anatomy.output_head(session.model)), counter.get_total_flops() + sum(cores))
 
 
-def flops_by_depth(sessions: dict, layers: int) -> Flops | None:
-    """``forward_flops`` at ``layers`` blocks from ``sessions`` ({depth: session} of one repeated block,
-    ``planner.shallow.shallow_sessions``): each block's FLOPs are the same, so the total is affine in the depth.
-    The step per block from the two shallowest, checked on every other depth; None where a block's FLOPs
-    differ between blocks or depths, or the total is not affine (the caller counts the full model)."""
-    counted = {d: forward_flops(s) for d, s in sorted(sessions.items())}
+def flops_by_depth(counted: dict, layers: int) -> Flops | None:
+    """``forward_flops`` at ``layers`` blocks from ``counted`` ({depth: ``Flops``} of one repeated block's stack cut
+    shallow, ``planner.shallow.shallow_sessions``): each block's FLOPs are the same, so the total is affine in
+    the depth. The step per block from the two shallowest, checked on every other depth; None where a block's
+    FLOPs differ between blocks or depths, or the total is not affine (the caller counts the full model).
+
+    Example:
+        >>> f = lambda d: Flops([3] * d, [5] * d, 7, 7 + 8 * d)
+        >>> flops_by_depth({2: f(2), 3: f(3), 4: f(4)}, 24) == f(24)
+        True
+        >>> flops_by_depth({2: f(2), 3: Flops([3] * 3, [5] * 3, 7, 99)}, 24) is None
+        True
+    """
+    counted = dict(sorted(counted.items()))
     if len(counted) < 2:
         return None
     (a, fa), (b, fb) = list(counted.items())[:2]

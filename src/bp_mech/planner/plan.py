@@ -36,8 +36,7 @@ from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, unsupported
-from bp_mech.planner.costs import (LINK_BYTES_S, CachedRatio, Cost, Flops, cached_ratios, cost, flops_by_depth,
-                                   forward_flops)
+from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, Flops, cached_ratios, cost, forward_flops
 from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
@@ -210,14 +209,11 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
 
 
 def plain_flops(sess, config, deep=None) -> Flops:
-    """The plain forward's FLOPs: from ``deep``'s shallow sessions (``costs.flops_by_depth``) where the plan
-    extrapolates in depth, else counted on the full model (``costs.forward_flops``); a ``PlanError`` where the
-    model's forward cannot run on fake tensors."""
-    try:
-        if deep is not None and (f := flops_by_depth(deep.shallow, config.get_text_config().num_hidden_layers)):
-            return f
-    except Exception:  # noqa: BLE001 (a shallow forward that fails: the full one says why, or succeeds)
-        pass
+    """The plain forward's FLOPs: ``deep``'s, counted on its shallow sessions (``costs.flops_by_depth``), where
+    the plan extrapolates in depth, else counted on the full model (``costs.forward_flops``); a ``PlanError``
+    where the model's forward cannot run on fake tensors."""
+    if deep is not None and deep.flops is not None:
+        return deep.flops
     try:
         return forward_flops(sess)
     except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)

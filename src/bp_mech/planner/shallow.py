@@ -6,6 +6,7 @@ full depth (``extrapolated``); ``by_depth`` is the plan's ``deep``, which ``plan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -14,6 +15,7 @@ from bp_mech.bench.strategy import PLAIN
 from bp_mech.instruments import anatomy
 from bp_mech.instruments.tracking import storage_of
 from bp_mech.planner import depth
+from bp_mech.planner.costs import flops_by_depth, forward_flops
 
 
 def period(s) -> int:
@@ -32,12 +34,16 @@ def signature(block) -> list:
     return out + [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()]
 
 
-def shallow_sessions(sess, config, make, strategies, shard: str | None = None, gpus: int = 1) -> dict:
+def shallow_sessions(sess, config, make, strategies, shard: str | None = None, gpus: int = 1,
+                     flops: dict | None = None) -> dict:
     """``{depth: session}``: ``config`` cut to the depths ``planner.depth`` traces for the ``strategies``'
     periods, each built by ``make(config)`` (under FSDP2 and stepped once: the first step runs its lazy
     initialisation, which later steps do not, and every traced step is a later one); {} where the stack is not
     one repeated block (per-layer settings that differ, blocks whose ``signature`` differs: layers of other
-    kinds, freezing by block) or a shallow session cannot be built or stepped."""
+    kinds, freezing by block) or a shallow session cannot be built or stepped. ``flops``: a dict to fill with
+    each depth's ``costs.forward_flops`` (None where its forward fails), counted before that warm-up step: a
+    no-grad forward leaves FSDP2's state other than a step does (the checkpointed steps that followed one no
+    longer extrapolated)."""
     layers = config.get_text_config().num_hidden_layers
     need = sorted({d for s in strategies for d in (depth.depths(layers, period(s)) or ())})
     blocks = anatomy.decoder_blocks(sess.model)
@@ -51,6 +57,9 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
             return {}
         try:
             out[d] = make(cut)
+            if flops is not None:
+                with contextlib.suppress(Exception):  # (a forward that fails: the full model's count says why)
+                    flops[d] = forward_flops(out[d])
             if any(signature(b) != one for b in anatomy.decoder_blocks(out[d].model)):
                 return {}
             if shard == "fsdp2":
@@ -152,7 +161,8 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
     from bp_mech.planner.fit import reshape
     from bp_mech.planner.shard import ddp_bucket_bytes, with_buckets
 
-    shallow = shallow_sessions(sess, config, make, strategies, shard, gpus)
+    counted = {}
+    shallow = shallow_sessions(sess, config, make, strategies, shard, gpus, counted)
     if not shallow:
         return None
     layers = config.get_text_config().num_hidden_layers
@@ -165,5 +175,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
                 reshape(x, *shape)
         r = extrapolated(shallow, layers, task, shard, gpus)
         return r if r is None or shard != "ddp" else with_buckets(r, bucket)
-    deep.shallow = shallow  # (``plan.plain_flops`` counts the forward's FLOPs on them)
+    deep.flops = flops_by_depth(counted, layers) if len(counted) == len(shallow) else None  # (``plan.plain_flops``)
     return deep
