@@ -67,7 +67,7 @@ def flops_by_depth(counted: dict, layers: int) -> Flops | None:
         >>> f = lambda d: Flops([3] * d, [5] * d, 7, 7 + 8 * d)
         >>> flops_by_depth({2: f(2), 3: f(3), 4: f(4)}, 24) == f(24)
         True
-        >>> flops_by_depth({2: f(2), 3: Flops([3] * 3, [5] * 3, 7, 99)}, 24) is None
+        >>> flops_by_depth({2: f(2), 3: f(3), 4: Flops([3] * 4, [5] * 4, 7, 99)}, 24) is None  # not affine
         True
     """
     counted = dict(sorted(counted.items()))
