@@ -12,7 +12,6 @@ from bp_mech.bench.strategy import PLAIN, parse, unsupported
 from bp_mech.planner import depth, plan, shallow, shard as sharding, trace
 from bp_mech.planner.costs import flops_by_depth, forward_flops
 from bp_mech.planner.definitions import STEADY
-from bp_mech.planner.finetune import FineTune
 from tests.planner.test_plan import FAMILY_FIELDS, TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,22 +56,6 @@ def compare(family, names=DIFFERENT, shard=None, gpus=1, options=CUDA, definitio
 @pytest.mark.parametrize("family", list(FAMILY_FIELDS))
 def test_every_family_extrapolates_to_the_full_trace(family):
     assert compare(family) == []
-
-
-def test_a_stack_whose_layers_differ_is_traced_at_full_depth():
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model("qwen2", **dict(TINY, **FAMILY_FIELDS["qwen2"], num_hidden_layers=6,
-                                               use_sliding_window=True, max_window_layers=3))
-    assert len(set(cfg.layer_types)) == 2 and depth.shallow(cfg, 2) is None
-    alike = config("qwen2", 6)
-    assert depth.shallow(alike, 3).num_hidden_layers == 3 and len(depth.shallow(alike, 3).layer_types) == 3
-    frozen = plan.session(alike, 2, 32, CUDA, finetune=FineTune(freeze=r"layers\.0\."))
-    assert shallow.shallow_sessions(frozen, alike, None, [PLAIN]) == {}  # frozen by block
-    jamba = AutoConfig.for_model("jamba", **dict(TINY, num_hidden_layers=8, attn_layer_period=4, attn_layer_offset=3,
-                                                 expert_layer_period=2, expert_layer_offset=1, num_experts=2))
-    sess = plan.session(jamba, 2, 32, CUDA)  # (mamba and attention layers, every second one with experts)
-    assert shallow.shallow_sessions(sess, jamba, None, [PLAIN]) == {}
 
 
 def test_depths():
