@@ -236,9 +236,9 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     # and plain's step in the other loop (what dropping the outputs saves), traced beside them
     loop = [(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))] if PLAIN in todo else []
     deep = deep and deep(todo)
-    flops = plain_flops(sess, config, deep)
     if deep is None and definition.moments == "resident" and todo:  # every step on the full session: its optimizer
-        sess.optimizer(definition.adamw or sess.options.adamw)  # made once here, not once in each forked worker
+        sess.optimizer(definition.adamw or sess.options.adamw)  # made once here, before the FLOP count's forward
+    flops = plain_flops(sess, config, deep)  # (which leaves FSDP2's root gathered), not once in each worker
     steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep), desc="strategies",
                                                       total=len(todo) + len(loop)))
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
