@@ -2,12 +2,15 @@
 """Time ``bp-mech plan`` end to end (the real command, in a subprocess) against the issue's speed targets.
 
     tools/bench_plan.py [--rows tiny,05b,7b,70b] [--repeats 3] [--workers N] [--before "FLAGS"] [--after "FLAGS"]
+                        [--before-src DIR]
 
 Each row times two arms side by side, interleaved run by run (before, after, before, ...) so that the shared
 machine's load falls on both alike: ``before`` is the command with ``--before``'s flags (default
 ``--full-depth``: every candidate traced at full depth, the command before ``planner.depth``); ``after`` is the
 command with ``--after``'s (default none: every candidate, extrapolated in depth), the path the issue's
-targets are for. Reported per arm: the median and P95 of its runs,
+targets are for. ``--before-src DIR``: the before arm runs the source tree ``DIR/src`` instead of this one, e.g. a
+worktree of the previous commit (``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that
+commit's command as it was). Reported per arm: the median and P95 of its runs,
 and the ratio of the medians (after / before).
 
 Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
@@ -67,10 +70,10 @@ def command() -> list[str]:
     return [sys.executable, "-m", "bp_mech"]
 
 
-def environment() -> dict:
-    """The command's environment: offline, this source tree, bytecode written (as make does: where
-    PYTHONDONTWRITEBYTECODE is set every run would compile what it imports again)."""
-    src = str(ROOT / "src")
+def environment(root: Path = ROOT) -> dict:
+    """The command's environment: offline, the source tree of ``root`` (default: this one), bytecode written (as
+    make does: where PYTHONDONTWRITEBYTECODE is set every run would compile what it imports again)."""
+    src = str(root / "src")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     return dict(env, HF_HUB_OFFLINE="1",
                 PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
@@ -83,12 +86,12 @@ def takes_gpus() -> bool:
     return out.returncode == 0 and "--gpus" in out.stdout and "--shard" in out.stdout
 
 
-def time_run(args: list[str], timeout: float) -> tuple[float, int, str]:
-    """(wall seconds, exit status, the last line of stderr) of one ``bp-mech plan`` run."""
+def time_run(args: list[str], timeout: float, root: Path = ROOT) -> tuple[float, int, str]:
+    """(wall seconds, exit status, the last line of stderr) of one ``bp-mech plan`` run from ``root``'s sources."""
     t0 = time.perf_counter()
     # its own process group: a run stopped at the timeout takes its forked tracing workers with it
     proc = subprocess.Popen([*command(), "plan", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=environment(), cwd=ROOT, start_new_session=True)
+                            text=True, env=environment(root), cwd=root, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -113,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--before", default="--full-depth",
                     help="extra flags of the 'before' arm (default: --full-depth, every block traced: the command "
                          "before the extrapolation in depth)")
+    ap.add_argument("--before-src", type=Path, default=ROOT,
+                    help="the source tree the 'before' arm runs (its src/; default: this one), e.g. a worktree of the "
+                         "previous commit")
     a = ap.parse_args(argv)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     if unknown := [r for r in rows if r not in ROWS]:
@@ -121,7 +127,8 @@ def main(argv=None) -> int:
     print(f"bp-mech plan, {a.repeats} run(s) per arm and row, {os.cpu_count()} CPUs visible, "
           f"affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}; "
           f"--gpus/--shard {'accepted' if sharded else 'NOT accepted by this bp-mech: the 70b row runs on one device'}; "
-          f"before: {a.before or '(the command as is)'}; after: {a.after or '(the command as is)'}", flush=True)
+          f"before: {a.before or '(the command as is)'}"
+          f"{'' if a.before_src.resolve() == ROOT else f' from {a.before_src}'}; after: {a.after or '(the command as is)'}", flush=True)
     table, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         for name in rows:
@@ -141,7 +148,8 @@ def main(argv=None) -> int:
             runs = {arm: [] for arm in arms}
             for _ in range(a.repeats):  # interleaved: the machine's load falls on both arms alike
                 for arm, flags in arms.items():
-                    runs[arm].append(time_run(flags, TIMEOUT_FACTOR * max(target, 20.0) if arm == "after" else BEFORE_TIMEOUT))
+                    runs[arm].append(time_run(flags, TIMEOUT_FACTOR * max(target, 20.0) if arm == "after" else BEFORE_TIMEOUT,
+                                              ROOT if arm == "after" else a.before_src.resolve()))
             shown = " ".join(f"{name}/config.json" if x.startswith(tmp) else x for x in args)
             med = {}
             for arm, rs in runs.items():

@@ -49,3 +49,13 @@ def test_the_plan_by_depth_is_the_full_depth_plan():
         a, b = (plan.plan(cfg, 4, 32, budget, candidates=few, full_depth=f).to_dict() for f in (False, True))
         a.pop("elapsed_s"), b.pop("elapsed_s")
         assert a == b and (a["recommended"] is None) == (budget == 2**20)
+
+
+def test_a_sharded_plan_by_depth_is_the_full_depth_plan():
+    """Under FSDP2 too (the full-depth plan makes its optimizer before the FLOP count's forward, which leaves the
+    root's parameters gathered: made after it, AdamW met plain tensors beside DTensors)."""
+    cfg, few = config("qwen2", 7), [parse("plain"), parse("checkpoint-every2")]
+    a, b = (plan.plan(cfg, 2, 32, 2**30, candidates=few, gpus=2, shard="fsdp2", full_depth=f).to_dict()
+            for f in (False, True))
+    a.pop("elapsed_s"), b.pop("elapsed_s")
+    assert a == b

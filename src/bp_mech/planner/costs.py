@@ -57,6 +57,33 @@ def forward_flops(session) -> Flops:
     return Flops(attn, mlp, flops(anatomy.output_head(session.model)), counter.get_total_flops() + sum(cores))
 
 
+def flops_by_depth(counted: dict, layers: int) -> Flops | None:
+    """``forward_flops`` at ``layers`` blocks from ``counted`` ({depth: ``Flops``} of one repeated block's stack cut
+    shallow, ``planner.shallow.shallow_sessions``): each block's FLOPs are the same, so the total is affine in
+    the depth. The step per block from the two shallowest, checked on every other depth; None where a block's
+    FLOPs differ between blocks or depths, or the total is not affine (the caller counts the full model).
+
+    Example:
+        >>> f = lambda d: Flops([3] * d, [5] * d, 7, 7 + 8 * d)
+        >>> flops_by_depth({2: f(2), 3: f(3), 4: f(4)}, 24) == f(24)
+        True
+        >>> flops_by_depth({2: f(2), 3: f(3), 4: Flops([3] * 4, [5] * 4, 7, 99)}, 24) is None  # not affine
+        True
+    """
+    counted = dict(sorted(counted.items()))
+    if len(counted) < 2:
+        return None
+    (a, fa), (b, fb) = list(counted.items())[:2]
+    if (fb.total - fa.total) % (b - a):
+        return None
+    step = (fb.total - fa.total) // (b - a)
+    parts = {(x, y) for f in counted.values() for x, y in zip(f.attn, f.mlp)}
+    if len(parts) != 1 or any(f.total != fa.total + (d - a) * step or f.head != fa.head for d, f in counted.items()):
+        return None
+    (attn, mlp), = parts
+    return Flops([attn] * layers, [mlp] * layers, fa.head, fa.total + (layers - a) * step)
+
+
 def sdpa_core(attn, cfg, B: int, T: int) -> int:
     """SDPA's causal core of one attention module, which the FLOP counter does not see on the CPU: QK^T and
     PV, 2 B T^2 H d_head (the causal half of 4 B T^2 H d_head: flash attention skips masked blocks); 0 for

@@ -1,7 +1,7 @@
 """A deep model's plan from three shallow ones: the step's memory events extrapolated in depth, exactly.
 
 A decoder stack repeats one block. Traced at depths ``a``, ``a + p`` and ``a + 2p`` (``p``: the strategy's
-period, 2 for checkpoint-every2, else 1), a step's storage events (the log ``planner.trace.recording`` keeps:
+period, 2 for checkpoint-every2, else 1), a step's storage events (the log ``planner.shallow.recording`` keeps:
 each storage born and freed, each operator's end, each phase opened and stage marked) differ in a regular way:
 between two marks, depth ``a + p`` is depth ``a`` with units of operators inserted (a block's forward, its
 backward, an optimizer's per-parameter operators) and the rest kept, each kept operator's bytes grown by a

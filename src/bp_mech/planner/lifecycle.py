@@ -161,7 +161,12 @@ class Session:
             self.model = self.model if prepare is None else prepare(self.model)
             self.load_alloc = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.dtype = next(self.model.parameters()).dtype
-        self.opt = self.optimizer(definition.adamw or self.options.adamw)
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The session's steady optimizer, made when first asked for (a plan that extrapolates in depth
+        never steps the full-depth session: 70B on 8 fake ranks spent most of its session here)."""
+        return self.optimizer(self.definition.adamw or self.options.adamw)
 
     def optimizer(self, impl: str):
         """The session's optimizer (``options.optimizer``: AdamW unless told otherwise) of implementation
@@ -177,6 +182,16 @@ class Session:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         return self.optimizers[impl]
+
+    @contextlib.contextmanager
+    def tracking(self, tracker):
+        """The steps inside tracked by ``tracker`` (a tracker class, or any callable of the device that makes
+        one), the session's own tracker again after."""
+        before, self.tracker = self.tracker, tracker
+        try:
+            yield self
+        finally:
+            self.tracker = before
 
     def active(self):
         """The session's mode: ``FakeTensorMode`` and ``planner.fake_ops.patched()`` when fake, else nothing."""

@@ -36,12 +36,13 @@ from bp_mech.planner.finetune import FineTune, FineTuneError, missing_package
 from bp_mech.bench.rates import ASSUMED_FLOPS
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import CANDIDATES, PLAIN, Strategy, unsupported
-from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, cached_ratios, cost, forward_flops
+from bp_mech.planner.costs import LINK_BYTES_S, CachedRatio, Cost, Flops, cached_ratios, cost, forward_flops
 from bp_mech.planner.fit import Fit, FitsInstead, fits_instead, largest_sizes
 from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
-from bp_mech.planner.trace import by_depth, ledgers, one_line, traced
+from bp_mech.planner.shallow import by_depth
+from bp_mech.planner.trace import ledgers, one_line
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -207,14 +208,22 @@ def plan(config, batch: int, seq: int, budget: int, device_name: str | None = No
     return p
 
 
+def plain_flops(sess, config, deep=None) -> Flops:
+    """The plain forward's FLOPs: ``deep``'s, counted on its shallow sessions (``costs.flops_by_depth``), where
+    the plan extrapolates in depth, else counted on the full model (``costs.forward_flops``); a ``PlanError``
+    where the model's forward cannot run on fake tensors."""
+    if deep is not None and deep.flops is not None:
+        return deep.flops
+    try:
+        return forward_flops(sess)
+    except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
+        raise PlanError(f"cannot trace {config.model_type!r} with fake tensors: {one_line(e)}") from None
+
+
 def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
           fit, trace, deep=None) -> Plan:
     """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
-    ``deep(strategies)``: ``planner.trace.by_depth``'s extrapolation for them, or None (full depth)."""
-    try:
-        flops = forward_flops(sess)
-    except Exception as e:  # noqa: BLE001 (the model's forward cannot run on fake tensors)
-        raise PlanError(f"cannot trace {config.model_type!r} with fake tensors: {one_line(e)}") from None
+    ``deep(strategies)``: ``planner.shallow.by_depth``'s extrapolation for them, or None (full depth)."""
     cached, errors = cached_ratios(device_name, results_dir)
     link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
@@ -227,6 +236,9 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     # and plain's step in the other loop (what dropping the outputs saves), traced beside them
     loop = [(PLAIN, definition.replace(keep_outputs=not definition.keep_outputs))] if PLAIN in todo else []
     deep = deep and deep(todo)
+    if deep is None and definition.moments == "resident" and todo:  # every step on the full session: its optimizer
+        sess.optimizer(definition.adamw or sess.options.adamw)  # made once here, before the FLOP count's forward
+    flops = plain_flops(sess, config, deep)  # (which leaves FSDP2's root gathered), not once in each worker
     steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep), desc="strategies",
                                                       total=len(todo) + len(loop)))
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
@@ -242,8 +254,11 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     full = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
 
     def step(s, d=None):  # (what fits instead, the largest sizes: by depth too, at the session's shape now)
-        led = traced(sess, trace, (s, d) if d is not None else s, deep) if deep is not None else None
-        return getattr(led, "ledger", led) if led is not None and not isinstance(led, Failed) else full(s, d)
+        led = None
+        if deep is not None:
+            with contextlib.suppress(Exception):  # (a shallow step that fails: the full one says why)
+                led = deep((s, d) if d is not None else s)
+        return getattr(led, "ledger", led) if led is not None else full(s, d)
     plain = next((r for r in rows if r.strategy == PLAIN.name), None)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
     text = config.get_text_config()

@@ -34,7 +34,6 @@ from bp_mech.planner.definitions import STEADY, StepDefinition
 from bp_mech.bench.optimizer import StepOptions
 from bp_mech.bench.strategy import PLAIN, Strategy
 from bp_mech.planner.shard_tracking import ShardTracker
-from bp_mech.instruments.tracking import StorageTracker
 from bp_mech.ledger_table import CLASSES, STAGES, Ledger
 
 SHARDINGS = ("fsdp2", "ddp")  # how the model is spread over the GPUs (``rank_ledger``'s ``shard``)
@@ -115,11 +114,8 @@ def tracked(session: lifecycle.Session, s: Strategy = PLAIN, definition: StepDef
 
     if fsdp:
         session.model.reshard()
-    session.tracker = new
-    try:
+    with session.tracking(new):
         led = session.ledger(s, definition)
-    finally:
-        session.tracker = StorageTracker
     tr = made[-1]
     snaps = {x: tr.marks[x][1] for x in ("load", "forward", "backward", "zero_grad")}  # (as Session.step)
     snaps.update(forward_peak=tr.peaks["forward"][1], backward_peak=tr.peaks["backward"][1],
