@@ -44,7 +44,10 @@ def test_an_arrow_runs_from_its_first_point_to_its_second():
     assert matplotlib.colors.to_hex(a.get_edgecolor()) == drawing.BWD.lower()
 
 
-@given(st.floats(-5, 5), st.floats(-5, 5), st.floats(0.2, 3), st.floats(-10, 10), st.floats(-10, 10))
+COORD = st.integers(-10_000, 10_000).map(lambda i: i / 1000)  # a drawing's coordinates: data units, to a thousandth
+
+
+@given(COORD, COORD, st.integers(200, 3000).map(lambda i: i / 1000), COORD, COORD)
 def test_an_edge_leaves_its_box_on_the_border_toward_the_other_end(x, y, w, tx, ty):
     px, py = drawing.edge_point((x, y, "", w), (tx, ty))
     if (tx, ty) == (x, y):
