@@ -7,16 +7,10 @@ marks the stages, names the logits/loss region (from the output head on, ``anato
 its ``ChunkedHead``) and the autograd nodes of that region, and promotes gradients and optimizer state
 as they appear.
 
-``Session`` builds a workload's model once, with its AdamW, real or fake, and gives the ledger of a
-steady-state step of any ``Strategy`` (or of a step of another definition, ``planner.definitions``):
-
-* ``fake=False``: real tensors; storages tracked on the CPU (memory source ``tracked-cpu``) or, on
-  CUDA, tracked *and* read from the caching allocator beside them (``cuda-allocator``);
-* ``fake=True``: the same step under ``FakeTensorMode`` (no memory is allocated, so the full qwen05
-  runs on any CPU in seconds): the estimate (``fake-tensor``), what ``bp-mech plan`` traces.
-
-The model is a ``Workload``'s Qwen2 or, for a ``ConfigWorkload``, any causal LM that Transformers builds
-from its config (``AutoModelForCausalLM.from_config``).
+``Session`` builds a workload's model once (a ``Workload``'s Qwen2, or any causal LM Transformers builds from a
+``ConfigWorkload``'s config) and gives the ledger of a step of any ``Strategy`` (``planner.definitions``):
+real (``tracked-cpu``; on CUDA also read from the caching allocator, ``cuda-allocator``) or fake, under
+``FakeTensorMode`` (``fake-tensor``: no memory allocated, the full qwen05 in seconds; what ``bp-mech plan`` traces).
 """
 
 from __future__ import annotations
@@ -185,8 +179,7 @@ class Session:
 
     @contextlib.contextmanager
     def tracking(self, tracker):
-        """The steps inside tracked by ``tracker`` (a tracker class, or any callable of the device that makes
-        one), the session's own tracker again after."""
+        """Steps inside tracked by ``tracker`` (a class, or a callable of the device), the session's own after."""
         before, self.tracker = self.tracker, tracker
         try:
             yield self
