@@ -223,7 +223,7 @@ def plain_flops(sess, config, deep=None) -> Flops:
 def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, workers, results_dir, definition,
           fit, trace, deep=None) -> Plan:
     """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
-    ``deep(strategies)``: ``planner.shallow.by_depth``'s extrapolation for them, or None (full depth)."""
+    ``deep(strategies)``: ``planner.shallow.by_depth``'s ``ByDepth`` for them, or None (full depth)."""
     cached, errors = cached_ratios(device_name, results_dir)
     link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,7 @@ from bp_mech.bench.strategy import PLAIN
 from bp_mech.instruments import anatomy
 from bp_mech.instruments.tracking import storage_of
 from bp_mech.planner import depth
-from bp_mech.planner.costs import flops_by_depth, forward_flops
+from bp_mech.planner.costs import Flops, flops_by_depth, forward_flops
 
 
 def period(s) -> int:
@@ -57,11 +58,11 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
             return {}
         try:
             out[d] = make(cut)
+            if any(signature(b) != one for b in anatomy.decoder_blocks(out[d].model)):
+                return {}
             if flops is not None:
                 with contextlib.suppress(Exception):  # (a forward that fails: the full model's count says why)
                     flops[d] = forward_flops(out[d])
-            if any(signature(b) != one for b in anatomy.decoder_blocks(out[d].model)):
-                return {}
             if shard == "fsdp2":
                 shallow_trace(out[d], PLAIN, None, shard, gpus)
         except Exception:  # noqa: BLE001 (a model that cannot be built or stepped shallower: traced at full depth)
@@ -154,12 +155,37 @@ def extrapolated(shallow: dict, layers: int, task, shard: str | None = None, gpu
     return depth.extended(traced, (layers - at[0]) // period(s))
 
 
-def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int = 1):
-    """``deep`` for ``traced``: ``task -> ledger | None``, each task's ledger extrapolated from the shallow
-    sessions (``shallow_sessions``, ``extrapolated``; DDP's buckets added for the full model); None where the
-    model is not one repeated block."""
-    from bp_mech.planner.fit import reshape
-    from bp_mech.planner.shard import ddp_bucket_bytes, with_buckets
+@dataclass
+class ByDepth:
+    """The plan's ``deep`` (``by_depth``): called with a task, its ledger extrapolated from the ``shallow``
+    sessions (``extrapolated``; DDP's ``bucket`` bytes of the full model added), or None where it does not
+    extrapolate; ``flops``: the plain forward's FLOPs by depth (``costs.flops_by_depth``; None: count them on
+    the full model)."""
+
+    sess: object  # the full-depth session, whose batch shape the shallow ones follow
+    shallow: dict  # {depth: session}
+    layers: int
+    shard: str | None
+    gpus: int
+    bucket: int  # DDP's gradient buckets of the full model (0 unless DDP on several GPUs)
+    flops: Flops | None
+
+    def __call__(self, task):
+        from bp_mech.planner.fit import reshape
+        from bp_mech.planner.shard import with_buckets
+
+        shape = tuple(self.sess.batch["input_ids"].shape)  # (what fits instead traces the session at other shapes)
+        for x in self.shallow.values():
+            if tuple(x.batch["input_ids"].shape) != shape:
+                reshape(x, *shape)
+        r = extrapolated(self.shallow, self.layers, task, self.shard, self.gpus)
+        return r if r is None or self.shard != "ddp" else with_buckets(r, self.bucket)
+
+
+def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int = 1) -> ByDepth | None:
+    """The plan's ``ByDepth`` for ``strategies`` on ``sess`` (``shallow_sessions`` built by ``make``, their FLOPs
+    counted); None where the model is not one repeated block."""
+    from bp_mech.planner.shard import ddp_bucket_bytes
 
     counted = {}
     shallow = shallow_sessions(sess, config, make, strategies, shard, gpus, counted)
@@ -167,13 +193,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
         return None
     layers = config.get_text_config().num_hidden_layers
     bucket = ddp_bucket_bytes(sess.model) if shard == "ddp" and gpus > 1 else 0
-
-    def deep(task):
-        shape = tuple(sess.batch["input_ids"].shape)  # (what fits instead traces the session at other shapes)
-        for x in shallow.values():
-            if tuple(x.batch["input_ids"].shape) != shape:
-                reshape(x, *shape)
-        r = extrapolated(shallow, layers, task, shard, gpus)
-        return r if r is None or shard != "ddp" else with_buckets(r, bucket)
-    deep.flops = flops_by_depth(counted, layers) if len(counted) == len(shallow) else None  # (``plan.plain_flops``)
-    return deep
+    return ByDepth(sess, shallow, layers, shard, gpus, bucket,
+                   flops_by_depth(counted, layers) if len(counted) == len(shallow) else None)
