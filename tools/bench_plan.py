@@ -10,7 +10,7 @@ machine's load falls on both alike: ``before`` is the command with ``--before``'
 command with ``--after``'s (default none: every candidate, extrapolated in depth), the path the issue's
 targets are for. ``--before-src DIR``: the before arm runs the source tree ``DIR/src`` instead of this one, e.g. a
 worktree of the previous commit (``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that
-commit's command as it was). Reported per arm: the median and P95 of its runs,
+commit's command as it was, or ``--before=--full-depth``: a value that starts with ``--`` needs the ``=``). Reported per arm: the median and P95 of its runs,
 and the ratio of the medians (after / before).
 
 Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
