@@ -60,4 +60,5 @@ def test_every_family_extrapolates_to_the_full_trace(family):
 
 def test_depths():
     assert depth.depths(8, 1) == (2, 3, 4) and depth.depths(8, 2) == (2, 4, 6) and depth.depths(9, 2) == (3, 5, 7)
+    assert depth.depths(8, 1, 1) == (1, 2, 3) and depth.depths(8, 2, 1) == (2, 4, 6)
     assert depth.depths(4, 1) is None and depth.depths(6, 2) is None  # the full depth is no deeper: traced as is

@@ -1,6 +1,6 @@
 """``planner.fake_ops.plain_key``: the fake dispatch cache's keys with the shortcut are the keys without it, for
 every operator of a traced training step (forward, backward, AdamW, under checkpointing and autocast), and
-the shortcut is taken; a shortcut that writes anything else is caught."""
+the shortcut is taken; a shortcut that writes anything else, for plain values or for a tensor, is caught."""
 
 import pytest
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -60,3 +60,22 @@ def test_a_shortcut_that_writes_another_key_is_caught(monkeypatch, mistake):
 
     with pytest.raises(AssertionError):
         _trace_comparing(wrong, monkeypatch)
+
+
+@pytest.mark.parametrize("mistake", ["contiguous always", "no storage bytes", "offset typed"])
+def test_a_tensor_written_otherwise_is_caught(monkeypatch, mistake):
+    import torch
+
+    write = fake_ops._write_tensor
+
+    def wrong(result, t):  # the tail: device, layout, memory format, offset, storage bytes, then nine flags
+        write(result, t)
+        if mistake == "contiguous always":
+            result[-12] = torch.contiguous_format
+        elif mistake == "no storage bytes":
+            del result[-10]
+        else:
+            result.insert(-11, int)
+    monkeypatch.setattr(fake_ops, "_write_tensor", wrong)
+    with pytest.raises(AssertionError):
+        _trace_comparing(fake_ops.plain_key, monkeypatch)

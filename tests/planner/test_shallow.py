@@ -94,3 +94,26 @@ def test_a_family_cut_shallow_is_the_same_model_with_fewer_blocks():
     assert cut.num_hidden_layers == 3 and cfg.num_hidden_layers == 8
     assert {k: v for k, v in cut.to_dict().items() if k != "num_hidden_layers"} == \
         {k: v for k, v in cfg.to_dict().items() if k != "num_hidden_layers"}
+
+
+def test_the_tries_start_at_depth_one_except_under_fsdp2():
+    every2 = parse("checkpoint-every2")
+    assert shallow.tries(8, PLAIN) == [(1, 2, 3), (2, 3, 4)] and shallow.tries(8, every2) == [(2, 4, 6)]
+    assert shallow.tries(9, every2) == [(1, 3, 5), (3, 5, 7)]
+    assert shallow.tries(8, PLAIN, "fsdp2") == [(2, 3, 4)] and shallow.tries(8, PLAIN, "ddp")[0] == (1, 2, 3)
+    assert shallow.tries(4, PLAIN) == [(1, 2, 3)] and shallow.tries(3, PLAIN) == []
+
+
+@pytest.mark.parametrize("family,name,traces", [("qwen2", "checkpoint-all", [1, 2, 3]),
+                                                ("bloom", "plain", [1, 2, 3]), ("bloom", "checkpoint-all", [1, 2, 3, 4])])
+def test_depth_one_serves_where_it_steps_evenly_and_depth_four_is_traced_only_where_not(family, name, traces,
+                                                                                       monkeypatch):
+    cfg = config(family)
+    make = lambda c: plan.session(c, 2, 32, CUDA)  # noqa: E731
+    cut = shallow.shallow_sessions(make(cfg), cfg, make, [PLAIN])
+    assert sorted(cut) == [1, 2, 3, 4]
+    made, trace = [], shallow.shallow_trace
+    monkeypatch.setattr(shallow, "shallow_trace", lambda sess, *a: made.append(
+        sess.model.config.get_text_config().num_hidden_layers) or trace(sess, *a))
+    # (bloom's checkpointed step from depth 1 does not step evenly; either way equal to the full trace: test_depth)
+    assert shallow.extrapolated(cut, 8, parse(name)) is not None and made == traces

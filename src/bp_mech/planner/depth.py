@@ -27,13 +27,15 @@ from bp_mech.ledger_table import CLASSES, STAGES, Counts, Ledger
 
 COLS = len(CLASSES) + 5  # classes, 512-rounded bytes, gathered / collective (by final kind), the same as they grow
 ROUNDED, GATHERED, COLLECTIVE, GROWN = len(CLASSES), len(CLASSES) + 1, len(CLASSES) + 2, len(CLASSES) + 3
-# the shallowest depth traced (from depth 1, whose first block is also its last, some families do not step evenly)
+# the shallowest depth every validated family steps evenly from; from depth 1, whose first block is also its
+# last, most do (three shallower traces) and some do not (bloom; any model under FSDP2): ``planner.shallow.tries``
 SMALLEST = 2
 
 
-def depths(layers: int, period: int) -> tuple[int, int, int] | None:
-    """The three depths traced for a stack of ``layers`` at ``period`` (None: too shallow to gain)."""
-    a = SMALLEST + (layers - SMALLEST) % period
+def depths(layers: int, period: int, smallest: int = SMALLEST) -> tuple[int, int, int] | None:
+    """The three depths traced for a stack of ``layers`` at ``period``, from ``smallest`` up (None: too shallow
+    to gain)."""
+    a = smallest + (layers - smallest) % period
     return (a, a + period, a + 2 * period) if layers > a + 2 * period else None
 
 

@@ -24,6 +24,18 @@ def period(s) -> int:
     return 2 if s.checkpoint == "checkpoint-every2" else 1
 
 
+def tries(layers: int, s, shard: str | None = None) -> list[tuple[int, int, int]]:
+    """The depth triples ``extrapolated`` tries for the strategy ``s``, in order: from depth 1 first (the cheapest
+    traces; not under FSDP2, whose one-block step never steps evenly), then from ``depth.SMALLEST``, which every
+    validated family steps evenly from ([]: the stack is too shallow to gain)."""
+    out = []
+    for smallest in ((1,) if shard != "fsdp2" else ()) + (depth.SMALLEST,):
+        at = depth.depths(layers, period(s), smallest)
+        if at is not None and at not in out:
+            out.append(at)
+    return out
+
+
 def signature(block) -> list:
     """What makes a decoder block what it is: each submodule's class and plain settings (its layer index
     aside), each parameter's shape, dtype and whether it trains (a frozen block differs from a trained one)."""
@@ -46,7 +58,7 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
     no-grad forward leaves FSDP2's state other than a step does (the checkpointed steps that followed one no
     longer extrapolated)."""
     layers = config.get_text_config().num_hidden_layers
-    need = sorted({d for s in strategies for d in (depth.depths(layers, period(s)) or ())})
+    need = sorted({d for s in strategies for at in tries(layers, s, shard) for d in at})
     blocks = anatomy.decoder_blocks(sess.model)
     one = signature(blocks[0]) if need and len(blocks) == layers else None
     if one is None or any(signature(b) != one for b in blocks[1:]):
@@ -60,7 +72,7 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
             out[d] = make(cut)
             if any(signature(b) != one for b in anatomy.decoder_blocks(out[d].model)):
                 return {}
-            if flops is not None:
+            if flops is not None and d >= depth.SMALLEST:  # (from depth 2: every validated family's are affine)
                 with contextlib.suppress(Exception):  # (a forward that fails: the full model's count says why)
                     flops[d] = forward_flops(out[d])
             if shard == "fsdp2":
@@ -145,14 +157,19 @@ def shallow_trace(sess, s, definition, shard: str | None, gpus: int):
 
 def extrapolated(shallow: dict, layers: int, task, shard: str | None = None, gpus: int = 1):
     """The full-depth ledger of ``task`` (a strategy, or (strategy, definition)) from the ``shallow``
-    sessions (``depth.extended``; a sharded plan's rank ledger, DDP's buckets not added); None where it does
-    not extrapolate (the caller traces at full depth)."""
+    sessions (``depth.extended`` on the first of its ``tries`` that steps evenly; a sharded plan's rank ledger,
+    DDP's buckets not added); None where none does (the caller traces at full depth)."""
     s, d = task if isinstance(task, tuple) else (task, None)
-    at = depth.depths(layers, period(s))
-    if at is None or any(x not in shallow for x in at):
-        return None
-    traced = [shallow_trace(shallow[x], s, d, shard, gpus) for x in at]
-    return depth.extended(traced, (layers - at[0]) // period(s))
+    traced = {}  # depth -> (ledger, rows): a trace made for one try serves the next
+    for at in tries(layers, s, shard):
+        if any(x not in shallow for x in at):
+            continue
+        for x in at:
+            if x not in traced:
+                traced[x] = shallow_trace(shallow[x], s, d, shard, gpus)
+        if (led := depth.extended([traced[x] for x in at], (layers - at[0]) // period(s))) is not None:
+            return led
+    return None
 
 
 @dataclass
@@ -193,5 +210,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
         return None
     layers = config.get_text_config().num_hidden_layers
     bucket = ddp_bucket_bytes(sess.model) if shard == "ddp" and gpus > 1 else 0
-    return ByDepth(sess, shallow, layers, shard, gpus, bucket,
-                   flops_by_depth(counted, layers) if len(counted) == len(shallow) else None)
+    every = len(counted) == sum(x >= depth.SMALLEST for x in shallow)  # (each depth counted: none failed)
+    return ByDepth(sess, shallow, layers, shard, gpus, bucket, flops_by_depth(counted, layers) if every else None)
