@@ -30,7 +30,7 @@ read, the traces and the printed plan. The command's exit status 0 (something fi
 fits, the plan printed all the same) are both a plan; anything else is an error.
 
 Prints one table (workload, arm, flags, median and P95 wall seconds, the runs, target, pass/fail, the
-ratio) and exits 1 when the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this source
+ratio; last, the floor: the interpreter's start and the imports every plan makes, timed alone) and exits 1 when the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this source
 tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
 """
 
@@ -101,6 +101,17 @@ def time_run(args: list[str], timeout: float, root: Path = ROOT) -> tuple[float,
     return time.perf_counter() - t0, proc.returncode, (err.strip().splitlines() or [""])[-1][:160]
 
 
+IMPORTS = "import bp_mech.cli, bp_mech.planner.report, transformers.models.auto.modeling_auto"
+
+
+def time_imports() -> float:
+    """Wall seconds of the interpreter starting and importing what every plan imports (this tree's ``bp-mech``,
+    its planner, Transformers' model classes) and nothing else: the floor under any row's time."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", IMPORTS], check=True, env=environment(), cwd=ROOT, timeout=120)
+    return time.perf_counter() - t0
+
+
 def p95(xs) -> float:
     """The 95th percentile of ``xs`` (nearest rank: with few runs, the largest)."""
     xs = sorted(xs)
@@ -166,6 +177,9 @@ def main(argv=None) -> int:
                               + (f"; x{med['after'] / med['before']:.2f} of before" if arm == "after" else "")))
                 print(f"  {label} {arm}: median {table[-1][3]} s, P95 {table[-1][4]} s (runs {table[-1][5]}; "
                       f"exit {[rc for _, rc, _ in rs]})", flush=True)
+    floor = [time_imports() for _ in range(max(a.repeats, 3))]
+    table.append(("(imports only)", "floor", f'python -c "{IMPORTS}"', f"{statistics.median(floor):.1f}",
+                  f"{p95(floor):.1f}", " ".join(f"{w:.1f}" for w in floor), "-", "-"))
     head = ("workload", "arm", "flags", "median s", "P95 s", "runs s", "target s", "result")
     widths = [max(len(str(r[i])) for r in [head, *table]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *table]:
