@@ -79,3 +79,12 @@ def test_a_tensor_written_otherwise_is_caught(monkeypatch, mistake):
     monkeypatch.setattr(fake_ops, "_write_tensor", wrong)
     with pytest.raises(AssertionError):
         _trace_comparing(fake_ops.plain_key, monkeypatch)
+
+
+def test_a_pytorch_whose_metadata_has_other_fields_keys_tensors_its_own_way(monkeypatch):
+    assert fake_ops._writes_tensors()  # (this PyTorch: the shortcut writes tensors)
+    monkeypatch.setattr(fake_ops, "FIELDS", fake_ops.FIELDS[:-1])
+    assert not fake_ops._writes_tensors()
+    monkeypatch.setattr(fake_ops, "_write_tensor", lambda result, t: result.append("wrong"))
+    seen = _trace_comparing(fake_ops.plain_key, monkeypatch)  # (the wrong writer is never called: prep writes them)
+    assert seen["calls"] > 1000

@@ -98,6 +98,22 @@ def _memory_format(t):
     return fmt if t.is_contiguous(memory_format=fmt) else None
 
 
+# the fields ``_write_tensor`` writes, in order: the metadata a PyTorch of another layout keys on goes to ``prep``
+FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
+          "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
+          "dense_dim", "sparse_dim")
+
+
+def _writes_tensors() -> bool:
+    """Whether this PyTorch's ``TensorMetadata`` has the ``FIELDS`` (else fake tensors go to ``prep``)."""
+    import dataclasses
+
+    from torch._subclasses import fake_tensor
+
+    meta = getattr(fake_tensor, "TensorMetadata", None)
+    return meta is not None and tuple(f.name for f in dataclasses.fields(meta)) == FIELDS
+
+
 def _write_tensor(result: list, t) -> None:
     """``extract_tensor_metadata(t)._flatten_into(result, ...)`` for a strided fake tensor of plain sizes: its
     fields in order, the shape and stride as ``plain_key`` writes a tuple of integers."""
@@ -123,6 +139,8 @@ def plain_key(prep):
     PyTorch passes (the state, the objects hashed by identity); a dict whole."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    fake = FakeTensor if _writes_tensors() else None  # (no tensor's type is None: each goes to prep)
+
     def prep_args_for_hash(mode, result, args, *rest):
         kind = type(args)
         if kind in _SEQUENCES:
@@ -135,7 +153,7 @@ def plain_key(prep):
             if k in _PLAIN:
                 result.append(k)
                 result.append(a)
-            elif (k is FakeTensor and a.fake_mode is mode and a.constant is None and a.layout == torch.strided
+            elif (k is fake and a.fake_mode is mode and a.constant is None and a.layout == torch.strided
                   and not a._has_symbolic_sizes_strides):
                 _write_tensor(result, a)
             elif k in _SEQUENCES:
