@@ -42,7 +42,7 @@ from bp_mech.planner.inputs import FAMILIES, PlanError, check_shape
 from bp_mech.planner.shard import check as check_sharding, planning
 from bp_mech.bench.oom import Failed
 from bp_mech.planner.shallow import by_depth
-from bp_mech.planner.trace import ledgers, one_line
+from bp_mech.planner.trace import ledgers, one_line, stepped
 
 # The CUDA context (the driver's code and data on the device) sits outside the caching allocator's
 # counters. Library workspaces (cuBLAS, cuDNN) do not: they are allocated through the caching
@@ -251,14 +251,10 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     if not rows:
         why = skipped.get(PLAIN.name) or next(iter(skipped.values()), "no candidates")
         raise PlanError(f"cannot trace {config.model_type!r}: no strategy's step could be traced ({why})")
-    full = (lambda s, d=None: sess.step(s, d).ledger) if trace is None else (lambda s, d=None: trace(sess, s, d).ledger)
 
     def step(s, d=None):  # (what fits instead, the largest sizes: by depth too, at the session's shape now)
-        led = None
-        if deep is not None:
-            with contextlib.suppress(Exception):  # (a shallow step that fails: the full one says why)
-                led = deep((s, d) if d is not None else s)
-        return getattr(led, "ledger", led) if led is not None else full(s, d)
+        led = stepped(sess, trace, (s, d) if d is not None else s, deep)
+        return getattr(led, "ledger", led)
     plain = next((r for r in rows if r.strategy == PLAIN.name), None)
     best = next((r for r in rows if r.strategy == recommend(rows, budget)), None)
     text = config.get_text_config()

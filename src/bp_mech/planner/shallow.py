@@ -6,7 +6,6 @@ full depth (``extrapolated``); ``by_depth`` is the plan's ``deep``, which ``plan
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -73,8 +72,10 @@ def shallow_sessions(sess, config, make, strategies, shard: str | None = None, g
             if any(signature(b) != one for b in anatomy.decoder_blocks(out[d].model)):
                 return {}
             if flops is not None and d >= depth.SMALLEST:  # (from depth 2: every validated family's are affine)
-                with contextlib.suppress(Exception):  # (a forward that fails: the full model's count says why)
+                try:
                     flops[d] = forward_flops(out[d])
+                except Exception:  # noqa: BLE001 (a forward that fails: the full model's count says why)
+                    flops[d] = None
             if shard == "fsdp2":
                 shallow_trace(out[d], PLAIN, None, shard, gpus)
         except Exception:  # noqa: BLE001 (a model that cannot be built or stepped shallower: traced at full depth)
@@ -210,5 +211,5 @@ def by_depth(sess, config, make, strategies, shard: str | None = None, gpus: int
         return None
     layers = config.get_text_config().num_hidden_layers
     bucket = ddp_bucket_bytes(sess.model) if shard == "ddp" and gpus > 1 else 0
-    every = len(counted) == sum(x >= depth.SMALLEST for x in shallow)  # (each depth counted: none failed)
-    return ByDepth(sess, shallow, layers, shard, gpus, bucket, flops_by_depth(counted, layers) if every else None)
+    return ByDepth(sess, shallow, layers, shard, gpus, bucket,
+                   flops_by_depth(counted, layers) if None not in counted.values() else None)

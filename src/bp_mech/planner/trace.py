@@ -32,16 +32,24 @@ def traced(sess, trace, task, deep=None):
         >>> traced(None, lambda sess, s, d: 1 / 0, "plain")
         Failed(failure='ZeroDivisionError: division by zero', name='plain')
     """
+    try:
+        return stepped(sess, trace, task, deep)
+    except Exception as e:  # noqa: BLE001 (any failure of that one trace; the plan goes on without it)
+        s = task[0] if isinstance(task, tuple) else task
+        return Failed(one_line(e), getattr(s, "name", str(s)))
+
+
+def stepped(sess, trace, task, deep=None):
+    """``traced``'s ledger (or rank ledger): ``deep``'s where the step extrapolates in depth, else the full-depth
+    trace's; that trace's exception where it fails (a shallow step that fails is traced at full depth, which
+    says why or succeeds)."""
     s, d = task if isinstance(task, tuple) else (task, None)
     try:
         if deep is not None and (led := deep(task)) is not None:
             return led
-    except Exception:  # noqa: BLE001 (a shallow step that fails: the full one says why, or succeeds)
+    except Exception:  # noqa: BLE001
         pass
-    try:
-        return trace(sess, s, d) if trace is not None else sess.ledger(s, d)
-    except Exception as e:  # noqa: BLE001 (any failure of that one trace; the plan goes on without it)
-        return Failed(one_line(e), getattr(s, "name", str(s)))
+    return trace(sess, s, d) if trace is not None else sess.ledger(s, d)
 
 
 def ledgers(sess, strategies, workers: int = 1, trace=None, deep=None):
