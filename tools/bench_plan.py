@@ -8,10 +8,10 @@ Each row times two arms side by side, interleaved run by run (before, after, bef
 machine's load falls on both alike: ``before`` is the command with ``--before``'s flags (default
 ``--full-depth``: every candidate traced at full depth, the command before ``planner.depth``); ``after`` is the
 command with ``--after``'s (default none: every candidate, extrapolated in depth), the path the issue's
-targets are for. ``--before-src DIR``: the before arm runs the source tree ``DIR/src`` instead of this one, e.g. a
-worktree of the previous commit (``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that
-commit's command as it was, or ``--before=--full-depth``: a value that starts with ``--`` needs the ``=``). Reported per arm: the median and P95 of its runs,
-and the ratio of the medians (after / before).
+targets are for. ``--before-src DIR``: the before arm runs the source tree ``DIR/src`` instead of this one, e.g.
+a worktree of the previous commit (``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that
+commit's command as it was, or ``--before=--full-depth``: a value that starts with ``--`` needs the ``=``).
+Reported per arm: the median and P95 of its runs, and the ratio of the medians (after / before).
 
 Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
 
@@ -30,8 +30,9 @@ read, the traces and the printed plan. The command's exit status 0 (something fi
 fits, the plan printed all the same) are both a plan; anything else is an error.
 
 Prints one table (workload, arm, flags, median and P95 wall seconds, the runs, target, pass/fail, the
-ratio; last, the floor: the interpreter's start and the imports every plan makes, timed alone) and exits 1 when the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this source
-tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
+ratio; last, the floor: the interpreter's start and the imports every plan makes, timed alone) and exits 1 when
+the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this
+source tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ROWS = {
 SHARDED = ["--gpus", "8", "--shard", "fsdp2"]  # the 70B row's flags, where the command takes them
 PLANNED = (0, 1)  # exit statuses of a plan made: something fits / nothing fits
 TIMEOUT_FACTOR = 3  # an after run is stopped after this many times its target (at least 20 s): a clear miss
+IMPORTS = "import bp_mech.cli, bp_mech.planner.report, transformers.models.auto.modeling_auto"  # every plan's
 BEFORE_TIMEOUT = 900  # today's command, untargeted: the 70B row took minutes beside other work
 
 
@@ -99,9 +101,6 @@ def time_run(args: list[str], timeout: float, root: Path = ROOT) -> tuple[float,
         proc.communicate()
         return time.perf_counter() - t0, -1, f"stopped after {timeout:.0f} s"
     return time.perf_counter() - t0, proc.returncode, (err.strip().splitlines() or [""])[-1][:160]
-
-
-IMPORTS = "import bp_mech.cli, bp_mech.planner.report, transformers.models.auto.modeling_auto"
 
 
 def time_imports() -> float:
