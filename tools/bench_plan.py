@@ -4,14 +4,17 @@
     tools/bench_plan.py [--rows tiny,05b,7b,70b] [--repeats 3] [--workers N] [--before "FLAGS"] [--after "FLAGS"]
                         [--before-src DIR]
 
-Each row times two arms side by side, interleaved run by run (before, after, before, ...) so that the shared
-machine's load falls on both alike: ``before`` is the command with ``--before``'s flags (default
+Each row times three arms side by side, interleaved run by run (before, after, next, before, ...) so that the
+shared machine's load falls on all alike: ``before`` is the command with ``--before``'s flags (default
 ``--full-depth``: every candidate traced at full depth, the command before ``planner.depth``); ``after`` is the
 command with ``--after``'s (default none: every candidate, extrapolated in depth), the path the issue's
-targets are for. ``--before-src DIR``: the before arm runs the source tree ``DIR/src`` instead of this one, e.g.
-a worktree of the previous commit (``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that
-commit's command as it was, or ``--before=--full-depth``: a value that starts with ``--`` needs the ``=``).
-Reported per arm: the median and P95 of its runs, and the ratio of the medians (after / before).
+targets are for; ``next`` is the same question as ``after`` asked next in a ``bp-mech plan --ask`` session
+(``planner.ask``), whose first question (the row's at batch 3) is answered untimed: from the line sent to
+the prompt to the next prompt, the interpreter's start and the imports already paid. ``--before-src DIR``: the
+before arm runs the source tree ``DIR/src`` instead of this one, e.g. a worktree of the previous commit
+(``git worktree add /tmp/prev <commit>``; then pass ``--before ""`` for that commit's command as it was, or
+``--before=--full-depth``: a value that starts with ``--`` needs the ``=``). Reported per arm: the median and
+P95 of its runs, and the ratio of its median to before's.
 
 Rows (issue 20, "speed on two cores"; issue 30: the tiny row):
 
@@ -31,8 +34,8 @@ fits, the plan printed all the same) are both a plan; anything else is an error.
 
 Prints one table (workload, arm, flags, median and P95 wall seconds, the runs, target, pass/fail, the
 ratio; last, the floor: the interpreter's start and the imports every plan makes, timed alone) and exits 1 when
-the after arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and PYTHONPATH=src (this
-source tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
+the after or the next arm misses its target or a run failed, else 0. Environment: HF_HUB_OFFLINE=1 and
+PYTHONPATH=src (this source tree) for the command; it runs with this interpreter (``python -m bp_mech plan``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import shlex
 import signal
 import statistics
 import subprocess
@@ -50,6 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from bp_mech.planner.ask import PROMPT as ASK_PROMPT  # noqa: E402
 from bp_mech.planner.shapes import SHAPES  # noqa: E402 (the public shapes the book plans too)
 
 QWEN25_7B, LLAMA3_70B = SHAPES["qwen2.5-7b"], SHAPES["llama-3-70b"]
@@ -64,6 +70,8 @@ SHARDED = ["--gpus", "8", "--shard", "fsdp2"]  # the 70B row's flags, where the 
 PLANNED = (0, 1)  # exit statuses of a plan made: something fits / nothing fits
 TIMEOUT_FACTOR = 3  # an after run is stopped after this many times its target (at least 20 s): a clear miss
 IMPORTS = "import bp_mech.cli, bp_mech.planner.report, transformers.models.auto.modeling_auto"  # every plan's
+PROMPT = ASK_PROMPT.encode()  # bp-mech plan --ask's prompt, on stderr
+FIRST_BATCH = ["--batch", "3"]  # the next arm's first question, untimed: the row's at another batch
 BEFORE_TIMEOUT = 900  # today's command, untargeted: the 70B row took minutes beside other work
 
 
@@ -101,6 +109,42 @@ def time_run(args: list[str], timeout: float, root: Path = ROOT) -> tuple[float,
         proc.communicate()
         return time.perf_counter() - t0, -1, f"stopped after {timeout:.0f} s"
     return time.perf_counter() - t0, proc.returncode, (err.strip().splitlines() or [""])[-1][:160]
+
+
+def time_next(first: list[str], args: list[str], timeout: float) -> tuple[float, int, str]:
+    """(wall seconds, exit status, the last line of stderr) of the question ``args`` asked next in a
+    ``bp-mech plan --ask`` session (``planner.ask``) whose first question, ``first``, is answered untimed: from
+    the line sent to the prompt after its answer (the session then quits, with that answer's status)."""
+    proc = subprocess.Popen([*command(), "plan", *first, "--ask"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=environment(), cwd=ROOT, start_new_session=True)
+    err, t0 = b"", None
+
+    def prompted(count: int) -> bool:  # stderr read until it holds ``count`` prompts, or the time is up
+        nonlocal err
+        deadline = time.monotonic() + timeout
+        while err.count(PROMPT) < count:
+            ready, _, _ = select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
+            if not chunk:
+                return False
+            err += chunk
+        return True
+
+    try:
+        if prompted(1):
+            t0 = time.perf_counter()
+            proc.stdin.write(f"plan {shlex.join(args)}\n".encode())
+            proc.stdin.flush()
+            if prompted(2):
+                wall = time.perf_counter() - t0
+                proc.communicate(b"quit\n", timeout=60)
+                tail = err.decode(errors="replace").replace(PROMPT.decode(), "\n").strip().splitlines()
+                return wall, proc.returncode, (tail or [""])[-1][:160]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    return time.perf_counter() - (t0 or time.perf_counter()), -1, f"no answer within {timeout:.0f} s"
 
 
 def time_imports() -> float:
@@ -154,12 +198,14 @@ def main(argv=None) -> int:
                 label += "" if sharded else " (one device)"
             if a.workers:
                 args += ["--workers", str(a.workers)]
-            arms = {"before": args + a.before.split(), "after": args + a.after.split()}
+            arms = {"before": args + a.before.split(), "after": args + a.after.split(), "next": args + a.after.split()}
             runs = {arm: [] for arm in arms}
-            for _ in range(a.repeats):  # interleaved: the machine's load falls on both arms alike
+            timeout = TIMEOUT_FACTOR * max(target, 20.0)
+            for _ in range(a.repeats):  # interleaved: the machine's load falls on every arm alike
                 for arm, flags in arms.items():
-                    runs[arm].append(time_run(flags, TIMEOUT_FACTOR * max(target, 20.0) if arm == "after" else BEFORE_TIMEOUT,
-                                              ROOT if arm == "after" else a.before_src.resolve()))
+                    runs[arm].append(time_next(flags + FIRST_BATCH, flags, timeout) if arm == "next" else
+                                     time_run(flags, timeout, ROOT) if arm == "after" else
+                                     time_run(flags, BEFORE_TIMEOUT, a.before_src.resolve()))
             shown = " ".join(f"{name}/config.json" if x.startswith(tmp) else x for x in args)
             med = {}
             for arm, rs in runs.items():
@@ -168,12 +214,13 @@ def main(argv=None) -> int:
                 med[arm] = statistics.median(walls)
                 ok = arm == "before" or (not errors and med[arm] <= target)
                 failed |= bool(errors) or not ok
-                extra = a.after if arm == "after" else a.before
-                table.append((label, arm, shown + (f" {extra}" if extra else ""),
+                extra = a.before if arm == "before" else a.after
+                flags = shown + (f" {extra}" if extra else "")
+                table.append((label, arm, flags if arm != "next" else "the same flags, asked next in a --ask session",
                               f"{med[arm]:.1f}", f"{p95(walls):.1f}", " ".join(f"{w:.1f}" for w in walls),
-                              f"{target:.0f}" if arm == "after" else "-",
+                              "-" if arm == "before" else f"{target:.0f}",
                               ("pass" if ok else "FAIL") + (f" ({errors[0]})" if errors else "")
-                              + (f"; x{med['after'] / med['before']:.2f} of before" if arm == "after" else "")))
+                              + ("" if arm == "before" else f"; x{med[arm] / med['before']:.2f} of before")))
                 print(f"  {label} {arm}: median {table[-1][3]} s, P95 {table[-1][4]} s (runs {table[-1][5]}; "
                       f"exit {[rc for _, rc, _ in rs]})", flush=True)
     floor = [time_imports() for _ in range(max(a.repeats, 3))]

@@ -26,6 +26,7 @@ from bp_mech.instruments.adamw import ADAMW_IMPLS
 from bp_mech.bench.optimizer import OPTIMIZERS
 from bp_mech.bench.timing import SMOKE_SCHEDULE
 from bp_mech.instruments.workload import WorkloadError
+from bp_mech.planner import ask
 from bp_mech.planner.request import DTYPES, SHARDS, PlanRequest
 from bp_mech.experiments import runner
 from bp_mech.experiments.runner import RunRequest, UsageError, progress_bar
@@ -102,16 +103,8 @@ def fields_of(cls, a: argparse.Namespace) -> dict:
 
 
 def plan_request(a: argparse.Namespace) -> PlanRequest:
-    """``bp-mech plan``'s request: the flags' text read and checked (``PlanRequest.from_flags``).
-
-    Args:
-        a: the parser's namespace of a ``plan`` command.
-
-    Returns:
-        The ``PlanRequest``.
-
-    Raises:
-        PlanError: bad input, in one line (exit 2).
+    """``bp-mech plan``'s request from the parser's namespace ``a``: the flags' text read and checked
+    (``PlanRequest.from_flags``; bad input raises a ``PlanError``, one line, exit 2).
 
     Example:
         >>> plan_request(build_parser().parse_args(["plan", "--workload", "tiny-b2s32", "--budget", "1GiB"])).budget
@@ -249,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strategies", metavar="A,B,C", help="plan only these candidates (plain always), e.g. "
                     "checkpoint-all,offload; default: every candidate")
     pl.add_argument("--workers", type=int, help="processes tracing the strategies (default: CPUs, at most 4)")
+    pl.add_argument("--ask", action="store_true", help="after the plan, ask the next questions in this process: "
+                    "flags that change the last one (--batch 8), each answered without the imports' seconds")
     pl.add_argument("--full-depth", action="store_true",
                     help="trace every decoder block of each step (slower, the same plan) instead of extrapolating "
                          "from three shallow copies of the stack")
@@ -283,13 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def command(argv: list[str]) -> tuple[argparse.Namespace | None, int]:
+    """One command: its parsed flags (None where bad input stopped it) and its exit status."""
     try:
         a = build_parser().parse_args(argv)
-        return a.fn(a.request(a))  # the command's typed request, checked as it is made
+        return a, a.fn(a.request(a))  # the command's typed request, checked as it is made
     except (UsageError, registry.RegistryError, WorkloadError, results.RecordError, ProfileError, TrainingStateError) as e:
         print(f"bp-mech: error: {e}", file=sys.stderr)
-        return 2
+        return None, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a, status = command(argv)
+    if getattr(a, "ask", False):  # bp-mech plan --ask: the next questions, in this process (planner.ask)
+        status = ask.session(argv[1:], lambda flags: command(["plan", *flags])[1], status)
+    return status
 
 
 if __name__ == "__main__":

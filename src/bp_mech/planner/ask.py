@@ -1,0 +1,98 @@
+"""``bp-mech plan --ask``: the plan, then the next questions in the same process.
+
+An engineer asks a planner the same question again and again with one thing changed ("and with batch 8?
+and with LoRA?"). Each ``bp-mech plan`` pays the interpreter's start and the imports of PyTorch and
+Transformers first, about three seconds on two cores, more than the plan of a small model takes. With
+``--ask`` the command stays, prompts on stderr (stdout holds the plans alone, so ``--json`` stays JSON)
+and answers each line as ``bp-mech plan`` would answer the flags it names:
+
+    $ bp-mech plan --workload qwen05-b2s512 --budget 16GiB --ask
+    ...the plan...
+    plan> --batch 8
+    ...the plan at batch 8, the other flags as before...
+    plan> --lora-rank 16 --dtype bf16
+    plan> plan --config my/config.json --batch 1 --seq 4096 --budget 80GiB
+    plan> quit
+
+A line of flags changes the last question (a flag given again takes its new value; one without a value, such as
+``--keep-outputs``, stays given); a line that starts with ``plan`` asks a new one (also the way from a
+``--workload`` to a ``--config``); an empty line, ``quit``, Ctrl-C at the prompt or the end of the input ends
+it. A question with bad input
+prints its one line and is forgotten: the next line changes the question before it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Callable, TextIO
+
+PROMPT = "plan> "
+HELP = ("next question: flags that change the last one (e.g. --batch 8, --lora-rank 16, --gpus 8 --shard fsdp2), "
+        "'plan FLAGS' for a new one, an empty line or 'quit' to stop")
+BAD_INPUT = 2  # the command's exit status for bad input (its one line is printed on stderr)
+STOP = ("", "q", "quit", "exit")
+
+
+def follow_up(flags: list[str], line: str) -> list[str]:
+    """The flags of the question ``line`` asks after the one whose flags are ``flags``.
+
+    Args:
+        flags: the last question's flags (``bp-mech plan``'s, without the word ``plan``).
+        line: the next question: flags added to the last one's (argparse takes a flag's last value), or
+            ``plan`` and a whole new question's flags; shell quoting as in a shell (``--freeze 'embed|lm_head'``).
+
+    Returns:
+        The new question's flags.
+
+    Raises:
+        ValueError: quotes that do not close.
+
+    Example:
+        >>> follow_up(["--workload", "tiny-b2s64", "--budget", "1GiB"], "--batch 8")
+        ['--workload', 'tiny-b2s64', '--budget', '1GiB', '--batch', '8']
+        >>> follow_up(["--workload", "tiny-b2s64", "--budget", "1GiB"], "plan --config c.json --budget 8GiB")
+        ['--config', 'c.json', '--budget', '8GiB']
+    """
+    words = shlex.split(line)
+    return words[1:] if words[:1] == ["plan"] else [*flags, *words]
+
+
+def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
+            read: Callable[[], str] | None = None, err: TextIO | None = None) -> int:
+    """Ask the questions ``read`` gives after the one of ``flags``, until an empty line, ``quit`` or the end.
+
+    Args:
+        flags: the first question's flags (answered already, with ``status``).
+        answer: ``bp-mech plan`` on a question's flags: prints the plan and returns its exit status (``BAD_INPUT``
+            after printing its one line for bad input).
+        status: the first question's exit status.
+        read: the next line (``""`` at the end of the input; None: standard input's).
+        err: where the prompt, the help and the unreadable lines go (None: standard error).
+
+    Returns:
+        The exit status of the last question answered (bad input aside: such a question is forgotten).
+    """
+    read, err = read or sys.stdin.readline, err or sys.stderr
+    print(HELP, file=err)
+    while True:
+        sys.stdout.flush()  # the last plan before the prompt, where stdout is a pipe
+        err.write(PROMPT)
+        err.flush()
+        try:
+            line = read()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session as quit would
+            print(file=err)
+            return status
+        if line.strip().lower() in STOP:
+            return status
+        if line.strip().lower() in ("?", "help"):
+            print(HELP, file=err)
+            continue
+        try:
+            asked = follow_up(flags, line)
+        except ValueError as e:  # (shlex: "No closing quotation")
+            print(f"bp-mech: error: {e}", file=err)
+            continue
+        if (s := answer(asked)) != BAD_INPUT:
+            flags, status = asked, s

@@ -1,0 +1,98 @@
+"""``bp-mech plan --ask`` (``bp_mech.planner.ask``): each next question is the last one's flags with the line's
+after them, or a new one after ``plan``; bad input is answered with its one line and forgotten; an empty
+line, ``quit`` or the end of the input stops; and, run as the command, each answer is the plan that
+``bp-mech plan`` prints for the same flags on its own."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bp_mech import ROOT, cli
+from bp_mech.planner import ask
+
+FIRST = ["--workload", "tiny-b2s32", "--budget", "1GiB", "--strategies", "checkpoint-all", "--workers", "1"]
+
+
+def asked(lines, answers=None, status=0):
+    """The flags each question was answered with, the session's status and what went to stderr."""
+    seen, err = [], io.StringIO()
+
+    def answer(flags):
+        seen.append(flags)
+        return (answers or {}).get(len(seen), 0)
+
+    lines = iter([*lines])
+    out = ask.session(list(FIRST), answer, status, read=lambda: next(lines, ""), err=err)
+    return seen, out, err.getvalue()
+
+
+def test_a_line_of_flags_changes_the_last_question():
+    seen, status, _ = asked(["--batch 4\n", "--seq 16 --dtype bf16\n", "--batch 8\n"])
+    assert seen == [FIRST + ["--batch", "4"], FIRST + ["--batch", "4", "--seq", "16", "--dtype", "bf16"],
+                    FIRST + ["--batch", "4", "--seq", "16", "--dtype", "bf16", "--batch", "8"]]
+    assert status == 0
+
+
+def test_plan_starts_a_new_question_and_quoting_is_the_shells():
+    seen, _, _ = asked(["plan --config c.json --batch 2 --seq 8 --budget 1GiB\n", "--freeze 'embed|lm_head'\n"])
+    new = ["--config", "c.json", "--batch", "2", "--seq", "8", "--budget", "1GiB"]
+    assert seen == [new, new + ["--freeze", "embed|lm_head"]]
+
+
+def test_bad_input_is_forgotten_and_the_status_is_the_last_answered_questions():
+    # the second question is bad input (status 2): the third changes the first's, not the second's
+    seen, status, _ = asked(["--batch 4\n", "--workload nope\n", "--seq 16\n"], answers={1: 1, 2: 2, 3: 0})
+    assert seen[2] == FIRST + ["--batch", "4", "--seq", "16"]
+    assert status == 0
+    _, status, _ = asked(["--batch 4\n", "--workload nope\n"], answers={1: 1, 2: 2})
+    assert status == 1  # the last question answered did not fit; the bad one after it does not count
+    _, status, _ = asked([], status=1)
+    assert status == 1  # nothing asked after the first: its status
+
+
+def test_unclosed_quotes_and_help_are_answered_on_stderr_without_a_plan():
+    seen, _, err = asked(['--freeze "embed\n', "help\n", "?\n", "--batch 4\n"])
+    assert seen == [FIRST + ["--batch", "4"]]
+    assert "bp-mech: error: No closing quotation" in err
+    assert err.count(ask.HELP) == 3 and err.count(ask.PROMPT) == 5  # the first help, then asked twice
+
+
+@pytest.mark.parametrize("stop", ["\n", "   \n", "quit\n", "Q\n", "exit\n", ""])
+def test_an_empty_line_quit_or_the_end_of_the_input_stops(stop):
+    seen, _, err = asked([stop, "--batch 4\n"])
+    assert seen == [] and err.count(ask.PROMPT) == 1
+
+
+def test_ctrl_c_at_the_prompt_stops_with_the_last_status():
+    def read():
+        raise KeyboardInterrupt
+
+    assert ask.session(list(FIRST), lambda flags: pytest.fail("asked"), 1, read=read, err=io.StringIO()) == 1
+
+
+def plans(text: str) -> list[str]:
+    """The plans printed, one per question, without the trace's wall time (which differs run to run)."""
+    return [re.sub(r"\(\d+ strategies traced in [\d.]+ s\)", "", p) for p in text.split("bp-mech plan: ")[1:]]
+
+
+def test_the_command_answers_each_question_as_the_command_on_its_own(capsys):
+    # what a plan sets up (peft's adapters, FSDP2's fake ranks) must not leak into the next question's plan
+    questions = [FIRST, FIRST + ["--batch", "4"], FIRST + ["--batch", "4", "--lora-rank", "4"],
+                 FIRST + ["--gpus", "2", "--shard", "fsdp2"], FIRST,
+                 ["--workload", "tiny-b2s32", "--budget", "1KiB", "--strategies", "offload", "--workers", "1"]]
+    lines = ["--batch 4", "--lora-rank 4", "--workload nope",
+             *(f"plan {' '.join(questions[k])}" for k in (3, 4, 5))]  # (FSDP2, the first again, nothing fits)
+    run = subprocess.run([sys.executable, "-m", "bp_mech", "plan", *FIRST, "--ask"], input="\n".join(lines) + "\n",
+                         text=True, capture_output=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 1, run.stderr  # the last question: nothing fits 1 KiB
+    alone = []
+    for flags in questions:
+        cli.main(["plan", *flags])
+        alone += plans(capsys.readouterr().out)
+    assert len(alone) == len(questions) and plans(run.stdout) == alone
+    assert "cannot parse workload 'nope'" in run.stderr and run.stderr.count(ask.PROMPT) == len(lines) + 1
