@@ -6,8 +6,11 @@ line, ``quit`` or the end of the input stops; and, run as the command, each answ
 import io
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +99,44 @@ def test_the_command_answers_each_question_as_the_command_on_its_own(capsys):
         alone += plans(capsys.readouterr().out)
     assert len(alone) == len(questions) and plans(run.stdout) == alone
     assert "cannot parse workload 'nope'" in run.stderr and run.stderr.count(ask.PROMPT) == len(lines) + 1
+
+
+def test_at_a_terminal_the_up_arrow_brings_the_last_question_back():
+    pty = pytest.importorskip("pty")
+    try:
+        pid, fd = pty.fork()
+    except OSError as e:
+        pytest.skip(f"no pseudo-terminal here: {e}")
+    if pid == 0:  # the child: the command at a terminal (stdin, stdout and stderr the pty)
+        try:
+            os.environ.update(HF_HUB_OFFLINE="1")
+            os.execv(sys.executable, [sys.executable, "-m", "bp_mech", "plan", *FIRST, "--ask"])
+        finally:
+            os._exit(127)  # (never back into pytest)
+    out, quit_at = b"", None
+
+    def shown(text: bytes, count: int = 1) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + 60
+        while out.count(text) < count and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:  # the child is gone
+                    break
+        return out.count(text) >= count
+
+    try:
+        assert shown(ask.PROMPT.encode())
+        os.write(fd, b"--batch 4\n")
+        assert shown(b"batch 4 x seq 32") and shown(ask.PROMPT.encode(), 2)
+        os.write(fd, b"\x1b[A\x7f8\n")  # up arrow: "--batch 4" back; its 4 deleted, 8 typed
+        assert shown(b"batch 8 x seq 32") and shown(ask.PROMPT.encode(), 3)
+        os.write(fd, b"quit\n")
+        quit_at = time.monotonic()
+    finally:
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if quit_at is None or time.monotonic() > quit_at + 60:  # a step failed, or it does not end
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -58,6 +58,17 @@ def follow_up(flags: list[str], line: str) -> list[str]:
     return words[1:] if words[:1] == ["plan"] else [*flags, *words]
 
 
+def terminal_line(prompt: str) -> str:
+    """The next line a person types at a terminal, after ``prompt``, with line editing and the session's history
+    (the up arrow brings the last question back to change it); ``""`` at the end of the input (Ctrl-D)."""
+    import readline  # noqa: F401 (imported, it gives ``input`` its editing and history)
+
+    try:
+        return input(prompt) + "\n"
+    except EOFError:
+        return ""
+
+
 def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
             read: Callable[[], str] | None = None, err: TextIO | None = None) -> int:
     """Ask the questions ``read`` gives after the one of ``flags``, until an empty line, ``quit`` or the end.
@@ -67,20 +78,26 @@ def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
         answer: ``bp-mech plan`` on a question's flags: prints the plan and returns its exit status (``BAD_INPUT``
             after printing its one line for bad input).
         status: the first question's exit status.
-        read: the next line (``""`` at the end of the input; None: standard input's).
+        read: the next line (``""`` at the end of the input; None: standard input's, through ``terminal_line``
+            where both standard input and output are a terminal, so the prompt is written there).
         err: where the prompt, the help and the unreadable lines go (None: standard error).
 
     Returns:
         The exit status of the last question answered (bad input aside: such a question is forgotten).
     """
-    read, err = read or sys.stdin.readline, err or sys.stderr
+    err = err or sys.stderr
+    if read is None and sys.stdin.isatty() and sys.stdout.isatty():
+        line_after = terminal_line
+    else:
+        def line_after(prompt: str) -> str:  # the prompt on stderr, where the progress bars are
+            err.write(prompt)
+            err.flush()
+            return (read or sys.stdin.readline)()
     print(HELP, file=err)
     while True:
         sys.stdout.flush()  # the last plan before the prompt, where stdout is a pipe
-        err.write(PROMPT)
-        err.flush()
         try:
-            line = read()
+            line = line_after(PROMPT)
         except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session as quit would
             print(file=err)
             return status
