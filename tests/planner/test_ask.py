@@ -57,6 +57,20 @@ def test_bad_input_is_forgotten_and_the_status_is_the_last_answered_questions():
     assert status == 1  # nothing asked after the first: its status
 
 
+def test_the_commands_help_is_printed_and_forgotten():
+    seen = []
+
+    def answer(flags):
+        seen.append(flags)
+        if "--help" in flags:
+            raise SystemExit(0)  # (argparse, after printing the help)
+        return 0
+
+    lines = iter(["--help\n", "--batch 4\n"])
+    assert ask.session(list(FIRST), answer, 1, read=lambda: next(lines, ""), err=io.StringIO()) == 0
+    assert seen[-1] == FIRST + ["--batch", "4"]
+
+
 def test_unclosed_quotes_and_help_are_answered_on_stderr_without_a_plan():
     seen, _, err = asked(['--freeze "embed\n', "help\n", "?\n", "--batch 4\n"])
     assert seen == [FIRST + ["--batch", "4"]]

@@ -111,5 +111,11 @@ def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
         except ValueError as e:  # (shlex: "No closing quotation")
             print(f"bp-mech: error: {e}", file=err)
             continue
-        if (s := answer(asked)) != BAD_INPUT:
+        try:
+            s = answer(asked)
+        except SystemExit as e:  # --help: printed; the question is forgotten, as bad input is
+            if e.code not in (0, None):
+                raise
+            continue
+        if s != BAD_INPUT:
             flags, status = asked, s
