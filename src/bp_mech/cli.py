@@ -176,15 +176,7 @@ def cmd_plan(r: PlanRequest) -> int:
 
     from bp_mech.planner import report as plan_report
 
-    # Transformers' model classes, imported with the collector off and then frozen (gc.freeze): their modules
-    # make hundreds of thousands of objects that live as long as the process, which every full collection
-    # would scan again (about 1 s of the command's start, measured)
-    gc.disable()
-    try:
-        import transformers.models.auto.modeling_auto  # noqa: F401
-    finally:
-        gc.freeze()
-        gc.enable()
+    plan_report.model_classes()
     try:
         return plan_report.run(r, progress=progress_bar)
     finally:  # the fake model is garbage now: spare the interpreter's last collection a scan of it (~1 s at exit)
