@@ -13,8 +13,8 @@ command's flags as one checked ``PlanRequest``), ``costs`` (FLOPs and the time f
 records), ``plan`` (one traced step per strategy: ``Plan`` and its ``PlanRow``s, the fit rule
 ``needs``/``headroom``), ``fit`` (the largest batch or sequence that fits),
 ``estimators`` (other estimators, beside it), ``report`` (the table, in the unit the model needs), ``ask``
-(``--ask``: the next questions answered in the same process), ``sweep`` (every model type Transformers builds). ``reference_gap``: the course's reference figures
-traced under each step definition.
+(``--ask``: the next questions answered in the same process), ``sweep`` (every model type Transformers
+builds). ``reference_gap``: the course's reference figures traced under each step definition.
 
 The planner sits above the records (its time factors are read from them) and below the experiments.
 """

@@ -2,7 +2,7 @@
 
 An engineer asks a planner the same question again and again with one thing changed ("and with batch 8?
 and with LoRA?"). Each ``bp-mech plan`` pays the interpreter's start and the imports of PyTorch and
-Transformers first, about three seconds on two cores, more than the plan of a small model takes. With
+Transformers first, over two seconds on two cores, more than the plan of a small model takes. With
 ``--ask`` the command stays, prompts on stderr (stdout holds the plans alone, so ``--json`` stays JSON)
 and answers each line as ``bp-mech plan`` would answer the flags it names:
 
@@ -14,11 +14,11 @@ and answers each line as ``bp-mech plan`` would answer the flags it names:
     plan> plan --config my/config.json --batch 1 --seq 4096 --budget 80GiB
     plan> quit
 
-A line of flags changes the last question (a flag given again takes its new value; one without a value, such as
-``--keep-outputs``, stays given); a line that starts with ``plan`` asks a new one (also the way from a
+A line of flags changes the last question (a flag given again takes its new value; one without a value, such
+as ``--keep-outputs``, stays given); a line that starts with ``plan`` asks a new one (also the way from a
 ``--workload`` to a ``--config``); an empty line, ``quit``, Ctrl-C at the prompt or the end of the input ends
-it. A question with bad input
-prints its one line and is forgotten: the next line changes the question before it.
+the session. A question with bad input (or ``--help``) prints its one line (its help) and is forgotten: the
+next line changes the question before it. At a terminal the line is read with line editing and history.
 """
 
 from __future__ import annotations
