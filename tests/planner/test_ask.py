@@ -13,6 +13,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bp_mech import ROOT, cli
 from bp_mech.planner import ask
@@ -20,7 +22,7 @@ from bp_mech.planner import ask
 FIRST = ["--workload", "tiny-b2s32", "--budget", "1GiB", "--strategies", "checkpoint-all", "--workers", "1"]
 
 
-def asked(lines, answers=None, status=0):
+def asked(lines, answers=None, status=0, first=FIRST):
     """The flags each question was answered with, the session's status and what went to stderr."""
     seen, err = [], io.StringIO()
 
@@ -29,21 +31,46 @@ def asked(lines, answers=None, status=0):
         return (answers or {}).get(len(seen), 0)
 
     lines = iter([*lines])
-    out = ask.session(list(FIRST), answer, status, read=lambda: next(lines, ""), err=err)
+    out = ask.session(list(first), answer, status, read=lambda: next(lines, ""), err=err)
     return seen, out, err.getvalue()
 
 
 def test_a_line_of_flags_changes_the_last_question():
     seen, status, _ = asked(["--batch 4\n", "--seq 16 --dtype bf16\n", "--batch 8\n"])
     assert seen == [FIRST + ["--batch", "4"], FIRST + ["--batch", "4", "--seq", "16", "--dtype", "bf16"],
-                    FIRST + ["--batch", "4", "--seq", "16", "--dtype", "bf16", "--batch", "8"]]
+                    FIRST + ["--seq", "16", "--dtype", "bf16", "--batch", "8"]]  # (the last --batch only)
     assert status == 0
 
 
+# words of plan's flags: options with a value (written whole, with '=', or abbreviated) and switches
+OPTIONS = st.sampled_from([
+    ["--batch", "2"], ["--batch", "max"], ["--batch=8"], ["--bat", "4"], ["--seq", "16"], ["--seq=32"],
+    ["--budget", "1GiB"], ["--budget", "8GiB"], ["--workload", "tiny-b2s32"], ["--workload=qwen05-b2s512"],
+    ["--dtype", "bf16"], ["--dtype", "float32"], ["--lora-rank", "4"], ["--freeze", "layers\\.0\\."],
+    ["--strategies", "offload,fp16"], ["--keep-outputs"], ["--json"], ["--full-depth"], ["--ask"]])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OPTIONS, max_size=8), st.lists(OPTIONS, max_size=6))
+def test_merged_flags_read_as_the_flags_and_the_line_one_after_the_other(first, line):
+    # the contract: the command reads the merged question as it reads the last one's flags and the line's after
+    flags, words = ["--budget", "2GiB", *(w for o in first for w in o)], [w for o in line for w in o]
+    parser = cli.build_parser()
+    assert vars(parser.parse_args(["plan", *ask.merged(flags, words)])) == \
+        vars(parser.parse_args(["plan", *flags, *words]))
+    # and an option given once is written once
+    names = [w.split("=")[0] for w in ask.merged(flags, words) if w.startswith("--")]
+    assert len(names) == len(set(names))
+
+
 def test_plan_starts_a_new_question_and_quoting_is_the_shells():
-    seen, _, _ = asked(["plan --config c.json --batch 2 --seq 8 --budget 1GiB\n", "--freeze 'embed|lm_head'\n"])
+    seen, _, err = asked(["plan --config c.json --batch 2 --seq 8 --budget 1GiB\n", "--freeze 'embed|lm_head'\n"])
     new = ["--config", "c.json", "--batch", "2", "--seq", "8", "--budget", "1GiB"]
     assert seen == [new, new + ["--freeze", "embed|lm_head"]]
+    # each question echoed as the one command that asks it
+    assert "bp-mech plan --config c.json --batch 2 --seq 8 --budget 1GiB --freeze 'embed|lm_head'\n" in err
+    seen, _, err = asked(["--batch 4 --ask\n"], first=[*FIRST, "--ask"])  # (--ask: the session is open)
+    assert seen == [FIRST + ["--batch", "4"]] and "--ask" not in err
 
 
 def test_bad_input_is_forgotten_and_the_status_is_the_last_answered_questions():

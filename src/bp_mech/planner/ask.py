@@ -18,7 +18,8 @@ A line of flags changes the last question (a flag given again takes its new valu
 as ``--keep-outputs``, stays given); a line that starts with ``plan`` asks a new one (also the way from a
 ``--workload`` to a ``--config``); an empty line, ``quit``, Ctrl-C at the prompt or the end of the input ends
 the session. A question with bad input (or ``--help``) prints its one line (its help) and is forgotten: the
-next line changes the question before it. At a terminal the line is read with line editing and history.
+next line changes the question before it. Each question is echoed on stderr as the one command that asks it
+alone (``merged``). At a terminal the line is read with line editing and history.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ HELP = ("next question: flags that change the last one (e.g. --batch 8, --lora-r
         "'plan FLAGS' for a new one, an empty line or 'quit' to stop")
 BAD_INPUT = 2  # the command's exit status for bad input (its one line is printed on stderr)
 STOP = ("", "q", "quit", "exit")
+ASK = "--ask"  # the flag that opens a session (left out of the questions asked in it)
 
 
 def follow_up(flags: list[str], line: str) -> list[str]:
@@ -39,8 +41,8 @@ def follow_up(flags: list[str], line: str) -> list[str]:
 
     Args:
         flags: the last question's flags (``bp-mech plan``'s, without the word ``plan``).
-        line: the next question: flags added to the last one's (argparse takes a flag's last value), or
-            ``plan`` and a whole new question's flags; shell quoting as in a shell (``--freeze 'embed|lm_head'``).
+        line: the next question: flags that change the last one's (``merged``), or ``plan`` and a whole new
+            question's flags; shell quoting as in a shell (``--freeze 'embed|lm_head'``).
 
     Returns:
         The new question's flags.
@@ -49,13 +51,32 @@ def follow_up(flags: list[str], line: str) -> list[str]:
         ValueError: quotes that do not close.
 
     Example:
-        >>> follow_up(["--workload", "tiny-b2s64", "--budget", "1GiB"], "--batch 8")
+        >>> follow_up(["--workload", "tiny-b2s64", "--budget", "1GiB", "--batch", "4"], "--batch 8")
         ['--workload', 'tiny-b2s64', '--budget', '1GiB', '--batch', '8']
         >>> follow_up(["--workload", "tiny-b2s64", "--budget", "1GiB"], "plan --config c.json --budget 8GiB")
         ['--config', 'c.json', '--budget', '8GiB']
     """
-    words = shlex.split(line)
-    return words[1:] if words[:1] == ["plan"] else [*flags, *words]
+    words = [w for w in shlex.split(line) if w != ASK]  # (a session is already open)
+    return words[1:] if words[:1] == ["plan"] else merged(flags, words)
+
+
+def merged(flags: list[str], words: list[str]) -> list[str]:
+    """``flags`` changed by ``words``: of each option (``--name value``, ``--name=value`` or a switch ``--name``)
+    given more than once in ``[*flags, *words]``, only the last, where it stands. The command reads the result as
+    it reads ``[*flags, *words]``, in which the later value wins (an abbreviated option, another name, keeps its
+    place among them). The result is the question as one command to copy.
+
+    Example:
+        >>> merged(["--workload", "w", "--batch", "4", "--keep-outputs"], ["--batch=8", "--keep-outputs", "--json"])
+        ['--workload', 'w', '--batch=8', '--keep-outputs', '--json']
+    """
+    parts, i, ws = [], 0, [*flags, *words]
+    while i < len(ws):  # (name, its words): an option and its value, a switch, or a word on its own (no name)
+        takes = ws[i].startswith("--") and "=" not in ws[i] and i + 1 < len(ws) and not ws[i + 1].startswith("--")
+        parts.append((ws[i].split("=")[0] if ws[i].startswith("--") else None, ws[i:i + 1 + takes]))
+        i += 1 + takes
+    last = {name: k for k, (name, _) in enumerate(parts) if name is not None}
+    return [w for k, (name, part) in enumerate(parts) if name is None or last[name] == k for w in part]
 
 
 def terminal_line(prompt: str) -> str:
@@ -85,7 +106,7 @@ def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
     Returns:
         The exit status of the last question answered (bad input aside: such a question is forgotten).
     """
-    err = err or sys.stderr
+    err, flags = err or sys.stderr, [w for w in flags if w != ASK]
     if read is None and sys.stdin.isatty() and sys.stdout.isatty():
         line_after = terminal_line
     else:
@@ -111,6 +132,7 @@ def session(flags: list[str], answer: Callable[[list[str]], int], status: int,
         except ValueError as e:  # (shlex: "No closing quotation")
             print(f"bp-mech: error: {e}", file=err)
             continue
+        print(f"bp-mech plan {shlex.join(asked)}", file=err)  # the question asked, as one command to copy
         try:
             s = answer(asked)
         except SystemExit as e:  # --help: printed; the question is forgotten, as bad input is
