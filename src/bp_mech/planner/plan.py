@@ -224,8 +224,6 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
           fit, trace, deep=None) -> Plan:
     """``plan``'s work on its fake session; ``trace``: ``planner.shard.planning``'s rank ledger, or None;
     ``deep(strategies)``: ``planner.shallow.by_depth``'s ``ByDepth`` for them, or None (full depth)."""
-    cached, errors = cached_ratios(device_name, results_dir)
-    link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     skipped = {s.name: f"batch {batch} does not split into {s.micro_batches} micro-batches"
                for s in candidates if batch % s.micro_batches}
     skipped.update({s.name: why for s in candidates if s.name not in skipped and (why := unsupported(sess.model, s))})
@@ -239,8 +237,14 @@ def _plan(sess, config, batch, seq, budget, device_name, candidates, progress, w
     if deep is None and definition.moments == "resident" and todo:  # every step on the full session: its optimizer
         sess.optimizer(definition.adamw or sess.options.adamw)  # made once here, before the FLOP count's forward
     flops = plain_flops(sess, config, deep)  # (which leaves FSDP2's root gathered), not once in each worker
-    steps = list((progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep), desc="strategies",
-                                                      total=len(todo) + len(loop)))
+    done = (progress or (lambda it, **kw: it))(ledgers(sess, todo + loop, workers, trace, deep, ordered=False),
+                                               desc="strategies", total=len(todo) + len(loop))  # (as each is done)
+    steps, records = [None] * (len(todo) + len(loop)), None
+    for i, led in done:
+        steps[i] = led
+        records = records or cached_ratios(device_name, results_dir)  # read while the workers trace the rest
+    cached, errors = records or cached_ratios(device_name, results_dir)
+    link = next((m.link["h2d"] for m in cached.values() if m.link), LINK_BYTES_S)
     other = getattr(steps[-1], "ledger", steps[-1]) if loop else None
     rows = []
     for s, led in zip(todo, steps):

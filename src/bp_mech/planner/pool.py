@@ -78,13 +78,15 @@ def _start_worker() -> None:
     gc.set_threshold(50_000, 20, 20)  # a trace makes many short-lived objects: collect young ones less often
 
 
-def _call(task):
-    return _WORK(task)
+def _call(indexed):
+    i, task = indexed
+    return i, _WORK(task)
 
 
 def forked_map(fn: Callable, tasks: Iterable, workers: int = 1, cost: Callable | None = None,
-               max_tasks_per_child: int | None = None) -> Iterator:
-    """``fn(task)`` of each task, in the order of ``tasks``, from forked workers that inherit ``fn``.
+               max_tasks_per_child: int | None = None, ordered: bool = True) -> Iterator:
+    """``fn(task)`` of each task, in the order of ``tasks`` (or as each is done), from forked workers that
+    inherit ``fn``.
 
     Args:
         fn: any callable (a closure or a lambda too: it is inherited, not pickled); the tasks and the
@@ -95,23 +97,27 @@ def forked_map(fn: Callable, tasks: Iterable, workers: int = 1, cost: Callable |
         cost: ``cost(task)``, a number: the costliest tasks are handed out first, so that no worker is
             left with a long one at the end (None: in order).
         max_tasks_per_child: tasks after which a worker is replaced by a fresh fork (None: never).
+        ordered: False: ``(index of the task, its result)`` as each task is done instead (a progress bar then
+            counts the tasks done, not those done in order).
 
     Returns:
         A generator of the results, in the order of ``tasks``, each as soon as it and those before it
-        are done.
+        are done (``ordered=False``: the pairs, in the order the tasks are done).
 
     Example:
         >>> scale = 10  # state the workers inherit
         >>> list(forked_map(lambda x: x * scale, [1, 2, 3], workers=2, cost=lambda x: x))
         [10, 20, 30]
+        >>> sorted(forked_map(lambda x: x * scale, [1, 2, 3], workers=2, ordered=False))
+        [(0, 10), (1, 20), (2, 30)]
     """
     global _WORK
     tasks = list(tasks)
     if workers <= 1 or len(tasks) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        for task in tasks:
+        for i, task in enumerate(tasks):
             with quiet():
                 result = fn(task)
-            yield result
+            yield result if ordered else (i, result)
         return
     order = sorted(range(len(tasks)), key=lambda i: -cost(tasks[i])) if cost else list(range(len(tasks)))
     done, nxt, before = {}, 0, _WORK
@@ -119,7 +125,10 @@ def forked_map(fn: Callable, tasks: Iterable, workers: int = 1, cost: Callable |
     try:
         with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), _start_worker,
                                                       maxtasksperchild=max_tasks_per_child) as pool:
-            for i, result in zip(order, pool.imap(_call, [tasks[i] for i in order])):
+            for i, result in pool.imap_unordered(_call, [(i, tasks[i]) for i in order]):
+                if not ordered:
+                    yield i, result
+                    continue
                 done[i] = result
                 while nxt in done:
                     yield done.pop(nxt)

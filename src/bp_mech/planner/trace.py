@@ -52,7 +52,7 @@ def stepped(sess, trace, task, deep=None):
     return trace(sess, s, d) if trace is not None else sess.ledger(s, d)
 
 
-def ledgers(sess, strategies, workers: int = 1, trace=None, deep=None):
+def ledgers(sess, strategies, workers: int = 1, trace=None, deep=None, ordered: bool = True):
     """The session's ledger of each strategy, in order (``traced``: a ``bench.oom.Failed`` where one fails).
 
     Args:
@@ -61,6 +61,7 @@ def ledgers(sess, strategies, workers: int = 1, trace=None, deep=None):
         workers: processes (``planner.pool.forked_map``: forked, they inherit the session and a sharded
             plan's fake process group, so nothing is rebuilt or pickled but the ledgers); 1: this process.
         trace, deep: ``traced``'s.
+        ordered: False: ``(index, ledger)`` pairs as each trace is done (``planner.pool.forked_map``'s).
 
     Returns:
         A generator of the ledgers, in the order of ``strategies``; the longest traces (more forward
@@ -74,4 +75,4 @@ def ledgers(sess, strategies, workers: int = 1, trace=None, deep=None):
         s = task[0] if isinstance(task, tuple) else task
         return s.micro_batches * (2 + (s.checkpoint != "plain") + s.offload)
 
-    return forked_map(lambda task: traced(sess, trace, task, deep), strategies, workers, cost=work)
+    return forked_map(lambda task: traced(sess, trace, task, deep), strategies, workers, cost=work, ordered=ordered)
