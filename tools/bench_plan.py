@@ -41,6 +41,7 @@ PYTHONPATH=src (this source tree) for the command; it runs with this interpreter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -96,28 +97,43 @@ def takes_gpus() -> bool:
     return out.returncode == 0 and "--gpus" in out.stdout and "--shard" in out.stdout
 
 
+def plan_process(args: list[str], root: Path = ROOT, **pipes) -> subprocess.Popen:
+    """``bp-mech plan`` with ``args`` from ``root``'s sources, stdout discarded, in its own process group (so that
+    ``stop`` takes its forked tracing workers with it)."""
+    return subprocess.Popen([*command(), "plan", *args], stdout=subprocess.DEVNULL, env=environment(root), cwd=root,
+                            start_new_session=True, **pipes)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """A run past its time stopped, its workers with it (nothing to stop where they have all ended)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def last_line(err: str) -> str:
+    """The last line of a run's stderr (its error, where it failed), cut to fit the table."""
+    return (err.strip().splitlines() or [""])[-1][:160]
+
+
 def time_run(args: list[str], timeout: float, root: Path = ROOT) -> tuple[float, int, str]:
     """(wall seconds, exit status, the last line of stderr) of one ``bp-mech plan`` run from ``root``'s sources."""
     t0 = time.perf_counter()
-    # its own process group: a run stopped at the timeout takes its forked tracing workers with it
-    proc = subprocess.Popen([*command(), "plan", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=environment(root), cwd=root, start_new_session=True)
+    proc = plan_process(args, root, stderr=subprocess.PIPE, text=True)
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        stop(proc)
         return time.perf_counter() - t0, -1, f"stopped after {timeout:.0f} s"
-    return time.perf_counter() - t0, proc.returncode, (err.strip().splitlines() or [""])[-1][:160]
+    return time.perf_counter() - t0, proc.returncode, last_line(err)
 
 
 def time_next(first: list[str], args: list[str], timeout: float) -> tuple[float, int, str]:
     """(wall seconds, exit status, the last line of stderr) of the question ``args`` asked next in a
     ``bp-mech plan --ask`` session (``planner.ask``) whose first question, ``first``, is answered untimed: from
     the line sent to the prompt after its answer (the session then quits, with that answer's status)."""
-    proc = subprocess.Popen([*command(), "plan", *first, "--ask"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=environment(), cwd=ROOT, start_new_session=True)
-    err, t0 = b"", None
+    proc = plan_process([*first, "--ask"], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    err, t0 = b"", time.perf_counter()
 
     def prompted(count: int) -> bool:  # stderr read until it holds ``count`` prompts, or the time is up
         nonlocal err
@@ -138,13 +154,18 @@ def time_next(first: list[str], args: list[str], timeout: float) -> tuple[float,
             if prompted(2):
                 wall = time.perf_counter() - t0
                 proc.communicate(b"quit\n", timeout=60)
-                tail = err.decode(errors="replace").replace(PROMPT.decode(), "\n").strip().splitlines()
-                return wall, proc.returncode, (tail or [""])[-1][:160]
+                answer = err.decode(errors="replace").split(ASK_PROMPT)[1]  # (bad input: forgotten, not a plan)
+                return wall, 2 if "bp-mech: error:" in answer else proc.returncode, last_line(answer)
     except (OSError, subprocess.TimeoutExpired):
         pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    return time.perf_counter() - (t0 or time.perf_counter()), -1, f"no answer within {timeout:.0f} s"
+    try:  # (a first question with bad input: the session never opened; its error)
+        ended = proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        ended = None
+    stop(proc)
+    if ended not in (None, *PLANNED):
+        return time.perf_counter() - t0, ended, last_line(err.decode(errors="replace"))
+    return time.perf_counter() - t0, -1, f"no answer within {timeout:.0f} s"
 
 
 def time_imports() -> float:
