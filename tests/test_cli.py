@@ -93,6 +93,18 @@ def test_entry_point_error_has_no_traceback():
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
 
 
+def test_a_plan_is_flushed_whole_before_the_fast_exit():
+    """``bp-mech plan`` skips the interpreter's teardown (``cli.entry``: ``os._exit``): its output, piped and
+    block-buffered as it is without PYTHONUNBUFFERED, arrives whole, with the plan's status (1: nothing fits)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.run([sys.executable, "-m", "bp_mech", "plan", "--workload", "tiny-b2s32", "--budget", "1KiB",
+                        "--strategies", "offload", "--workers", "1", "--json"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert json.loads(p.stdout)["recommended"] is None  # (a cut JSON would not parse)
+    assert p.stderr.splitlines()[-1].startswith("bp-mech: no strategy fits"), p.stderr[-300:]
+
+
 def test_a_corrupt_record_is_refused_naming_file_and_field(tmp_path, capsys):
     out = tmp_path / "rec"
     assert main(["run", "TRAIN-LOCAL-BACKWARD", "--workload", "tiny-b1s8", "--out", str(out)]) == 0

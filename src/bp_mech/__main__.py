@@ -1,8 +1,6 @@
 """``python -m bp_mech``: the command line (``bp_mech.cli``)."""
 
-import sys
-
-from bp_mech.cli import main
+from bp_mech.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -14,8 +14,11 @@ when none does (the plan is printed all the same, with what would fit instead).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -154,10 +157,7 @@ def cmd_check(a: CheckRequest) -> int:
 
 
 def cmd_conformance(a: ConformanceRequest) -> int:
-    rows = []
-    for e in registry.EXPERIMENTS.values():
-        if hasattr(mod := e.load(), "conformance"):
-            rows.append(mod.conformance())
+    rows = [mod.conformance() for e in registry.EXPERIMENTS.values() if hasattr(mod := e.load(), "conformance")]
     for r in rows:
         print(f"{'PASS' if r.passed else 'FAIL'}  {r.page:<26} {r.semantic_id:<28} vs {r.reference}: {r.detail}")
     failed = [r for r in rows if not r.passed]
@@ -172,8 +172,6 @@ def cmd_preflight(a: PreflightRequest) -> int:
 
 
 def cmd_plan(r: PlanRequest) -> int:
-    import gc
-
     from bp_mech.planner import report as plan_report
 
     plan_report.model_classes()
@@ -281,12 +279,22 @@ def command(argv: list[str]) -> tuple[argparse.Namespace | None, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    a, status = command(argv)
+    a, status = command(argv := sys.argv[1:] if argv is None else list(argv))
     if getattr(a, "ask", False):  # bp-mech plan --ask: the next questions, in this process (planner.ask)
         status = ask.session(argv[1:], lambda flags: command(["plan", *flags])[1], status)
     return status
 
 
+def entry() -> None:
+    """``bp-mech`` and ``python -m bp_mech``: ``main``'s status. A plan leaves no file open and nothing to clean up, so
+    once its output is flushed it skips the teardown (``os._exit``), which frees its fake objects one by one (0.2 s)."""
+    status = main()
+    if sys.argv[1:2] == ["plan"]:
+        with contextlib.suppress(OSError, ValueError):  # (a reader that closed the pipe early)
+            sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -268,3 +268,23 @@ def test_the_computed_records_folder_is_not_read_as_run_records(tmp_path):
     (tmp_path / "nested" / "bad.json").write_text('{"name": "sweep"}')
     with pytest.raises(RecordError, match="bad.json"):
         load_records(tmp_path)  # any other folder is still read
+
+
+def test_one_experiments_records_are_validated_and_others_only_read(tmp_path):
+    """``load_records(d, sid)`` validates the records of ``sid``: a bad record of another experiment is read,
+    not validated (it is refused where its own are loaded, or all are); one of ``sid`` is refused."""
+    path = save_record(_record(), tmp_path)
+    sid = _record().semantic_id
+    bad = dict(_record().to_dict(), semantic_id="TRAIN-OTHER", evidence_level="rumour")
+    (tmp_path / "other.json").write_text(json.dumps(bad))
+    assert [p for p, _ in load_records(tmp_path, sid)] == [path]
+    with pytest.raises(RecordError, match="other.json"):
+        load_records(tmp_path, "TRAIN-OTHER")
+    with pytest.raises(RecordError, match="other.json"):
+        load_records(tmp_path)
+    (tmp_path / "cut.json").write_text('{"semantic_id": ')  # unreadable: whose it is cannot be known
+    with pytest.raises(RecordError, match="cut.json"):
+        load_records(tmp_path, sid)
+    (tmp_path / "cut.json").write_text(json.dumps(dict(_record().to_dict(), evidence_level="rumour")))
+    with pytest.raises(RecordError, match="cut.json"):
+        load_records(tmp_path, sid)

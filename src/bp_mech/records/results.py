@@ -199,20 +199,24 @@ def save_record(record: Record, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def load_record(path: str | os.PathLike) -> Record:
-    path = Path(path)
+def read_json(path: Path) -> Any:
+    """A record file's JSON, not yet validated (a ``RecordError`` for a file that cannot be read or parsed)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"{path}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
         raise RecordError(f"{path}: not valid JSON (truncated or corrupt?): {e.msg} at line {e.lineno}") from None
-    return validate(data, str(path))
+
+
+def load_record(path: str | os.PathLike) -> Record:
+    return validate(read_json(Path(path)), str(path))
 
 
 def load_records(directory: str | os.PathLike, semantic_id: str | None = None) -> list[tuple[Path, Record]]:
-    """Every record under ``directory`` (validated), optionally of one experiment. A ``computed/`` folder
-    holds computed records (``records.computed``), not run records, and is passed over."""
+    """Every record under ``directory`` (validated), optionally of one experiment (then the others' are read,
+    not validated: a bad one is refused where its own experiment's are loaded). A ``computed/`` folder holds
+    computed records (``records.computed``), not run records, and is passed over."""
     d = Path(directory)
     if not d.exists():
         return []
@@ -222,9 +226,9 @@ def load_records(directory: str | os.PathLike, semantic_id: str | None = None) -
     for p in sorted(d.rglob("*.json")):
         if "computed" in p.relative_to(d).parts[:-1]:
             continue
-        r = load_record(p)
-        if semantic_id is None or r.semantic_id == semantic_id:
-            out.append((p, r))
+        data = read_json(p)
+        if semantic_id is None or not isinstance(data, dict) or data.get("semantic_id") == semantic_id:
+            out.append((p, validate(data, str(p))))
     return out
 
 
