@@ -177,7 +177,7 @@ def cmd_plan(r: PlanRequest) -> int:
     plan_report.model_classes()
     try:
         return plan_report.run(r, progress=progress_bar)
-    finally:  # the fake model is garbage now: spare the interpreter's last collection a scan of it (~1 s at exit)
+    finally:  # the fake model is garbage now: no later collection scans it (--ask's next plans; a Python caller's exit)
         gc.freeze()
 
 
