@@ -101,13 +101,15 @@ def drive(driver, url: str, tables: dict, n: int, seed: int, shot: Path | None =
               [tr.dataset.strategy, tr.dataset.peak, tr.dataset.needs, tr.dataset.fits]);
             const out = document.getElementById('bp-calc-pick');
             return {rows, pick: out.dataset.pick, point: out.dataset.point, budget: out.dataset.budget,
-                    cmd: document.getElementById('bp-calc-cmd').textContent,
+                    said: out.textContent, cmd: document.getElementById('bp-calc-cmd').textContent,
                     absent: document.getElementById('bp-calc-absent').textContent};""")
         answer = calculator.evaluate(tables, p, gib * GiB)
         assert (shown["point"], int(shown["budget"])) == (calculator_page.key(p), gib * GiB), (shown, p, gib)
         assert shown["rows"] == [[r.strategy, str(r.peak), str(r.needs), str(f).lower()]
                                  for r, f in zip(answer.rows, answer.fits)], p
         assert (shown["pick"] or None) == answer.pick, (p, gib)
+        assert shown["said"] == (f"The plan's pick for {gib} GiB per GPU: {answer.pick}." if answer.pick
+                                 else "Nothing fits this budget."), shown["said"]
         assert f"--budget {gib}GiB" in shown["cmd"] and f"{p.batch}" in shown["cmd"]
         absent = [n for n in calculator.STRATEGIES if n not in {r.strategy for r in answer.rows}]
         assert all(n in shown["absent"] for n in absent) and bool(absent) == bool(shown["absent"])

@@ -106,7 +106,7 @@
     out.dataset.budget = String(budget);
     out.textContent = rows.length === 0 ? "This point is not in the calculator's table." :
       pick === null ? "Nothing fits this budget." :
-      "The plan's pick for " + grouped(budget) + " bytes: " + pick + ".";
+      "The plan's pick for " + budget / GiB + " GiB per GPU: " + pick + ".";
     document.getElementById("bp-calc-cmd").textContent = command(f, budget);
     const absent = data.strategies.filter((n) => !rows.some((r) => r.strategy === n));
     document.getElementById("bp-calc-absent").textContent = absent.length === 0 ? "" :
