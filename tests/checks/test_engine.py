@@ -246,3 +246,23 @@ def test_a_documented_order_invariance_rejects_what_reads_the_order(wrong):
     ORDERLESS(_m(lambda xs, w: max(xs) * 10 + max(v for r in w.values() for v in r.values())))
     with pytest.raises(AssertionError, match=r"in reverse order"):
         ORDERLESS(_m(wrong))
+
+
+def test_a_case_with_its_own_tolerance_is_held_to_it_also_in_views():
+    """An ill-conditioned case names its float64 tolerance ("tol"); every other case keeps the declaration's."""
+    def off(rel):
+        return lambda x, dy, k=2.0: tuple(t * (1 + rel) for t in right(x, dy, k))
+
+    loose, = check(Contract("f", _x, _ref, ("dx", "dk"), defaults={"k": 2.0}, ref_name="autograd",
+                            examples={"": [{"n": 3, "tol": 1e-6}]}))
+    loose(_m(off(1e-8)))  # within its own tolerance, outside the declaration's 1e-10
+    strict, = check(Contract("f", _x, _ref, ("dx", "dk"), defaults={"k": 2.0}, ref_name="autograd",
+                             examples={"": [{"n": 3}]}))
+    with pytest.raises(AssertionError, match=r"max rel error 1\.0e-08 > 1e-10"):
+        strict(_m(off(1e-8)))
+
+    def worse_in_views(x, dy, k=2.0):
+        return off(0 if x.is_contiguous() else 1e-5)(x, dy, k)
+
+    with pytest.raises(AssertionError, match=r"max rel error 1\.0e-05 > 1e-06 at x, dy as non-contiguous"):
+        loose(_m(worse_in_views))
