@@ -44,10 +44,20 @@ def _naive_softmax(S):  # no row maximum: exp(1000) = inf, inf / inf = NaN
     return e / e.sum(-1, keepdim=True)
 
 
-def _head_naive_softmax(q, k, v, dO):
-    T = q.shape[0]
-    P = _naive_softmax((q @ k.T * q.shape[-1] ** -0.5).masked_fill(~attention_backward.causal_mask(T, T), -math.inf))
-    return attention_backward.attention_backward(q, k, v, P, dO)
+def _one_max_softmax(S):  # S.max() without dim: one maximum for all rows; rows far below it underflow, 0 / 0
+    e = (S - S.max()).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def _head_with(softmax):
+    def head(q, k, v, dO):
+        T = q.shape[0]
+        P = softmax((q @ k.T * q.shape[-1] ** -0.5).masked_fill(~attention_backward.causal_mask(T, T), -math.inf))
+        return attention_backward.attention_backward(q, k, v, P, dO)
+    return head
+
+
+_head_naive_softmax = _head_with(_naive_softmax)
 
 
 def _gqa_returns_dx_when_mha(dx, kv_heads):
@@ -91,6 +101,8 @@ CONTRACT_MUTANTS = {
                               "raised RuntimeError at .*non-contiguous"),
     "head: naive softmax": (ex10.check_attention_head_backward__large_scores,
                             {"attention_head_backward": _head_naive_softmax}, "non-finite values .* scores near"),
+    "head: one max for all rows": (ex10.check_attention_head_backward__large_scores,
+                                   {"attention_head_backward": _head_with(_one_max_softmax)}, "non-finite .* every other"),
     "gqa: returns dx when H = Hkv": (ex10.check_gqa_reduce,
                                      {"gqa_reduce": _gqa_returns_dx_when_mha}, "dkv shares its storage with the input"),
     "gqa: storage order": (ex10.check_gqa_reduce,
@@ -117,6 +129,8 @@ CONTRACT_MUTANTS = {
                                   {"sliding_window_head_backward": _window(scale=False)}, "dq differs"),
     "window: naive softmax": (ex10.check_sliding_window_head_backward__large_scores, {
         "sliding_window_head_backward": _window(softmax=lambda S, dim: _naive_softmax(S))}, "non-finite"),
+    "window: one max for all rows": (ex10.check_sliding_window_head_backward__large_scores, {
+        "sliding_window_head_backward": _window(softmax=lambda S, dim: _one_max_softmax(S))}, "non-finite"),
     "window: modifies k": (ex10.check_sliding_window_head_backward, {
         "sliding_window_head_backward": modifies_input(_window(), 1)}, "k was modified in place"),
     "window: storage order": (ex10.check_sliding_window_head_backward, {
@@ -147,7 +161,7 @@ def test_contract_checks_reject_a_solution_that_breaks_one_property(name):
 def test_the_contract_mutants_give_the_right_values():
     """Each breaks only its property: on fresh inputs its values are the reference's (the property is needed)."""
     for k, f in ((ex10.GQA, _gqa_returns_dx_when_mha), (ex10.SOFTMAX, _softmax_reuses_dP),
-                 (ex10.HEAD, _head_naive_softmax)):
+                 (ex10.HEAD, _head_naive_softmax), (ex10.HEAD, _head_with(_one_max_softmax))):
         for case in k.examples[""]:
             args = k.inputs(case)
             got = f(*[a.clone() if torch.is_tensor(a) else a for a in args.values()])

@@ -7,7 +7,8 @@ head's (T, T) score matrix; the saved bytes through saved-tensor hooks. Never th
 domains: head widths d > 1 (a missing 1/sqrt(d) shows), H/Hkv > 1 with several KV groups and H = Hkv (a
 wrong GQA reduction shows; n = 1 must not return dx itself), T = 1 and row 0 (an off-by-one causal mask),
 "..." as no to two leading dimensions, blocks of 1, short last tiles and blocks past T, windows of 1, T
-and past T, and scores near 1e3 where exp(S) overflows. The engine derives the rest.
+and past T, and scores near 1e3 where exp(S) overflows (in every row, or in every other: one maximum for all
+rows underflows the rest). The engine derives the rest.
 """
 
 import math
@@ -23,7 +24,9 @@ F32 = {torch.float32: 1e-4}  # float32 against the float64 reference: rounding o
 AXES = {"seed": st.integers(0, 2**16), "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
         "T": st.integers(1, 9), "d": st.sampled_from((2, 4, 6)), "view": st.sampled_from(("slice", "transpose"))}
 DRAW = st.fixed_dictionaries(AXES)
-LARGE = "all scores near 1e3: exp(S) overflows, subtract the row max (or use the saved lse)"
+LARGE = {"all": "all scores near 1e3: exp(S) overflows, subtract the row max (or use the saved lse)",
+         "alternate": "scores near 1e3 in every other row, near 0 in the rest: one max for all rows underflows "
+                      "the rest to 0 / 0, subtract each row's own max (or use the saved lse)"}
 # Scores near 1e3 are rounded to about 1e3 eps (eps = 2.2e-16), so P from a saved lse sums to one only within
 # that; dq then sums T terms dS k whose keys share a component near 1e3 that cancels (a row of dS sums to
 # zero): a correct float64 backward is good to about 1e3 * 1e3 * eps * T (2e-9 at T = 9), more where dq is
@@ -35,13 +38,25 @@ def _case(seed, lead, T, d, **more):
     return {"seed": seed, "lead": lead, "T": T, "d": d, **more}
 
 
+def _large(seed, lead, T, d, rows="all", **more):
+    """A case of scores near 1e3 in ``rows`` ("all" or "alternate": ``_qkv``), float64 only, at ``LARGE_TOL``."""
+    return _case(seed, lead, T, d, large=rows, float64_only=True, tol=LARGE_TOL, **more)
+
+
+def _large_note(c):
+    return c.get("large") and LARGE[c["large"]]
+
+
 def _qkv(c, n=4):
-    """``n`` float64 tensors of shape (..., T, d); ``large``: every score near 1e3 (q_0 = sqrt(d), k_0 = 1e3 +
-    noise): exp(S) overflows, but each softmax row keeps a spread of order one (well conditioned)."""
+    """``n`` float64 tensors of shape (..., T, d); ``large="all"``: every score near 1e3 (q_0 = sqrt(d), k_0 =
+    1e3 + noise): exp(S) overflows, but each softmax row keeps a spread of order one (well conditioned);
+    ``large="alternate"``: so in the even rows, the odd rows' scores near 0 (q_0 = 0 there)."""
     g = torch.Generator().manual_seed(c["seed"])
     q, k, *rest = [randn64(g, *c["lead"], c["T"], c["d"]) for _ in range(n)]
     if c.get("large"):
         q[..., 0], k[..., 0] = math.sqrt(c["d"]), k[..., 0] + 1e3
+        if c["large"] == "alternate":
+            q[..., 1::2, 0] = 0.0
     return [q, k, *rest]
 
 
@@ -71,10 +86,9 @@ def _head(c):
 HEAD = Contract(
     "attention_head_backward", _head,
     lambda q, k, v, dO: autograd_grads(lambda q, k, v: _sdpa(q[None], k[None], v[None])[0], [q, k, v], dO),
-    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, note=lambda c: c.get("large") and LARGE,
+    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, note=_large_note,
     examples={"": [_case(20, (), 9, 16), _case(21, (), 13, 4), _case(22, (), 1, 8), _case(23, (), 2, 3)],
-              "large_scores": [_case(90, (), 9, 4, large=True, float64_only=True, tol=LARGE_TOL),
-                               _case(91, (), 6, 8, large=True, float64_only=True, tol=LARGE_TOL)]})
+              "large_scores": [_large(90, (), 9, 4), _large(91, (), 6, 8), _large(92, (), 7, 4, "alternate")]})
 
 
 def _gqa(c):
@@ -125,13 +139,13 @@ def _one_head(case, call, at):
 
 BLOCKWISE = Contract(
     "blockwise_backward", _blockwise, lambda q, k, v, o, lse, dO, block: autograd_grads(_sdpa, [q, k, v], dO),
-    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, promise=_one_head, note=lambda c: c.get("large") and LARGE,
+    ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, promise=_one_head, note=_large_note,
     examples={"": [_case(40 + i, lead, T, d, block=b) for i, (lead, T, d, b) in enumerate(
         [((2, 3), 37, 8, 8), ((2, 3), 32, 8, 8), ((2, 3), 20, 8, 32), ((2, 3), 5, 8, 1), ((), 19, 4, 4),
          ((3,), 23, 16, 8)])],  # a short last tile, exact tiles, block > T, block 1, no / one leading dim
         "memory": [_case(50, (2, 2), 256, 8, block=16, memory=True, float64_only=True)],
-        "large_scores": [_case(90, (), 9, 4, block=4, large=True, float64_only=True, tol=LARGE_TOL),
-                         _case(91, (2,), 6, 8, block=4, large=True, float64_only=True, tol=LARGE_TOL)]})
+        "large_scores": [_large(90, (), 9, 4, block=4), _large(91, (2,), 6, 8, block=4),
+                         _large(92, (2,), 7, 4, "alternate", block=3)]})
 
 
 def _rope(c):
@@ -184,10 +198,11 @@ WINDOW = Contract(
     "sliding_window_head_backward", _window,
     lambda q, k, v, dO, window: autograd_grads(lambda q, k, v: window_attention(q, k, v, window), [q, k, v], dO),
     ("dq", "dk", "dv"), dtypes=F32, draw=DRAW, ref_name="float64 autograd of a masked softmax attention",
-    note=lambda c: c.get("large") and LARGE,
+    note=_large_note,
     examples={"": [_case(100 + i, lead, T, d, window=w) for i, (lead, T, d, w) in enumerate(
-        [((), 9, 4, 3), ((), 7, 8, 1), ((2,), 6, 4, 6), ((2,), 5, 4, 9), ((2, 2), 11, 2, 4)])],  # band, diagonal,
-        "large_scores": [_case(110, (2,), 9, 4, window=3, large=True, float64_only=True, tol=LARGE_TOL)]})  # T, past T, 2 dims
+        [((), 9, 4, 3), ((), 7, 8, 1), ((2,), 6, 4, 6), ((2,), 5, 4, 9), ((2, 2), 11, 2, 4)])],
+        # (band, diagonal, T, past T, 2 dims)
+        "large_scores": [_large(110, (2,), 9, 4, window=3), _large(111, (), 8, 4, "alternate", window=8)]})
 
 
 def measured_eager_saved_bytes(batch, heads, seq, head_dim, dtype) -> int:
