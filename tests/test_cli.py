@@ -28,7 +28,7 @@ from conftest import gpu_suite_ids, one_error_line
     (["run", "TRAIN-LOCAL-BACKWARD", "--suite", "cpu"], "not both"),
     (["run", "--suite", "cpu", "--domain-text", "d.txt"], "--domain-text applies to one experiment, not a suite"),
     (["conformance", "--profile", "TRAIN-CPU"], "conformance needs --all-part02"),
-    (["plan", "--workload", "tiny-b2s32", "--budget", "1GiB", "--seq", "long"], "--seq takes a number or max"),
+    (["plan", "--workload", "tiny-b2s32", "--budget", "1GiB", "--seq", "long"], "--seq takes a positive number or max"),
 ])
 def test_bad_input_gets_one_line_and_status_2(argv, needle, capsys):
     assert main(argv) == 2

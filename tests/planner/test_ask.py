@@ -120,7 +120,7 @@ def test_ctrl_c_at_the_prompt_stops_with_the_last_status():
 
 def plans(text: str) -> list[str]:
     """The plans printed, one per question, without the trace's wall time (which differs run to run)."""
-    return [re.sub(r"\(\d+ strategies traced in [\d.]+ s\)", "", p) for p in text.split("bp-mech plan: ")[1:]]
+    return [re.sub(r"\(\d+ strateg(y|ies) traced in [\d.]+ s\)", "", p) for p in text.split("bp-mech plan: ")[1:]]
 
 
 def test_the_command_answers_each_question_as_the_command_on_its_own(capsys):

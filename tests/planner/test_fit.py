@@ -85,7 +85,7 @@ def test_the_command_prints_the_largest_sizes(capsys):
 
 
 @pytest.mark.parametrize("args,message", [(("--batch", "max", "--seq", "max"), "together"),
-                                          (("--batch", "lots"), "--batch takes a number or max")])
+                                          (("--batch", "lots"), "--batch takes a positive number or max")])
 def test_bad_sizes_are_one_line_and_exit_2(capsys, args, message):
     rc, _, err = _cli(capsys, "--workload", "tiny-b2s32", "--budget", "1GiB", *args)
     assert rc == 2 and message in err.strip().splitlines()[-1]

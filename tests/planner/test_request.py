@@ -36,7 +36,14 @@ def test_the_flags_become_typed_fields():
     (dict(budget="1GiB", config="c.json", workload="tiny-b2s32"), "exactly one of --config"),
     (dict(budget="1GiB", config="c.json", batch="2"), "--config needs --batch and --seq"),
     (dict(budget="1GiB", workload="tiny-b2s32", batch="max", seq="max"), "together: give one of them a number"),
-    (dict(budget="1GiB", workload="tiny-b2s32", batch="two"), "--batch takes a number or max, got 'two'"),
+    (dict(budget="1GiB", workload="tiny-b2s32", batch="two"), "--batch takes a positive number or max, got 'two'"),
+    # 0 is not "not given": the workload's own batch planned in its place, exit 0, was the answer to --batch 0
+    (dict(budget="1GiB", workload="tiny-b2s32", batch="0"), "--batch takes a positive number or max, got '0'"),
+    (dict(budget="1GiB", workload="tiny-b2s32", seq="-64"), "--seq takes a positive number or max, got '-64'"),
+    (dict(budget="1GiB", workload="tiny-b2s32", workers=0), "--workers must be >= 1, got 0"),
+    # an empty list names no candidate (every candidate, 17 times the work asked for, was the answer)
+    (dict(budget="1GiB", workload="tiny-b2s32", strategies=""), "--strategies names no candidate; name one or more"),
+    (dict(budget="1GiB", workload="tiny-b2s32", strategies=" , "), "--strategies names no candidate"),
     (dict(budget="lots", workload="tiny-b2s32"), "cannot read the budget 'lots'"),
     (dict(budget="1GiB", workload="tiny-b2s32", dtype="int8"), "unknown --dtype 'int8'"),
     (dict(budget="1GiB", workload="tiny-b2s32", gpus=2), "go together"),
@@ -51,7 +58,10 @@ def test_bad_input_is_refused_when_the_request_is_made(flags, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--batch", "two"), "--batch takes a number or max"),
+    (("--batch", "two"), "--batch takes a positive number or max"),
+    (("--batch", "0"), "--batch takes a positive number or max, got '0'"),
+    (("--workers", "0"), "--workers must be >= 1, got 0"),
+    (("--strategies", ""), "--strategies names no candidate"),
     (("--batch", "max", "--seq", "max"), "give one of them a number"),
     (("--config", "c.json"), "exactly one of --config"),
     (("--dtype", "fp8"), "invalid choice: 'fp8'"),
@@ -143,3 +153,7 @@ def test_the_named_subsets_rows_equal_the_full_plans_rows():
     assert [x.strategy for x in some.rows] == ["plain", "checkpoint-mlp", "offload+fp16+chunked-loss"]
     assert all(x == rows[x.strategy] for x in some.rows)  # every field: peaks, stages, ledger, cost
     assert some.outputs_saving == full.outputs_saving
+    assert "(3 strategies traced in " in report.format_text(some)
+    alone = plan.plan(config, 2, 32, 2**30, options=CPU, candidates=PlanRequest.from_flags(
+        budget="1GiB", workload="tiny-b2s32", strategies="plain").candidates)
+    assert "(1 strategy traced in " in report.format_text(alone)

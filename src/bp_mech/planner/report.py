@@ -89,7 +89,7 @@ def format_text(p: Plan) -> str:
                                                   if v >= big))
     if p.recommended is None and p.fits_instead is not None:
         lines.append("\n" + no_fit_message(p))
-    lines.append(f"({len(p.rows)} strategies traced in {p.elapsed_s:.1f} s)")
+    lines.append(f"({len(p.rows)} {'strategy' if len(p.rows) == 1 else 'strategies'} traced in {p.elapsed_s:.1f} s)")
     return "\n".join(lines)
 
 

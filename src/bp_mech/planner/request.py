@@ -42,9 +42,12 @@ def shape_arg(text: str | None, flag: str) -> Shape:
     if text is None or str(text).strip().lower() == "max":
         return text and "max"
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
-        raise PlanError(f"{flag} takes a number or max, got {text!r}") from None
+        n = 0
+    if n < 1:  # (0 would read as not given: the workload's own size, planned without a word)
+        raise PlanError(f"{flag} takes a positive number or max, got {text!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,11 @@ class PlanRequest:
             raise PlanError(f"unknown --shard {self.shard!r}; one of {', '.join(SHARDS)}")
         if (self.gpus > 1) != (self.shard is not None):
             raise PlanError("--gpus N (N > 1) and --shard fsdp2|ddp go together")
+        if self.workers is not None and self.workers < 1:
+            raise PlanError(f"--workers must be >= 1, got {self.workers}")
+        if self.strategies == ():  # (--strategies '': not every candidate, 17 times the work asked for)
+            raise PlanError(f"--strategies names no candidate; name one or more of {', '.join(NAMES)}, "
+                            "or leave it out for every one")
         if unknown := [n for n in self.strategies or () if n not in NAMES]:
             raise PlanError(f"unknown --strategies {', '.join(map(repr, unknown))}; valid: {', '.join(NAMES)}")
         self.finetune  # noqa: B018 (a --freeze or LoRA setting that cannot be: PlanError now)
