@@ -40,6 +40,10 @@ def test_an_unreadable_or_unknown_config_is_one_plan_error(tmp_path):
         load_config(tmp_path / "bad.json")
     with pytest.raises(PlanError, match="cannot read config"):
         load_config(tmp_path / "missing")
+    (tmp_path / "list.json").write_text(json.dumps([dict(model_type="llama")]))  # (a traceback, exit 1, before)
+    with pytest.raises(PlanError, match="cannot read config .*list.json: a config.json holds one JSON object, "
+                                        "this one a list"):
+        load_config(tmp_path / "list.json")
     (tmp_path / "t.json").write_text(json.dumps(dict(model_type="no-such-model")))
     with pytest.raises(PlanError, match="unknown architecture 'no-such-model'"):
         load_config(tmp_path / "t.json")

@@ -7,6 +7,7 @@ the decision rule; the command's output and its one-line errors (exit 2). Exit c
 AdamW options: test_plan_options.py."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -174,6 +175,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, changes, args, messa
     rc, _, err = _cli(capsys, "--config", str(_config_file(tmp_path, **changes)), *[x for kv in base.items() for x in kv])
     line = err.strip().splitlines()[-1]
     assert rc == 2 and line.startswith("bp-mech: error: ") and message in line, err
+
+
+def test_a_config_the_fake_trace_cannot_run_is_one_line_and_no_log(tmp_path, capfd, caplog):
+    # three heads do not divide the hidden size 64 (Qwen2's config takes it; Llama's refuses it): a meta kernel
+    # fails, and PyTorch's fake-tensor logger wrote its traceback on stderr before the plan's one line (under
+    # pytest its records go to caplog, not stderr: both are read)
+    path = _config_file(tmp_path, model_type="qwen2", num_attention_heads=3, num_key_value_heads=1)
+    rc = cli.main(["plan", "--workers", "1", "--config", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB"])
+    said = [line for line in re.split(r"[\r\n]", capfd.readouterr().err) if line.strip()]
+    assert rc == 2 and len(said) == 1 and said[0].startswith("bp-mech: error: cannot trace 'qwen2' with fake"), said
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("torch")]
 
 
 def test_no_fit_says_what_would_fit_instead(tmp_path, capsys):

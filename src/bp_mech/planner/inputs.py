@@ -51,6 +51,8 @@ def load_config(path) -> object:
         d = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read config {p}: {e}") from None
+    if not isinstance(d, dict):
+        raise PlanError(f"cannot read config {p}: a config.json holds one JSON object, this one a {type(d).__name__}")
     kind = d.pop("model_type", None)
     from transformers import CONFIG_MAPPING
 

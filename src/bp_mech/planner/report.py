@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import sys
 
 from bp_mech.planner.definitions import StepDefinition
@@ -191,9 +192,15 @@ def run(r: PlanRequest, progress=None) -> int:
         limit = getattr(config.get_text_config(), "max_position_embeddings", None) or 0
         seq = min(FIT_SEQ, limit) if limit > 0 else FIT_SEQ
     definition = StepDefinition(keep_outputs=r.keep_outputs, weights=r.weights and r.weights.value)
-    p = plan(config, batch, seq, r.budget, r.device_name, options=r.options, progress=progress,
-             workers=r.workers or default_workers(), definition=definition, finetune=r.finetune, fit=fit,
-             gpus=r.gpus, shard=r.shard, candidates=r.candidates, full_depth=r.full_depth)
+    # a meta kernel that fails logs its traceback there; the plan says why in one line (PlanError, a row's reason)
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.disabled, was = True, log.disabled
+    try:
+        p = plan(config, batch, seq, r.budget, r.device_name, options=r.options, progress=progress,
+                 workers=r.workers or default_workers(), definition=definition, finetune=r.finetune, fit=fit,
+                 gpus=r.gpus, shard=r.shard, candidates=r.candidates, full_depth=r.full_depth)
+    finally:
+        log.disabled = was
     print(json.dumps(p.to_dict(), indent=1, default=str) if r.json else format_text(p))
     if p.recommended is None:
         print(f"bp-mech: {no_fit_message(p) if p.fits_instead else 'no strategy could be traced'}", file=sys.stderr)
