@@ -227,5 +227,9 @@ def test_cached_gpu_ratios_are_shown_beside_the_counted_cost(tmp_path):
     measured = {r.strategy: r.measured for r in p.rows}
     assert measured["plain"] is None and measured["checkpoint-all"].time_ratio == pytest.approx(1.3)
     assert measured["checkpoint-all"].device == "NVIDIA H200"
+    text = plan_report.format_text(p)
+    assert "measured: a cached GPU record's time over its own plain step ('-': none of H200)" in text  # the column said
+    assert next(x for x in text.splitlines() if x.startswith("checkpoint-all ")).split()[-1] == "x1.30"
     other = plan.plan(tiny_config("qwen2"), 2, 32, 2**30, "A100", candidates=some, options=CPU, results_dir=tmp_path)
     assert all(r.measured is None for r in other.rows)
+    assert "('-': none of A100)" in plan_report.format_text(other)

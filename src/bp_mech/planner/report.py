@@ -44,7 +44,8 @@ def format_text(p: Plan) -> str:
              f"{optimizer_text(p)}){'' if m['validated'] else ' — this family is not validated (tests/planner/test_plan.py)'}",
              f"fits when peak x {1 + ALLOCATOR_SLACK:.2f} + {fmt_bytes(CONTEXT_BYTES)} "
              "(CUDA context) <= budget; +time: counted recompute FLOPs and offload transfers over a plain "
-             f"step (upper bound); {unit} per stage:", loop_line(p), ""]
+             "step (upper bound); measured: a cached GPU record's time over its own plain step ('-': none"
+             f"{f' of {p.device_name}' if p.device_name else ''}); {unit} per stage:", loop_line(p), ""]
     head = ["strategy", *STAGES, "peak", "needs", "fits", "+time", "measured"]
     rows = [[r.strategy, *(num(r.stages[x]) for x in STAGES), num(r.peak), num(r.needs),
              "yes" if r.fits else "no", f"{r.cost.extra:+.0%}",
