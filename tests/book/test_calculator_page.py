@@ -37,6 +37,10 @@ def test_the_data_holds_every_point_and_exact_bytes(tables):
     first = tables["tiny"].entries[0].rows[0]
     assert row == [first.strategy, first.peak, first.needs, first.extra, first.keeps_float32, first.mechanisms]
     assert all(isinstance(v, int) and v < 2**53 for rows in data["points"].values() for r in rows for v in r[1:3])
+    # it opens where the budget decides: the pick at 80 GiB is not plain, and the peaks differ
+    assert data["start"] == calculator_page.key(calculator_page.START)
+    start = calculator.evaluate(tables, calculator_page.START, 80 * GiB)
+    assert start.pick not in (None, "plain") and len({r.peak for r in start.rows}) > 2, start
 
 
 def test_bytes_a_javascript_number_cannot_hold_are_refused(tables):
@@ -85,6 +89,10 @@ def drive(driver, url: str, tables: dict, n: int, seed: int, shot: Path | None =
               if e["level"] == "SEVERE" and "favicon" not in e["message"]]
     assert not errors, errors
     form = driver.find_element(By.ID, "bp-calc-form")
+    opened = driver.execute_script("const out = document.getElementById('bp-calc-pick'); return [out.dataset.point, "
+                                   "out.dataset.pick, document.querySelectorAll('#bp-calc-table tbody tr').length];")
+    start = calculator.evaluate(tables, calculator_page.START, 80 * GiB)  # the page opens at START, 80 GiB
+    assert opened == [calculator_page.key(calculator_page.START), start.pick or "", len(start.rows)], opened
     rng, compared = random.Random(seed), 0
     every = [p for m in tables for p in calculator.points(m)]
     for p in rng.sample(every, n):

@@ -118,5 +118,12 @@
   form.addEventListener("input", show);
   form.addEventListener("change", show);
   form.addEventListener("submit", (e) => { e.preventDefault(); show(); });
+  if (data.start) {  // the point the page opens at (calculator_page.START): its model first, whose choices follow
+    const at = data.start.split("|");
+    field("model").value = at[0];
+    field("mode").value = at[1];
+    show();
+    ["gpus", "seq", "batch"].forEach((k, i) => { field(k).value = at[i + 2]; });
+  }
   show();
 })();

@@ -18,6 +18,9 @@ MODE_LABELS = {"full": "full training, float32 AdamW", "bf16": "bf16 weights, Ad
                "lora": f"LoRA rank {calculator.LORA_RANK} on bf16 weights"}
 COLUMNS = ("strategy", "peak", "peak (bytes)", "needs", "fits", "+time")  # peak, needs: in the script's unit
 EXACT = 2**53  # integers up to this are exact in a JavaScript number
+# the point the page opens at: a public model over several GPUs, where the strategies' peaks differ and the budget
+# decides between them (the first point, a tiny model whose strategies all peak alike, said nothing)
+START = calculator.Point("qwen2.5-7b", "full", 4, 2048, 2)
 
 
 def key(p: calculator.Point) -> str:
@@ -31,8 +34,8 @@ def key(p: calculator.Point) -> str:
 
 
 def page_data(tables: dict[str, calculator.Table]) -> dict:
-    """What the page's script reads: the offered set and, per point key, the rows as lists
-    ``[strategy, peak, needs, extra, keeps_float32, mechanisms]``; a ``ValueError`` for bytes that a
+    """What the page's script reads: the offered set, the point it opens at (``START``) and, per point key, the
+    rows as lists ``[strategy, peak, needs, extra, keeps_float32, mechanisms]``; a ``ValueError`` for bytes that a
     JavaScript number would not hold exactly."""
     points = {}
     for t in tables.values():
@@ -43,7 +46,8 @@ def page_data(tables: dict[str, calculator.Table]) -> dict:
                                     for r in e.rows]
     models = {m: dict(label=t.label, seqs=list(calculator.SPACE[m].seqs), gpus=list(calculator.SPACE[m].gpus),
                       batches=list(calculator.SPACE[m].batches)) for m, t in tables.items()}
-    return dict(models=models, modes=[dict(name=m, label=MODE_LABELS[m]) for m in calculator.MODES],
+    start = key(START) if key(START) in points else next(iter(points), None)  # (a table without it: its first)
+    return dict(models=models, modes=[dict(name=m, label=MODE_LABELS[m]) for m in calculator.MODES], start=start,
                 workloads=list(calculator.WORKLOADS), strategies=list(calculator.STRATEGIES),
                 loraRank=calculator.LORA_RANK,
                 points=points, headroom=dict(slack=ALLOCATOR_SLACK, context=CONTEXT_BYTES))
