@@ -84,6 +84,16 @@ def test_the_command_prints_the_largest_sizes(capsys):
     assert all(line.split()[-1].isdigit() for line in table[1:])  # a largest batch in every row
 
 
+def test_a_size_at_the_axis_limit_is_marked(capsys):
+    # every row fits at the config's 1024 positions: the number is the config's limit, not the budget's answer
+    rc, out, _ = _cli(capsys, "--workload", "tiny-b2s32", "--seq", "max", "--budget", "600MiB", "--strategies", "offload")
+    rows = [line.split()[-1] for line in out.splitlines() if line.split()[:1] in (["plain"], ["offload"])]
+    assert rc == 0 and rows == ["1024*", "1024*"], out
+    assert "*: 1024 is the config's max_position_embeddings: it fits there, and the config takes no longer" in out
+    rc, out, _ = _cli(capsys, "--workload", "tiny-b2s32", "--seq", "max", "--budget", "516MiB", "--strategies", "offload")
+    assert rc == 0 and "*" not in out.split("max seq")[1], out  # (answers of the budget: no mark)
+
+
 @pytest.mark.parametrize("args,message", [(("--batch", "max", "--seq", "max"), "together"),
                                           (("--batch", "lots"), "--batch takes a positive number or max")])
 def test_bad_sizes_are_one_line_and_exit_2(capsys, args, message):

@@ -57,8 +57,8 @@ def format_text(p: Plan) -> str:
     if p.fits:  # --batch max / --seq max: each strategy's largest size beside its row
         axis = p.fits[0].axis
         head.append(f"max {axis}")
-        for row, f in zip(rows, p.fits):
-            row.append(str(f.size) if f.size else "none")
+        for row, f in zip(rows, p.fits):  # (*: the axis's limit reached, not the budget)
+            row.append(f"{f.size}{'*' if f.next_needs is None else ''}" if f.size else "none")
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         lines.append("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
@@ -67,6 +67,10 @@ def format_text(p: Plan) -> str:
         lines.append(f"max {axis}: the largest {axis} at {other[0]} {other[1]} each strategy fits the budget at (it "
                      f"fits, one more does not: {sum(f.traces for f in p.fits)} steps traced); the table is at "
                      f"batch {p.batch} x seq {p.seq}")
+        if capped := next((f for f in p.fits if f.size and f.next_needs is None), None):
+            lines.append(f"*: {capped.size} is the config's max_position_embeddings: it fits there, and the config "
+                         "takes no longer sequence" if axis == "seq" else f"*: {capped.size} is the largest batch "
+                         "the search looks for: it fits there, and the search goes no further")
     if p.shard:
         lines.append("gathered: the unsharded parameters FSDP holds at once (within parameters); collective: the "
                      "all-gather / reduce-scatter buffers" + (" and DDP's gradient buckets" if p.shard == "ddp" else "")
