@@ -241,10 +241,10 @@ def _hold(k: Contract, m, case: dict) -> None:
     for n in k.orderless:
         flipped, at_o = {**args, n: _reversed(args[n])}, f"{n} in reverse order, {at}"
         _compare(k, _guarded(k, f, flipped, at_o), want, tol, at_o, _dtype(args), flipped)
-    for dtype, tol in ({} if case.get("float64_only") else k.dtypes).items():
+    for dtype, low_tol in ({} if case.get("float64_only") else k.dtypes).items():
         low = {n: _map(a, lambda t: t.to(dtype) if t.is_floating_point() else t) for n, a in args.items()}
         at_d = f"{str(dtype).removeprefix('torch.')} inputs, {at}"
-        _compare(k, _guarded(k, f, low, at_d), want, tol, at_d, dtype, low)
+        _compare(k, _guarded(k, f, low, at_d), want, low_tol, at_d, dtype, low)
 
 
 def _dtype(args: dict):

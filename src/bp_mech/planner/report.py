@@ -68,9 +68,10 @@ def format_text(p: Plan) -> str:
                      f"fits, one more does not: {sum(f.traces for f in p.fits)} steps traced); the table is at "
                      f"batch {p.batch} x seq {p.seq}")
         if capped := next((f for f in p.fits if f.size and f.next_needs is None), None):
-            lines.append(f"*: {capped.size} is the config's max_position_embeddings: it fits there, and the config "
-                         "takes no longer sequence" if axis == "seq" else f"*: {capped.size} is the largest batch "
-                         "the search looks for: it fits there, and the search goes no further")
+            what = ("the config's max_position_embeddings: it fits there, and the config takes no longer sequence"
+                    if axis == "seq" else "the largest batch the search looks for: it fits there, and the search "
+                    "goes no further")
+            lines.append(f"*: {capped.size} is {what}")
     if p.shard:
         lines.append("gathered: the unsharded parameters FSDP holds at once (within parameters); collective: the "
                      "all-gather / reduce-scatter buffers" + (" and DDP's gradient buckets" if p.shard == "ddp" else "")
